@@ -1,0 +1,83 @@
+"""Write audit history entries. Called explicitly next to every change; never from signals.
+
+`record` accepts a request (for the actor and source IP) or an explicit actor, so Celery workers, which
+have no request, audit with the user who started the job.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.db import models
+
+from .models import AuditEvent
+
+REDACTED = "•••"
+# Keys whose values are secret wherever they appear in a change set.
+_SECRET_KEY_PATTERN = re.compile(r"secret|password|passphrase|private|api_key|token|key_material", re.I)
+
+
+def redact(value: Any) -> Any:
+    """A copy of `value` with every secret-looking key's value replaced by a marker."""
+    if isinstance(value, dict):
+        return {
+            key: (REDACTED if _SECRET_KEY_PATTERN.search(str(key)) and val not in (None, "") else redact(val))
+            for key, val in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(item) for item in value]
+    return value
+
+
+def client_ip(request) -> str | None:
+    if request is None:
+        return None
+    return request.META.get("REMOTE_ADDR") or None
+
+
+def record(
+    request_or_actor,
+    action: str,
+    obj: models.Model | None = None,
+    *,
+    changes: dict | None = None,
+    object_type: str = "",
+    object_repr: str = "",
+    actor_name: str = "",
+) -> AuditEvent:
+    request = request_or_actor if hasattr(request_or_actor, "META") else None
+    actor = getattr(request, "user", None) if request is not None else request_or_actor
+    if actor is not None and not getattr(actor, "is_authenticated", False):
+        actor = None
+    if obj is not None:
+        object_type = object_type or obj._meta.model_name
+        object_repr = object_repr or str(obj)
+    return AuditEvent.objects.create(
+        actor=actor,
+        actor_name=actor_name or (actor.get_username() if actor is not None else ""),
+        action=action,
+        object_type=object_type,
+        object_id=str(obj.pk) if obj is not None and obj.pk is not None else "",
+        object_repr=object_repr[:200],
+        changes=redact(changes or {}),
+        source_ip=client_ip(request),
+    )
+
+
+def form_changes(form) -> dict:
+    """What a bound, valid ModelForm changed: {field: [old, new]}, secrets redacted by `record`."""
+    result = {}
+    for name in form.changed_data:
+        old = form.initial.get(name)
+        new = form.cleaned_data.get(name)
+        result[name] = [_plain(old), _plain(new)]
+    return result
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, models.Model):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

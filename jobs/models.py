@@ -1,0 +1,224 @@
+"""Jobs (everything that changes a node), their log lines, and the append-only audit history."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models, transaction
+from django.db.models import F, Q
+from django.urls import reverse
+from django.utils import timezone
+
+
+class JobKind(models.TextChoices):
+    PROBE = "probe", "Hardware probe"
+    BUILD = "build", "Build llama.cpp"
+    REAP = "reap", "Reap stale processes"
+    LAUNCH = "launch", "Launch"
+    STOP = "stop", "Stop"
+    BENCHMARK = "benchmark", "Benchmark"
+    COMMAND = "command", "Command"
+    DOWNLOAD = "download", "Download model"
+
+
+class JobState(models.TextChoices):
+    """queued → running → succeeded | failed | errored | cancelled.
+
+    `failed` means the command ran and reported failure (non-zero exit, a check that did not pass);
+    `errored` means it could not run at all or its worker died (unreachable host, host key changed,
+    worker lost). `cancelled` is an operator's decision. A queued job may also go straight to
+    `cancelled` or `errored`.
+    """
+
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    ERRORED = "errored", "Errored"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING)
+TERMINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.ERRORED, JobState.CANCELLED)
+
+
+class JobQuerySet(models.QuerySet):
+    def active(self):
+        return self.filter(state__in=ACTIVE_STATES)
+
+
+class Job(models.Model):
+    kind = models.CharField(max_length=20, choices=JobKind.choices)
+    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    # A copy of the node's name so the history still reads well after the node is deleted.
+    node_name = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
+    title = models.CharField(max_length=200, blank=True)
+    # Non-secret parameters of the job (argument lists, ports, paths). Never a password or key.
+    params = models.JSONField(default=dict, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    result = models.CharField(max_length=500, blank=True, help_text="One line a person can act on.")
+    # Bookkeeping for the runner and the sweeper of lost jobs.
+    worker = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    remote_pid = models.IntegerField(null=True, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    next_seq = models.PositiveIntegerField(default=0)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} #{self.pk} on {self.node_name or 'console'}"
+
+    def get_absolute_url(self) -> str:
+        return reverse("jobs:detail", args=[self.pk])
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def duration(self):
+        if not self.started_at:
+            return None
+        return (self.finished_at or timezone.now()) - self.started_at
+
+    def save(self, *args, **kwargs):
+        if self.node_id and not self.node_name:
+            self.node_name = self.node.name
+        super().save(*args, **kwargs)
+
+    # State changes. Each is a conditional UPDATE so a redelivered task or a racing sweeper cannot
+    # move a job backwards; each returns whether it changed anything.
+
+    def mark_running(self, worker: str = "") -> bool:
+        now = timezone.now()
+        changed = Job.objects.filter(pk=self.pk, state=JobState.QUEUED).update(
+            state=JobState.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+        )
+        if changed:
+            self.state, self.started_at, self.heartbeat_at, self.worker = JobState.RUNNING, now, now, worker
+        return bool(changed)
+
+    def finish(self, state: str, *, exit_code: int | None = None, result: str = "") -> bool:
+        if state not in TERMINAL_STATES:
+            raise ValueError(f"{state!r} is not a terminal state")
+        now = timezone.now()
+        changed = Job.objects.filter(pk=self.pk, state__in=ACTIVE_STATES).update(
+            state=state, finished_at=now, exit_code=exit_code, result=result[:500]
+        )
+        if changed:
+            self.state, self.finished_at, self.exit_code, self.result = state, now, exit_code, result[:500]
+        return bool(changed)
+
+    def request_cancel(self) -> bool:
+        """Cancel a queued job at once; ask the runner to end a running one."""
+        if Job.objects.filter(pk=self.pk, state=JobState.QUEUED).exists():
+            return self.finish(JobState.CANCELLED, result="Cancelled before it started.")
+        changed = Job.objects.filter(pk=self.pk, state=JobState.RUNNING).update(cancel_requested=True)
+        self.cancel_requested = self.cancel_requested or bool(changed)
+        return bool(changed)
+
+    def touch(self) -> None:
+        self.heartbeat_at = timezone.now()
+        Job.objects.filter(pk=self.pk).update(heartbeat_at=self.heartbeat_at)
+
+    def record_remote_pid(self, pid: int | None) -> None:
+        self.remote_pid = pid
+        Job.objects.filter(pk=self.pk).update(remote_pid=pid)
+
+    def append_lines(self, lines: list[tuple[str, str]]) -> list[JobLogLine]:
+        """Store (stream, text) lines with gap-free sequence numbers; return the saved rows.
+
+        The sequence block is reserved with one UPDATE ... RETURNING-free increment inside the same
+        transaction as the insert, so concurrent writers never interleave or leave holes.
+        """
+        if not lines:
+            return []
+        with transaction.atomic():
+            Job.objects.filter(pk=self.pk).update(next_seq=F("next_seq") + len(lines))
+            end = Job.objects.filter(pk=self.pk).values_list("next_seq", flat=True).get()
+            start = end - len(lines)
+            now = timezone.now()
+            rows = [
+                JobLogLine(job_id=self.pk, seq=start + i, stream=stream, text=text, created_at=now)
+                for i, (stream, text) in enumerate(lines)
+            ]
+            JobLogLine.objects.bulk_create(rows)
+        self.next_seq = end
+        return rows
+
+
+class LogStream(models.TextChoices):
+    STDOUT = "out", "stdout"
+    STDERR = "err", "stderr"
+    SYSTEM = "sys", "console"
+
+
+class JobLogLine(models.Model):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_lines")
+    seq = models.PositiveIntegerField()
+    stream = models.CharField(max_length=3, choices=LogStream.choices, default=LogStream.STDOUT)
+    text = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["job", "seq"]
+        constraints = [models.UniqueConstraint(fields=["job", "seq"], name="unique_job_log_seq")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}:{self.seq} {self.text[:60]}"
+
+
+class AuditEventQuerySet(models.QuerySet):
+    def update(self, **kwargs):  # noqa: D102 - append-only
+        raise PermissionError("Audit events are append-only.")
+
+    def delete(self):
+        raise PermissionError("Audit events are append-only.")
+
+
+class AuditEvent(models.Model):
+    """One thing a person (or the console on their behalf) did. Append-only: no update, no delete."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150, blank=True)
+    action = models.CharField(max_length=60, db_index=True)
+    object_type = models.CharField(max_length=60, blank=True, db_index=True)
+    object_id = models.CharField(max_length=60, blank=True)
+    object_repr = models.CharField(max_length=200, blank=True)
+    changes = models.JSONField(default=dict, blank=True)
+    source_ip = models.GenericIPAddressField(null=True, blank=True)
+
+    objects = AuditEventQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["object_type", "object_id"])]
+        constraints = [models.CheckConstraint(condition=~Q(action=""), name="audit_action_not_empty")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action} {self.object_repr}"
+
+    def save(self, *args, **kwargs):
+        if self.pk is not None and not self._state.adding:
+            raise PermissionError("Audit events are append-only.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise PermissionError("Audit events are append-only.")

@@ -1,0 +1,189 @@
+"""Nodes (machines the console reaches), their devices, credentials and pinned SSH host keys."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.urls import reverse
+from django.utils import timezone
+
+from ramdeck_site import crypto
+
+from .validators import validate_host
+
+
+class CredentialKind(models.TextChoices):
+    PRIVATE_KEY = "private_key", "Private key"
+    PASSWORD = "password", "Password"
+
+
+class Credential(models.Model):
+    """An SSH login secret, encrypted at rest; decrypted only when a connection is made."""
+
+    name = models.CharField(max_length=100, unique=True)
+    kind = models.CharField(max_length=20, choices=CredentialKind.choices, default=CredentialKind.PRIVATE_KEY)
+    secret_encrypted = models.TextField(editable=False)
+    passphrase_encrypted = models.TextField(blank=True, editable=False)
+    # Non-secret description shown on pages: the public key's fingerprint for keys.
+    public_fingerprint = models.CharField(max_length=200, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def set_secret(self, secret: str, passphrase: str = "") -> None:
+        self.secret_encrypted = crypto.encrypt(secret)
+        self.passphrase_encrypted = crypto.encrypt(passphrase)
+
+    def secret(self) -> str:
+        return crypto.decrypt(self.secret_encrypted)
+
+    def passphrase(self) -> str:
+        return crypto.decrypt(self.passphrase_encrypted)
+
+    def rotate_encryption(self) -> None:
+        self.secret_encrypted = crypto.rotate(self.secret_encrypted)
+        self.passphrase_encrypted = crypto.rotate(self.passphrase_encrypted)
+        self.save(update_fields=["secret_encrypted", "passphrase_encrypted"])
+
+
+class Transport(models.TextChoices):
+    SSH = "ssh", "SSH"
+    LOCAL = "local", "Local (this console's own host)"
+
+
+class PlatformHint(models.TextChoices):
+    AUTO = "auto", "Detect"
+    LINUX = "linux", "Linux"
+    MACOS = "macos", "macOS"
+    WINDOWS = "windows", "Windows"
+
+
+class Reachability(models.TextChoices):
+    UNKNOWN = "unknown", "Not probed yet"
+    REACHABLE = "reachable", "Reachable"
+    UNREACHABLE = "unreachable", "Unreachable"
+    HOST_KEY_PENDING = "host_key_pending", "Host key awaits approval"
+    HOST_KEY_CHANGED = "host_key_changed", "Host key changed"
+
+
+port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
+
+
+class Node(models.Model):
+    name = models.SlugField(max_length=100, unique=True, help_text="Short name: letters, digits, - and _.")
+    address = models.CharField(max_length=253, validators=[validate_host], help_text="Hostname or IP address.")
+    transport = models.CharField(max_length=10, choices=Transport.choices, default=Transport.SSH)
+    ssh_port = models.PositiveIntegerField(default=22, validators=port_validators)
+    ssh_user = models.CharField(max_length=64, blank=True)
+    credential = models.ForeignKey(
+        Credential, null=True, blank=True, on_delete=models.PROTECT, related_name="nodes"
+    )
+    may_coordinate = models.BooleanField(
+        default=False, help_text="This node may run llama-server (the coordinator) for a deployment."
+    )
+    rpc_port = models.PositiveIntegerField(default=50052, validators=port_validators)
+    rpc_bind_address = models.CharField(
+        max_length=253,
+        blank=True,
+        validators=[validate_host],
+        help_text="Address ggml-rpc-server listens on. Empty: the node's own address.",
+    )
+    platform_hint = models.CharField(max_length=10, choices=PlatformHint.choices, default=PlatformHint.AUTO)
+    notes = models.TextField(blank=True)
+    enabled = models.BooleanField(default=True)
+
+    # Pinned SSH host key. The first contact stores the offered key as pending; nothing runs on the
+    # node until an admin approves it. A different key later blocks every job until re-approved.
+    host_key = models.TextField(blank=True, help_text="Approved host public key (OpenSSH format).")
+    host_key_fingerprint = models.CharField(max_length=100, blank=True)
+    pending_host_key = models.TextField(blank=True)
+    pending_host_key_fingerprint = models.CharField(max_length=100, blank=True)
+    host_key_approved_at = models.DateTimeField(null=True, blank=True)
+    host_key_approved_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+
+    # What the last probe found. `facts` holds the parsed, non-secret details (OS, kernel, CPU,
+    # binaries, port holder); devices are rows of their own.
+    reachability = models.CharField(max_length=20, choices=Reachability.choices, default=Reachability.UNKNOWN)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    last_probe_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    facts = models.JSONField(default=dict, blank=True)
+    rtt_ms = models.FloatField(null=True, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def get_absolute_url(self) -> str:
+        return reverse("nodes:detail", args=[self.name])
+
+    @property
+    def rpc_endpoint_host(self) -> str:
+        return self.rpc_bind_address or self.address
+
+    @property
+    def is_local(self) -> bool:
+        return self.transport == Transport.LOCAL
+
+    @property
+    def hardware_is_fresh(self) -> bool:
+        if not self.last_seen_at:
+            return False
+        age = (timezone.now() - self.last_seen_at).total_seconds()
+        return age <= max(3 * settings.RAMDECK_PROBE_INTERVAL_S, 3600)
+
+
+class DeviceKind(models.TextChoices):
+    CPU = "cpu", "CPU"
+    CUDA = "cuda", "NVIDIA CUDA"
+    METAL = "metal", "Apple Metal"
+    ROCM = "rocm", "AMD ROCm"
+    VULKAN = "vulkan", "Vulkan"
+
+
+class Device(models.Model):
+    """A llama.cpp device on a node, named as llama.cpp names it (CUDA0, MTL0, CPU, ...)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="devices")
+    name = models.CharField(max_length=40)
+    kind = models.CharField(max_length=10, choices=DeviceKind.choices)
+    description = models.CharField(max_length=200, blank=True)
+    total_bytes = models.BigIntegerField()
+    free_bytes = models.BigIntegerField()
+    unified_memory = models.BooleanField(default=False)
+    bandwidth_gbs = models.FloatField(null=True, blank=True, help_text="From the table of known chips.")
+    bandwidth_override_gbs = models.FloatField(
+        null=True, blank=True, help_text="Set by an operator; wins over the table and measurements."
+    )
+    measured_bandwidth_gbs = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node__name", "name"]
+        constraints = [models.UniqueConstraint(fields=["node", "name"], name="unique_device_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/{self.name}"
+
+    @property
+    def effective_bandwidth_gbs(self) -> float | None:
+        return self.bandwidth_override_gbs or self.measured_bandwidth_gbs or self.bandwidth_gbs
+
+    @property
+    def used_fraction(self) -> float:
+        if not self.total_bytes:
+            return 0.0
+        return max(0.0, min(1.0, 1 - self.free_bytes / self.total_bytes))

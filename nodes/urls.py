@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from . import views
+
+app_name = "nodes"
+urlpatterns = [
+    path("", views.node_list, name="list"),
+    path("new/", views.node_create, name="create"),
+    path("credentials/", views.credential_list, name="credentials"),
+    path("credentials/new/", views.credential_create, name="credential_create"),
+    path("credentials/<int:pk>/delete/", views.credential_delete, name="credential_delete"),
+    path("<slug:name>/", views.node_detail, name="detail"),
+    path("<slug:name>/edit/", views.node_edit, name="edit"),
+    path("<slug:name>/delete/", views.node_delete, name="delete"),
+]

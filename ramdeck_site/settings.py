@@ -1,0 +1,342 @@
+"""RAMDeck settings: one file, configured from the environment.
+
+Every value that differs between a laptop trial and a production install comes from an environment
+variable read through the small typed helpers below. A bad value stops the process at start-up with
+ImproperlyConfigured naming the variable, rather than surfacing later as a confusing runtime error.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from datetime import timedelta
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("RAMDECK_VAR_DIR", BASE_DIR / "var"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment helpers
+# ---------------------------------------------------------------------------------------------------
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str | None = None) -> str:
+    value = os.environ.get(name, default)
+    if value is None:
+        raise ImproperlyConfigured(f"Set the environment variable {name}.")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false, yes/no), not {raw!r}.")
+
+
+def env_int(name: str, default: int, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a whole number, not {raw!r}.") from exc
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ImproperlyConfigured(f"{name} must be between {minimum} and {maximum}, not {value}.")
+    return value
+
+
+def env_float(name: str, default: float, *, minimum: float, maximum: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a number, not {raw!r}.") from exc
+    if not minimum <= value <= maximum:
+        raise ImproperlyConfigured(f"{name} must be between {minimum} and {maximum}, not {value}.")
+    return value
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def _persisted_dev_secret(filename: str, make) -> str:
+    """A secret kept in var/ so a local trial survives restarts; production must set the variable."""
+    path = VAR_DIR / filename
+    if path.exists():
+        return path.read_text().strip()
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    value = make()
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------
+# Core
+# ---------------------------------------------------------------------------------------------------
+
+DEBUG = env_bool("DEBUG", default=False)
+
+if "RAMDECK_SECRET_KEY" in os.environ:
+    SECRET_KEY = env_str("RAMDECK_SECRET_KEY")
+elif DEBUG or env_bool("RAMDECK_LOCAL_TRIAL", default=True):
+    SECRET_KEY = _persisted_dev_secret("secret_key", lambda: secrets.token_urlsafe(50))
+else:
+    raise ImproperlyConfigured("Set RAMDECK_SECRET_KEY (a long random string) in production.")
+
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "channels",
+    "django_htmx",
+    "axes",
+    "ramdeck_site",
+    "nodes",
+    "jobs",
+    "deployments",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    # Axes must come last so it sees the outcome of authentication.
+    "axes.middleware.AxesMiddleware",
+]
+
+ROOT_URLCONF = "ramdeck_site.urls"
+ASGI_APPLICATION = "ramdeck_site.asgi.application"
+WSGI_APPLICATION = None
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "ramdeck_site.roles.role_context",
+            ],
+        },
+    },
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Database: SQLite in var/ by default, anything dj-database-url understands through DATABASE_URL
+# ---------------------------------------------------------------------------------------------------
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'ramdeck.sqlite3'}",
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL and a busy timeout let the web server, the Celery worker and beat share one file.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# ---------------------------------------------------------------------------------------------------
+# Redis: channel layer, Celery broker and results
+# ---------------------------------------------------------------------------------------------------
+
+REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "capacity": 5000, "expiry": 60},
+    }
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+# Long jobs (builds take minutes): acknowledge after the run so a dead worker's task is redelivered,
+# take one task at a time, and keep both time limits below the broker's visibility timeout so Redis
+# never hands a still-running task to a second worker.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SOFT_TIME_LIMIT = env_int("RAMDECK_JOB_SOFT_TIME_LIMIT", 3 * 3600, minimum=60)
+CELERY_TASK_TIME_LIMIT = CELERY_TASK_SOFT_TIME_LIMIT + 300
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT + 1800}
+CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+CELERY_BEAT_SCHEDULE: dict = {}  # Filled by ramdeck_site/celery.py from the intervals below.
+
+RAMDECK_PROBE_INTERVAL_S = env_int("RAMDECK_PROBE_INTERVAL_S", 300, minimum=0)
+RAMDECK_SWEEP_INTERVAL_S = env_int("RAMDECK_SWEEP_INTERVAL_S", 60, minimum=10)
+
+# ---------------------------------------------------------------------------------------------------
+# Authentication, roles and lockout
+# ---------------------------------------------------------------------------------------------------
+
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+AXES_FAILURE_LIMIT = env_int("RAMDECK_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("RAMDECK_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_VERBOSE = False
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Secrets at rest: MultiFernet keys, newest first. `manage.py rotate_encryption_key` re-encrypts.
+# ---------------------------------------------------------------------------------------------------
+
+if "RAMDECK_ENCRYPTION_KEYS" in os.environ:
+    RAMDECK_ENCRYPTION_KEYS = env_list("RAMDECK_ENCRYPTION_KEYS", [])
+elif DEBUG or env_bool("RAMDECK_LOCAL_TRIAL", default=True):
+    from cryptography.fernet import Fernet
+
+    RAMDECK_ENCRYPTION_KEYS = [
+        _persisted_dev_secret("encryption_key", lambda: Fernet.generate_key().decode())
+    ]
+else:
+    raise ImproperlyConfigured("Set RAMDECK_ENCRYPTION_KEYS (comma-separated Fernet keys) in production.")
+
+# ---------------------------------------------------------------------------------------------------
+# Remote execution and llama.cpp
+# ---------------------------------------------------------------------------------------------------
+
+RAMDECK_SSH_CONNECT_TIMEOUT_S = env_float("RAMDECK_SSH_CONNECT_TIMEOUT_S", 10.0, minimum=0.5, maximum=300)
+RAMDECK_SSH_KEEPALIVE_S = env_float("RAMDECK_SSH_KEEPALIVE_S", 15.0, minimum=1, maximum=600)
+RAMDECK_COMMAND_TIMEOUT_S = env_float("RAMDECK_COMMAND_TIMEOUT_S", 3 * 3600, minimum=1, maximum=86400)
+RAMDECK_KILL_GRACE_S = env_float("RAMDECK_KILL_GRACE_S", 5.0, minimum=0.1, maximum=120)
+RAMDECK_MAX_UPLOAD_BYTES = env_int("RAMDECK_MAX_UPLOAD_BYTES", 64 * 1024, minimum=1024)
+RAMDECK_UNIFIED_MEMORY_CLAMP = env_float("RAMDECK_UNIFIED_MEMORY_CLAMP", 0.70, minimum=0.1, maximum=1.0)
+RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
+RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
+RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
+
+# ---------------------------------------------------------------------------------------------------
+# Static files, sessions, security
+# ---------------------------------------------------------------------------------------------------
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": (
+            "django.contrib.staticfiles.storage.StaticFilesStorage"
+            if DEBUG
+            else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+        )
+    },
+}
+WHITENOISE_USE_FINDERS = DEBUG
+
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_AGE = env_int("RAMDECK_SESSION_AGE_S", 12 * 3600, minimum=300)
+CSRF_COOKIE_HTTPONLY = False  # htmx reads the token from the page, not the cookie; keep Django's default.
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+
+# Behind TLS (a reverse proxy or a certificate of its own), RAMDECK_HTTPS=1 turns on every HTTPS-only
+# protection. Many household consoles run on plain HTTP inside the LAN; for them these checks cannot
+# pass, and we silence exactly those checks, for exactly that reason, rather than pretend.
+RAMDECK_HTTPS = env_bool("RAMDECK_HTTPS", default=False)
+SESSION_COOKIE_SECURE = RAMDECK_HTTPS
+CSRF_COOKIE_SECURE = RAMDECK_HTTPS
+SECURE_SSL_REDIRECT = RAMDECK_HTTPS and env_bool("RAMDECK_SSL_REDIRECT", default=True)
+SECURE_HSTS_SECONDS = env_int("RAMDECK_HSTS_SECONDS", 31536000 if RAMDECK_HTTPS else 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = RAMDECK_HTTPS
+SECURE_HSTS_PRELOAD = False
+if env_bool("RAMDECK_TRUST_PROXY_HEADER", default=False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SILENCED_SYSTEM_CHECKS = [
+    # HSTS preload is a public-internet commitment that a LAN console must not make for its owner.
+    "security.W021",
+]
+if not RAMDECK_HTTPS:
+    SILENCED_SYSTEM_CHECKS += [
+        "security.W004",  # HSTS: meaningless without TLS (set RAMDECK_HTTPS=1 behind TLS).
+        "security.W008",  # SSL redirect: there is no HTTPS endpoint to redirect to.
+        "security.W012",  # Secure session cookie: it would never be sent over plain HTTP.
+        "security.W016",  # Secure CSRF cookie: likewise.
+    ]
+
+LANGUAGE_CODE = "en-gb"
+TIME_ZONE = env_str("TIME_ZONE", "UTC")
+USE_I18N = False
+USE_TZ = True
+
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2 * 1024 * 1024
+
+# ---------------------------------------------------------------------------------------------------
+# Logging: one line per event to stderr; secrets never reach it because nothing logs them.
+# ---------------------------------------------------------------------------------------------------
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["stderr"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "asyncssh": {"level": "WARNING"},
+        "daphne": {"level": "WARNING"},
+        "django.channels.server": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,58 @@
+"""Shared fixtures: personas (admin, operator, viewer, stranger) and logged-in clients.
+
+Other fixture modules register themselves through `pytest_plugins` below so each area keeps its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.factories import PASSWORD, UserFactory
+
+pytest_plugins: list[str] = []
+
+
+@pytest.fixture
+def password() -> str:
+    return PASSWORD
+
+
+@pytest.fixture
+def admin_user(db):
+    return UserFactory(username="alice-admin", role="admin")
+
+
+@pytest.fixture
+def operator_user(db):
+    return UserFactory(username="oscar-operator", role="operator")
+
+
+@pytest.fixture
+def viewer_user(db):
+    return UserFactory(username="vera-viewer", role="viewer")
+
+
+@pytest.fixture
+def stranger_user(db):
+    """Logged in, but in no role: sees nothing."""
+    return UserFactory(username="sam-stranger")
+
+
+def _client_for(client, user):
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def admin_client(client, admin_user):
+    return _client_for(client, admin_user)
+
+
+@pytest.fixture
+def operator_client(client, operator_user):
+    return _client_for(client, operator_user)
+
+
+@pytest.fixture
+def viewer_client(client, viewer_user):
+    return _client_for(client, viewer_user)
