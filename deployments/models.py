@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.db import models
+from django.db import IntegrityError, models, transaction
 from django.urls import reverse
 from django.utils import timezone
 
@@ -72,7 +72,9 @@ TERMINAL_STATES = (DeploymentState.STOPPED, DeploymentState.FAILED)
 class Deployment(models.Model):
     name = models.CharField(max_length=200)
     model_file = models.ForeignKey(ModelFile, on_delete=models.PROTECT, related_name="deployments")
-    coordinator = models.ForeignKey("nodes.Node", on_delete=models.PROTECT, related_name="coordinated_deployments")
+    coordinator = models.ForeignKey(
+        "nodes.Node", on_delete=models.PROTECT, related_name="coordinated_deployments"
+    )
     # The immutable plan snapshot (deployments/planner.py output) and the settings it was planned with.
     plan = models.JSONField()
     plan_settings = models.JSONField(default=dict)
@@ -116,3 +118,168 @@ class Deployment(models.Model):
 
     def api_key(self) -> str:
         return crypto.decrypt(self.api_key_encrypted)
+
+    # State changes. Each is a conditional UPDATE from the states it may leave, so pressing a button
+    # twice, a redelivered task or a racing monitor cannot move a deployment backwards; each returns
+    # whether it changed anything.
+
+    def _transition(self, from_states, to_state: str, **fields) -> bool:
+        changed = Deployment.objects.filter(pk=self.pk, state__in=list(from_states)).update(
+            state=to_state, **fields
+        )
+        if changed:
+            self.state = to_state
+            for name, value in fields.items():
+                setattr(self, name, value)
+        return bool(changed)
+
+    def mark_preparing(self) -> bool:
+        """confirmed → preparing, claiming the plan's ports and devices in the same transaction.
+
+        Raises ClaimConflict (and changes nothing) when another active deployment holds one of them.
+        """
+        with transaction.atomic():
+            if not self._transition(
+                [DeploymentState.CONFIRMED], DeploymentState.PREPARING, started_at=timezone.now()
+            ):
+                return False
+            try:
+                with transaction.atomic():
+                    ResourceClaim.claim_for(self)
+            except IntegrityError:
+                # Undo the in-memory state too; the outer transaction is rolled back by the raise.
+                self.state, self.started_at = DeploymentState.CONFIRMED, None
+                raise ClaimConflict(ResourceClaim.describe_conflicts(self)) from None
+        return True
+
+    def mark_launching(self) -> bool:
+        return self._transition([DeploymentState.PREPARING], DeploymentState.LAUNCHING)
+
+    def mark_verifying(self) -> bool:
+        return self._transition([DeploymentState.LAUNCHING], DeploymentState.VERIFYING)
+
+    def mark_running(self) -> bool:
+        return self._transition(
+            [DeploymentState.VERIFYING], DeploymentState.RUNNING, running_at=timezone.now(), state_reason=""
+        )
+
+    def mark_degraded(self, reason: str) -> bool:
+        return self._transition([DeploymentState.RUNNING], DeploymentState.DEGRADED, state_reason=reason)
+
+    def mark_recovered(self) -> bool:
+        return self._transition([DeploymentState.DEGRADED], DeploymentState.RUNNING, state_reason="")
+
+    def mark_stopping(self, reason: str = "") -> bool:
+        movable = [s for s in ACTIVE_STATES if s != DeploymentState.STOPPING]
+        return self._transition(movable, DeploymentState.STOPPING, state_reason=reason)
+
+    def mark_stopped(self) -> bool:
+        with transaction.atomic():
+            changed = self._transition(
+                [DeploymentState.STOPPING], DeploymentState.STOPPED, stopped_at=timezone.now()
+            )
+            if changed:
+                self.claims.all().delete()
+        return changed
+
+    def fail(self, step: str, reason: str) -> bool:
+        """Any active state (or confirmed, when the refusal comes before preparing) → failed."""
+        with transaction.atomic():
+            changed = self._transition(
+                [DeploymentState.CONFIRMED, *ACTIVE_STATES],
+                DeploymentState.FAILED,
+                failed_step=step,
+                state_reason=reason[:4000],
+                stopped_at=timezone.now(),
+            )
+            if changed:
+                self.claims.all().delete()
+        return changed
+
+    def record(self, **fields) -> None:
+        """Save non-state fields (verification, measured speed, processes) without touching the state."""
+        for name, value in fields.items():
+            setattr(self, name, value)
+        Deployment.objects.filter(pk=self.pk).update(**fields)
+
+
+class ClaimConflict(Exception):
+    """A port or device of the plan is held by another active deployment. The message names it."""
+
+
+class ResourceClaim(models.Model):
+    """A node's port or device held by one active deployment; the unique constraint is the guarantee.
+
+    Rows are created in the transaction that moves a deployment to preparing and deleted when it stops
+    or fails, so two active deployments can never hold the same (node, resource).
+    """
+
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="claims")
+    # "port:50052" or "device:CUDA0".
+    resource = models.CharField(max_length=60)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="claims")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["node__name", "resource"]
+        constraints = [
+            models.UniqueConstraint(fields=["node", "resource"], name="unique_claim_per_node_resource")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.node.name} {self.resource} → deployment #{self.deployment_id}"
+
+    @staticmethod
+    def wanted_by(deployment: Deployment) -> list[tuple[str, str]]:
+        """(node name, resource) pairs the deployment's plan needs: every RPC port, llama-server's port, and
+        every device that holds something."""
+        plan = deployment.plan or {}
+        wanted: set[tuple[str, str]] = {(deployment.coordinator.name, f"port:{deployment.port}")}
+        for placement in plan.get("placements", []):
+            node = placement.get("node")
+            if not node:
+                continue
+            if placement.get("layers") or placement.get("output_layer"):
+                wanted.add((node, f"device:{placement.get('device')}"))
+            endpoint = placement.get("endpoint")
+            if endpoint:
+                wanted.add((node, f"port:{endpoint.rsplit(':', 1)[1]}"))
+        return sorted(wanted)
+
+    @classmethod
+    def claim_for(cls, deployment: Deployment) -> None:
+        from nodes.models import Node
+
+        wanted = cls.wanted_by(deployment)
+        nodes = {n.name: n for n in Node.objects.filter(name__in={name for name, _ in wanted})}
+        cls.objects.bulk_create(
+            [
+                cls(node=nodes[name], resource=res, deployment=deployment)
+                for name, res in wanted
+                if name in nodes
+            ]
+        )
+
+    @classmethod
+    def describe_conflicts(cls, deployment: Deployment) -> str:
+        held = []
+        for name, res in cls.wanted_by(deployment):
+            claim = cls.objects.filter(node__name=name, resource=res).select_related("deployment").first()
+            if claim and claim.deployment_id != deployment.pk:
+                held.append(f"{res.replace(':', ' ')} on {name} is held by deployment {claim.deployment}")
+        return "; ".join(held) or "a port or device of this plan is held by another active deployment"
+
+
+class DeploymentStep(models.Model):
+    """One job of a deployment's ordered run (reap, rpc-server, llama-server, verify, measure, stop)."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="steps")
+    job = models.OneToOneField("jobs.Job", on_delete=models.CASCADE, related_name="deployment_step")
+    name = models.CharField(max_length=40)
+    order = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["deployment", "order", "pk"]
+
+    def __str__(self) -> str:
+        return f"#{self.deployment_id} step {self.order} {self.name}"

@@ -77,7 +77,9 @@ port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
 
 class Node(models.Model):
     name = models.SlugField(max_length=100, unique=True, help_text="Short name: letters, digits, - and _.")
-    address = models.CharField(max_length=253, validators=[validate_host], help_text="Hostname or IP address.")
+    address = models.CharField(
+        max_length=253, validators=[validate_host], help_text="Hostname or IP address."
+    )
     transport = models.CharField(max_length=10, choices=Transport.choices, default=Transport.SSH)
     ssh_port = models.PositiveIntegerField(default=22, validators=port_validators)
     ssh_user = models.CharField(max_length=64, blank=True)
@@ -139,6 +141,11 @@ class Node(models.Model):
         return self.transport == Transport.LOCAL
 
     @property
+    def current_build(self) -> Build | None:
+        """The newest llama.cpp build on this node, the one deployments use."""
+        return self.builds.order_by("-created_at", "-pk").first()
+
+    @property
     def hardware_is_fresh(self) -> bool:
         if not self.last_seen_at:
             return False
@@ -187,3 +194,41 @@ class Device(models.Model):
         if not self.total_bytes:
             return 0.0
         return max(0.0, min(1.0, 1 - self.free_bytes / self.total_bytes))
+
+
+class BuildSource(models.TextChoices):
+    GIT = "git", "Git URL and ref"
+    TARBALL = "tarball", "Source tarball"
+    EXISTING = "existing", "Existing install"
+
+
+class Build(models.Model):
+    """A llama.cpp build on a node: where it came from and what it can speak.
+
+    The newest build of a node is the one deployments use (`Node.current_build`). Two nodes can serve
+    one deployment only when their builds speak the same RPC protocol version.
+    """
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="builds")
+    source_kind = models.CharField(max_length=10, choices=BuildSource.choices)
+    # Git URL and ref, the tarball's file name, or the path of an existing install.
+    source = models.CharField(max_length=1000, blank=True)
+    ref = models.CharField(max_length=200, blank=True)
+    tarball_sha256 = models.CharField(max_length=64, blank=True)
+    backend = models.CharField(max_length=20, default="cpu")
+    flags = models.JSONField(default=list, blank=True)
+    version = models.CharField(max_length=200, blank=True, help_text="What llama-server --version says.")
+    rpc_binary = models.CharField(max_length=40, default="ggml-rpc-server")
+    rpc_protocol = models.CharField(max_length=20, blank=True, help_text="RPC protocol version, e.g. 7.0.0.")
+    build_dir = models.CharField(max_length=1000, blank=True)
+    rpc_server_path = models.CharField(max_length=1000)
+    llama_server_path = models.CharField(max_length=1000)
+    job_id = models.IntegerField(null=True, blank=True, help_text="The build job that produced it.")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        what = self.version or self.ref or self.source_kind
+        return f"{self.node.name}: llama.cpp {what} (RPC {self.rpc_protocol})"
