@@ -1,0 +1,146 @@
+"""Deployment state changes and the database-enforced claims on ports and devices."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.models import ClaimConflict, Deployment, DeploymentState, ModelFile, ResourceClaim
+from tests.factories import NodeFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _plan(worker: str, coordinator: str, rpc_port: int = 50052) -> dict:
+    return {
+        "fits": True,
+        "placements": [
+            {
+                "node": worker,
+                "device": "CPU",
+                "llama_device": "RPC0",
+                "endpoint": f"10.77.1.2:{rpc_port}",
+                "layers": 6,
+                "output_layer": False,
+            },
+            {
+                "node": coordinator,
+                "device": "CPU",
+                "llama_device": "CPU",
+                "endpoint": None,
+                "layers": 2,
+                "output_layer": True,
+            },
+        ],
+    }
+
+
+@pytest.fixture
+def cluster():
+    coordinator = NodeFactory(name="desk", may_coordinate=True)
+    worker = NodeFactory(name="old-pc")
+    model = ModelFile.objects.create(name="tiny", node=coordinator, path="/m/tiny.gguf")
+    return coordinator, worker, model
+
+
+def _deployment(cluster, *, port: int = 8080, rpc_port: int = 50052) -> Deployment:
+    coordinator, worker, model = cluster
+    return Deployment.objects.create(
+        name="tiny",
+        model_file=model,
+        coordinator=coordinator,
+        port=port,
+        plan=_plan(worker.name, coordinator.name, rpc_port),
+    )
+
+
+def test_pressing_deploy_twice_moves_to_preparing_once(cluster):
+    deployment = _deployment(cluster)
+    assert deployment.mark_preparing() is True
+    again = Deployment.objects.get(pk=deployment.pk)
+    assert again.mark_preparing() is False
+    assert ResourceClaim.objects.filter(deployment=deployment).count() == 4
+
+
+def test_claims_cover_the_rpc_port_the_llama_server_port_and_used_devices(cluster):
+    deployment = _deployment(cluster)
+    assert ResourceClaim.wanted_by(deployment) == [
+        ("desk", "device:CPU"),
+        ("desk", "port:8080"),
+        ("old-pc", "device:CPU"),
+        ("old-pc", "port:50052"),
+    ]
+
+
+def test_a_second_deployment_on_the_same_rpc_port_is_refused_and_stays_confirmed(cluster):
+    first = _deployment(cluster)
+    first.mark_preparing()
+    second = _deployment(cluster, port=8081)
+    with pytest.raises(ClaimConflict, match="old-pc is held by deployment tiny"):
+        second.mark_preparing()
+    second.refresh_from_db()
+    assert second.state == DeploymentState.CONFIRMED
+    assert second.started_at is None
+    assert not ResourceClaim.objects.filter(deployment=second).exists()
+
+
+def test_the_unique_constraint_holds_even_without_the_model_method(cluster):
+    from django.db import IntegrityError, transaction
+
+    first = _deployment(cluster)
+    first.mark_preparing()
+    second = _deployment(cluster, port=8081)
+    with pytest.raises(IntegrityError), transaction.atomic():
+        ResourceClaim.objects.create(node=cluster[1], resource="port:50052", deployment=second)
+
+
+def test_failing_releases_the_claims_so_the_plan_can_be_deployed_again(cluster):
+    first = _deployment(cluster)
+    first.mark_preparing()
+    assert first.fail("reap", "port 50052 is held by python3") is True
+    first.refresh_from_db()
+    assert (first.state, first.failed_step) == (DeploymentState.FAILED, "reap")
+    assert not first.claims.exists()
+    second = _deployment(cluster)
+    assert second.mark_preparing() is True
+
+
+def test_the_happy_path_runs_in_order_and_stopping_releases_claims(cluster):
+    deployment = _deployment(cluster)
+    assert deployment.mark_launching() is False  # not from confirmed
+    assert deployment.mark_preparing()
+    assert deployment.mark_launching()
+    assert deployment.mark_verifying()
+    assert deployment.mark_running()
+    assert deployment.mark_degraded("rpc-server on old-pc died")
+    assert deployment.mark_recovered()
+    assert deployment.mark_stopping()
+    assert deployment.mark_stopping() is False  # idempotent
+    assert deployment.mark_stopped()
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.STOPPED
+    assert deployment.stopped_at is not None
+    assert not deployment.claims.exists()
+
+
+def test_a_terminal_deployment_cannot_fail_or_run_again(cluster):
+    deployment = _deployment(cluster)
+    deployment.mark_preparing()
+    deployment.fail("launch", "llama-server exited")
+    assert deployment.fail("verify", "again") is False
+    assert deployment.mark_stopping() is False
+    deployment.refresh_from_db()
+    assert deployment.failed_step == "launch"
+
+
+def test_different_ports_on_different_nodes_do_not_conflict(cluster):
+    first = _deployment(cluster)
+    first.mark_preparing()
+    coordinator2 = NodeFactory(name="desk2", may_coordinate=True)
+    worker2 = NodeFactory(name="old-pc2")
+    other = Deployment.objects.create(
+        name="other",
+        model_file=cluster[2],
+        coordinator=coordinator2,
+        plan=_plan(worker2.name, coordinator2.name),
+    )
+    assert other.mark_preparing() is True
