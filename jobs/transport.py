@@ -6,6 +6,7 @@ detached with setsid/nohup), `shell_join` is the single place that quotes it.
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +89,9 @@ class Transport(Protocol):
     @property
     def last_result(self) -> CommandResult | None: ...
 
-    async def run(self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False) -> CommandResult:
+    async def run(
+        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+    ) -> CommandResult:
         """Run argv to completion and collect its output (for short commands)."""
         ...
 
@@ -110,3 +113,91 @@ class Transport(Protocol):
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         """The first nbytes of a file on the node."""
         ...
+
+
+class CommandFailed(Exception):
+    """`run(..., check=True)`: the command ran and exited non-zero (a job failure, not a transport error)."""
+
+    def __init__(self, message: str, result: CommandResult):
+        super().__init__(message)
+        self.result = result
+
+
+class LineSplitter:
+    """Cuts a byte stream into decoded lines; a trailing partial line waits for more data or `flush`."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        data = self._pending + chunk
+        parts = data.split(b"\n")
+        self._pending = parts.pop()
+        return [decode_line(part) for part in parts]
+
+    def flush(self) -> list[str]:
+        rest, self._pending = self._pending, b""
+        return [decode_line(rest)] if rest else []
+
+
+# Exit status a POSIX shell uses for "command not found"; transports turn it into a TransportError.
+EXIT_NOT_FOUND = 127
+
+
+class LinePump:
+    """Reads stdout and stderr concurrently and hands out batches of lines in arrival order.
+
+    A bounded queue gives backpressure: a slow consumer slows the readers instead of growing memory.
+    `next_batch` is cancel-safe, so callers can bound it with `asyncio.wait_for`.
+    """
+
+    _DONE = object()
+
+    def __init__(self, readers: dict[StreamName, object], *, chunk_size: int = 65536) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=256)
+        self._open = len(readers)
+        self._tasks = [
+            asyncio.create_task(self._pump(name, reader, chunk_size)) for name, reader in readers.items()
+        ]
+
+    async def _pump(self, name: StreamName, reader, chunk_size: int) -> None:
+        splitter = LineSplitter()
+        try:
+            while chunk := await reader.read(chunk_size):
+                if lines := splitter.feed(chunk):
+                    await self._queue.put([OutputLine(name, text) for text in lines])
+            if rest := splitter.flush():
+                await self._queue.put([OutputLine(name, text) for text in rest])
+        except Exception as exc:  # Handed to the consumer, which raises it in its own task.
+            await self._queue.put(exc)
+        await self._queue.put(self._DONE)
+
+    async def next_batch(self) -> list[OutputLine] | None:
+        """The next lines, or None when both streams have ended."""
+        while self._open:
+            item = await self._queue.get()
+            if item is self._DONE:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            return item
+        return None
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+def open_transport(node) -> Transport:
+    """The transport for a Node row (not yet connected: use it with `async with`).
+
+    Call from synchronous code (or through sync_to_async): it reads the node's credential from the database.
+    """
+    if node.is_local:
+        from .local import LocalTransport
+
+        return LocalTransport()
+    from .ssh import NodeSSHTransport, target_for_node
+
+    return NodeSSHTransport(target_for_node(node), node.pk)

@@ -1,0 +1,464 @@
+"""The SSH transport (asyncssh), with pinned host keys.
+
+Host keys: no code path connects with host-key checking off. asyncssh is given an empty known-hosts list,
+so every key it is offered goes through `_PinningClient.validate_host_public_key`, which accepts only the
+key an admin approved. On first contact (no approved key) or when the key differs, the offered key is
+captured and the connection is refused before authentication, so nothing runs on the node.
+
+Every command is started as `echo <marker> $$ >&2; exec <argv>` so the transport learns the remote PID
+(the shell `exec`s into the command, keeping its PID and its own process group: sshd makes each session a
+new session leader) and can end a command that overruns its timeout by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import asyncssh
+
+from .transport import (
+    EXIT_NOT_FOUND,
+    CommandFailed,
+    CommandResult,
+    CommandTimeout,
+    HostKeyChanged,
+    HostKeyUnknown,
+    LinePump,
+    OutputLine,
+    TransportError,
+    shell_join,
+)
+
+PID_MARKER = "__ramdeck_pid__"
+_PID_LINE = re.compile(rf"^{PID_MARKER} (\d+)$")
+
+# Fixed shell scripts; their inputs arrive as positional arguments ("$1", ...), never as formatted text.
+_ALIVE = 'st=$(ps -o stat= -p "$1" 2>/dev/null) || exit 1; case "$st" in *Z*) exit 1;; esac; exit 0'
+_KILL = (
+    'alive() { st=$(ps -o stat= -p "$1" 2>/dev/null) || return 1; case "$st" in *Z*) return 1;; esac; }\n'
+    'alive "$1" || exit 0\n'
+    'kill -TERM -- "-$1" 2>/dev/null || kill -TERM "$1" 2>/dev/null\n'
+    'i=0; while [ "$i" -lt "$2" ]; do alive "$1" || exit 0; sleep 0.1; i=$((i+1)); done\n'
+    'kill -KILL -- "-$1" 2>/dev/null || kill -KILL "$1" 2>/dev/null\n'
+    'sleep 0.2; alive "$1" && exit 1; exit 0\n'
+)
+
+
+@dataclass
+class SSHTarget:
+    """Where and how to connect. Secrets live here only for the lifetime of one transport."""
+
+    host: str
+    port: int = 22
+    username: str = "root"
+    password: str | None = None
+    private_key: str | None = None
+    passphrase: str | None = None
+    # The approved host key ("ssh-ed25519 AAAA..."). Empty: first contact, nothing may run.
+    pinned_host_key: str = ""
+    connect_timeout: float = 10.0
+    keepalive_interval: float = 15.0
+    keepalive_count_max: int = 3
+    command_timeout: float = 3 * 3600.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.username}@{self.host}:{self.port}"
+
+
+def key_fingerprint(key: asyncssh.SSHKey) -> str:
+    return key.get_fingerprint("sha256")
+
+
+def public_key_line(key: asyncssh.SSHKey) -> str:
+    """The key in OpenSSH one-line form without a comment."""
+    return " ".join(key.export_public_key("openssh").decode().split()[:2])
+
+
+def fingerprint_of(openssh_line: str) -> str:
+    """SHA256 fingerprint of an OpenSSH public key line (for display)."""
+    return key_fingerprint(asyncssh.import_public_key(openssh_line))
+
+
+class _PinningClient(asyncssh.SSHClient):
+    def __init__(self, pinned: asyncssh.SSHKey | None) -> None:
+        self.pinned = pinned
+        self.offered: asyncssh.SSHKey | None = None
+        self.lost: Exception | None = None
+        self.closed = False
+
+    def validate_host_public_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        self.offered = key
+        return self.pinned is not None and key == self.pinned
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.lost = exc
+
+
+class SSHTransport:
+    """Runs commands on one node over one SSH connection (opened by `async with`)."""
+
+    def __init__(self, target: SSHTarget) -> None:
+        self.target = target
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._client: _PinningClient | None = None
+        self._last_result: CommandResult | None = None
+        # PID of the command `stream` is running right now (so a canceller can end it).
+        self.current_pid: int | None = None
+
+    # -- connection ----------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SSHTransport:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        target = self.target
+        pinned = asyncssh.import_public_key(target.pinned_host_key) if target.pinned_host_key else None
+        client = _PinningClient(pinned)
+        self._client = client
+        try:
+            self._conn = await asyncio.wait_for(
+                asyncssh.connect(
+                    target.host,
+                    target.port,
+                    client_factory=lambda: client,
+                    # No trusted keys from any file: the pinning client decides about every offered key.
+                    known_hosts=lambda host, addr, port: ([], [], []),
+                    # Offer only the approved key's algorithms so the server presents that key type.
+                    server_host_key_algs=[alg.decode() for alg in pinned.sig_algorithms]
+                    if pinned
+                    else "default",
+                    username=target.username,
+                    password=target.password,
+                    client_keys=self._client_keys(),
+                    passphrase=None,
+                    agent_path=None,
+                    config=None,
+                    preferred_auth=["publickey"]
+                    if target.private_key
+                    else ["password", "keyboard-interactive"],
+                    connect_timeout=target.connect_timeout,
+                    login_timeout=target.connect_timeout,
+                    keepalive_interval=target.keepalive_interval,
+                    keepalive_count_max=target.keepalive_count_max,
+                ),
+                # asyncssh bounds each phase; this bounds the whole, in case a phase hangs.
+                timeout=target.connect_timeout + 5,
+            )
+        except (asyncssh.Error, OSError, TimeoutError, TransportError) as exc:
+            raise self._connect_error(exc, client) from exc
+
+    def _client_keys(self) -> list | None:
+        if not self.target.private_key:
+            return None
+        try:
+            key = asyncssh.import_private_key(self.target.private_key, self.target.passphrase or None)
+        except (asyncssh.KeyImportError, ValueError) as exc:
+            raise TransportError(
+                f"The private key of the credential for {self.target.label} cannot be read ({exc}). "
+                "Check the key and its passphrase."
+            ) from exc
+        return [key]
+
+    def _connect_error(self, exc: Exception, client: _PinningClient) -> TransportError:
+        t = self.target
+        where = f"{t.host}:{t.port}"
+        if isinstance(exc, TransportError):
+            return exc
+        if isinstance(exc, asyncssh.HostKeyNotVerifiable) and client.offered is not None:
+            offered, fp = public_key_line(client.offered), key_fingerprint(client.offered)
+            if client.pinned is None:
+                return HostKeyUnknown(
+                    f"{where} offered host key {fp}, which no admin has approved yet. Compare it with the "
+                    "machine's own key (ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub) and approve it on "
+                    "the node page; nothing runs there until then.",
+                    offered_key=offered,
+                    fingerprint=fp,
+                )
+            return HostKeyChanged(
+                f"The host key of {where} CHANGED: it now offers {fp}, but {key_fingerprint(client.pinned)} "
+                "was approved. This can mean the machine was reinstalled or that someone is intercepting "
+                "the connection. Every job on this node is blocked until an admin checks and approves the "
+                "new key.",
+                offered_key=offered,
+                fingerprint=fp,
+            )
+        if isinstance(exc, asyncssh.KeyExchangeFailed) and client.pinned is not None:
+            return TransportError(
+                f"{where} no longer offers a host key of the approved type "
+                f"({client.pinned.algorithm.decode()}): {exc.reason}. If the machine was reinstalled, an "
+                "admin must clear and re-approve its key."
+            )
+        if isinstance(exc, asyncssh.PermissionDenied):
+            how = "the private key" if t.private_key else "the password"
+            return TransportError(
+                f"{where} refused the login as {t.username!r} with {how}: wrong password, or the key is "
+                "not in that user's authorized_keys. Check the node's user and credential."
+            )
+        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+            return TransportError(
+                f"{where} did not answer within {t.connect_timeout:g} s. Is the machine on, on this network, "
+                "and is the address right?"
+            )
+        if isinstance(exc, ConnectionRefusedError):
+            return TransportError(
+                f"{where} refused the connection: is sshd running and listening on port {t.port}?"
+            )
+        if isinstance(exc, socket.gaierror):
+            return TransportError(
+                f"The name {t.host!r} could not be resolved ({exc.strerror}). Check the address."
+            )
+        if isinstance(exc, OSError):
+            return TransportError(
+                f"Cannot reach {where}: {exc.strerror or exc}. Check the network and the address."
+            )
+        reason = exc.reason if isinstance(exc, asyncssh.DisconnectError) else str(exc)
+        return TransportError(f"The SSH connection to {where} failed: {reason}")
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError, OSError, asyncssh.Error):
+                await asyncio.wait_for(self._conn.wait_closed(), 5)
+            self._conn = None
+
+    def _require_conn(self) -> asyncssh.SSHClientConnection:
+        if self._conn is None or (self._client is not None and self._client.closed):
+            raise self._lost_error()
+        return self._conn
+
+    def _lost_error(self) -> TransportError:
+        reason = self._client.lost if self._client else None
+        detail = f" ({reason})" if reason else ""
+        return TransportError(
+            f"The connection to {self.target.host} was lost{detail}: the machine went away or the network "
+            "dropped. The command's outcome on the node is unknown."
+        )
+
+    # -- commands ----------------------------------------------------------------------------------------
+
+    @property
+    def last_result(self) -> CommandResult | None:
+        return self._last_result
+
+    def _command_line(self, argv: Sequence[str], env: dict[str, str] | None) -> str:
+        if not argv:
+            raise ValueError("empty command")
+        full = ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv)
+        return f"echo {PID_MARKER} $$ >&2; exec {shell_join(full)}"
+
+    async def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+    ) -> AsyncIterator[OutputLine]:
+        """Run argv; yield its lines as they come; `last_result` holds the status afterwards."""
+        self._last_result = None
+        conn = self._require_conn()
+        timeout = timeout or self.target.command_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            process = await conn.create_process(
+                self._command_line(argv, env), encoding=None, stdin=asyncssh.DEVNULL
+            )
+        except (asyncssh.Error, OSError) as exc:
+            raise (
+                self._lost_error()
+                if self._client and self._client.closed
+                else TransportError(f"Could not start {argv[0]!r} on {self.target.host}: {exc}")
+            ) from exc
+        pump = LinePump({"out": process.stdout, "err": process.stderr})
+        finished = False
+        self.current_pid = None
+        try:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(pump.next_batch(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    await self._end_overrun()
+                    raise CommandTimeout(
+                        f"{argv[0]!r} on {self.target.host} ran longer than {timeout:g} s and was ended."
+                    ) from None
+                except (asyncssh.Error, OSError) as exc:
+                    raise self._lost_error() from exc
+                if batch is None:
+                    break
+                for line in batch:
+                    if (
+                        self.current_pid is None
+                        and line.stream == "err"
+                        and (m := _PID_LINE.match(line.text))
+                    ):
+                        self.current_pid = int(m.group(1))
+                        continue
+                    yield line
+            try:
+                await asyncio.wait_for(process.wait_closed(), max(1.0, deadline - loop.time()))
+            except TimeoutError:
+                await self._end_overrun()
+                raise CommandTimeout(f"{argv[0]!r} on {self.target.host} did not exit in time.") from None
+            finished = True
+            self._last_result = self._result_of(process, argv)
+        finally:
+            pump.close()
+            if not finished:
+                process.close()
+            self.current_pid = None
+
+    def _result_of(self, process: asyncssh.SSHClientProcess, argv: Sequence[str]) -> CommandResult:
+        if process.exit_status is None and process.exit_signal is None:
+            raise self._lost_error()
+        signal_name = process.exit_signal[0] if process.exit_signal else None
+        status = process.exit_status if process.exit_status is not None and process.exit_status >= 0 else None
+        if status == EXIT_NOT_FOUND:
+            raise TransportError(
+                f"{argv[0]!r} was not found on {self.target.host} (exit status 127). Is it installed and on "
+                f"the PATH of user {self.target.username!r}?"
+            )
+        return CommandResult(exit_status=status, signal=signal_name)
+
+    async def _end_overrun(self) -> None:
+        """End the command that overran (its whole process group), if it told us its PID."""
+        pid = self.current_pid
+        if pid is not None and self._conn is not None and not (self._client and self._client.closed):
+            with contextlib.suppress(TransportError, TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.kill(pid, grace=2.0), 15)
+
+    async def run(
+        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+    ) -> CommandResult:
+        lines = [line async for line in self.stream(argv, timeout=timeout)]
+        result = self._last_result or CommandResult(exit_status=None)
+        result.lines = lines
+        if check and not result.ok:
+            tail = "; ".join(line.text for line in lines[-3:] if line.text)
+            raise CommandFailed(
+                f"{argv[0]!r} on {self.target.host} failed with exit status {result.exit_status}"
+                + (f": {tail}" if tail else ""),
+                result,
+            )
+        return result
+
+    async def _sh(self, script: str, *args: str | int, timeout: float = 60) -> CommandResult:
+        return await self.run(["sh", "-c", script, "sh", *(str(a) for a in args)], timeout=timeout)
+
+    async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
+        # setsid: own session, so the daemon outlives this SSH session; nohup: ignore SIGHUP;
+        # stdbuf -oL: line-buffered stdout so its log is readable as it goes.
+        log = shell_join([log_path])
+        launch = f"setsid nohup stdbuf -oL {shell_join(argv)} > {log} 2>&1 < /dev/null & echo $!"
+        script = f"cd {shell_join([cwd])} && {launch}" if cwd else launch
+        result = await self.run(["sh", "-c", script], timeout=60, check=True)
+        try:
+            return int(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID.") from exc
+
+    async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
+        ticks = max(1, int(grace * 10))
+        result = await self._sh(_KILL, int(pid), ticks, timeout=grace + 30)
+        return result.exit_status == 0
+
+    async def pid_alive(self, pid: int) -> bool:
+        return (await self._sh(_ALIVE, int(pid))).exit_status == 0
+
+    # -- files -------------------------------------------------------------------------------------------
+
+    async def upload(self, local_path: str, remote_path: str) -> None:
+        conn = self._require_conn()
+        try:
+            async with conn.start_sftp_client() as sftp:
+                await sftp.put(local_path, remote_path)
+        except asyncssh.SFTPError as exc:
+            raise TransportError(
+                f"Uploading to {self.target.host}:{remote_path} failed: {exc.reason}"
+            ) from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Uploading to {self.target.host}:{remote_path} failed: {exc}") from exc
+
+    async def read_head(self, remote_path: str, nbytes: int) -> bytes:
+        conn = self._require_conn()
+        try:
+            async with conn.start_sftp_client() as sftp, sftp.open(remote_path, "rb") as handle:
+                return await handle.read(nbytes)
+        except asyncssh.SFTPError as exc:
+            raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc}") from exc
+
+
+class NodeSSHTransport(SSHTransport):
+    """An SSHTransport for a Node row: a refused host key is stored on the node as pending, and a failed
+    connection marks the node unreachable with the reason (a person reads it on the node page)."""
+
+    def __init__(self, target: SSHTarget, node_pk: int) -> None:
+        super().__init__(target)
+        self.node_pk = node_pk
+
+    async def connect(self) -> None:
+        from asgiref.sync import sync_to_async
+
+        try:
+            await super().connect()
+        except (HostKeyUnknown, HostKeyChanged) as exc:
+            await sync_to_async(_record_offered_key)(self.node_pk, exc)
+            raise
+        except TransportError as exc:
+            await sync_to_async(_record_unreachable)(self.node_pk, str(exc))
+            raise
+
+
+def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
+    from nodes.models import Node, Reachability
+
+    state = (
+        Reachability.HOST_KEY_CHANGED if isinstance(exc, HostKeyChanged) else Reachability.HOST_KEY_PENDING
+    )
+    Node.objects.filter(pk=node_pk).update(
+        pending_host_key=exc.offered_key,
+        pending_host_key_fingerprint=exc.fingerprint,
+        reachability=state,
+        last_error=str(exc),
+    )
+
+
+def _record_unreachable(node_pk: int, message: str) -> None:
+    from nodes.models import Node, Reachability
+
+    Node.objects.filter(pk=node_pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
+
+
+def target_for_node(node) -> SSHTarget:
+    """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
+    from django.conf import settings
+
+    from nodes.models import CredentialKind
+
+    target = SSHTarget(
+        host=node.address,
+        port=node.ssh_port,
+        username=node.ssh_user or "root",
+        pinned_host_key=node.host_key,
+        connect_timeout=settings.RAMDECK_SSH_CONNECT_TIMEOUT_S,
+        keepalive_interval=settings.RAMDECK_SSH_KEEPALIVE_S,
+        command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
+    )
+    credential = node.credential
+    if credential is None:
+        raise TransportError(
+            f"Node {node.name} has no credential: add a password or private key to reach it."
+        )
+    if credential.kind == CredentialKind.PRIVATE_KEY:
+        target.private_key, target.passphrase = credential.secret(), credential.passphrase() or None
+    else:
+        target.password = credential.secret()
+    return target

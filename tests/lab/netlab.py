@@ -1,0 +1,431 @@
+"""A test lab of "machines" on this host: network namespaces joined by veth pairs, each running its own sshd.
+
+Every namespace gets a /24 of 10.77.0.0/16: the test process's side of the veth is 10.77.<i>.1, the
+namespace's side 10.77.<i>.2, where <i> is allocated under a machine-wide file lock so parallel runs never
+share a subnet. Names carry the pid of the creating process (`rdlab-<pid>-<n>`, veth `rdl<pid>h<n>`), which
+lets `cleanup_leftovers` remove what a crashed earlier run left behind without touching a live run's hosts.
+
+Only the network is separate: the namespaces share this host's file system, users and process table, so
+`ip netns pids` is how teardown finds (and ends, by PID) every process that was started inside a host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "rdlab"
+VETH_PREFIX = "rdl"
+SUBNET = "10.77"
+LOCK_PATH = "/run/ramdeck-lab.lock"
+CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+SSHD = "/usr/sbin/sshd"
+# A system user for the tests that need password authentication (namespaces share /etc/passwd).
+PASSWORD_USER = "ramdeck-lab"
+PASSWORD_USER_PASSWORD = "lab-only password 7f3e"
+
+_serial = itertools.count()
+
+
+class LabUnavailable(Exception):
+    """This machine cannot run the lab (not root, no `ip netns`, ...). The message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why the lab cannot run here, or None when it can."""
+    if os.geteuid() != 0:
+        return "the network-namespace lab needs root"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is missing"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns` does not work here: {probe.stderr.strip()}"
+    if not Path(SSHD).exists():
+        return "sshd is missing and could not be installed"
+    return None
+
+
+def ensure_sshd_installed() -> None:
+    """Install Debian's openssh-server when /usr/sbin/sshd is missing (the lab's one real dependency)."""
+    if Path(SSHD).exists() or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server"],
+        env=env,
+        capture_output=True,
+        timeout=900,
+    )
+
+
+def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    """Serialise subnet allocation and user creation across concurrent test runs on this machine."""
+    with open(LOCK_PATH, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _used_subnet_indexes() -> set[int]:
+    out = _run(["ip", "-4", "-o", "addr", "show"]).stdout
+    return {int(m) for m in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.1/", out)}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is gone for our purposes (PID 1 here may not reap).
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def kill_pid(pid: int, *, grace: float = 3.0) -> None:
+    """TERM, wait up to `grace`, then KILL one process."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _pid_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    # Reap it when it is our own child, so no zombie outlives the test.
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _stop_child(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """End a process this test started (TERM, then KILL) and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def namespace_pids(netns: str) -> list[int]:
+    result = _run(["ip", "netns", "pids", netns], check=False)
+    return [int(p) for p in result.stdout.split()] if result.returncode == 0 else []
+
+
+@dataclass
+class LabHost:
+    """One lab machine: a namespace with an address, maybe an sshd, and its files in `workdir`."""
+
+    netns: str
+    index: int
+    veth_host: str
+    veth_ns: str
+    workdir: Path
+    address: str
+    host_address: str
+    port: int = 22
+    sshd_proc: subprocess.Popen | None = None
+    host_key_path: Path | None = None
+    password_auth: bool = False
+    cgroup: Path | None = None
+    extra_pids: list[int] = field(default_factory=list)
+
+    @property
+    def sshd_pid(self) -> int | None:
+        return self.sshd_proc.pid if self.sshd_proc else None
+
+    @property
+    def host_public_key(self) -> str:
+        """The sshd's host key as an OpenSSH public key line ("ssh-ed25519 AAAA...")."""
+        assert self.host_key_path is not None
+        return " ".join(Path(f"{self.host_key_path}.pub").read_text().split()[:2])
+
+    def exec_argv(self, argv: Sequence[str]) -> list[str]:
+        """argv wrapped to run inside this host's namespace."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+
+class Lab:
+    """A set of lab hosts created by one test; `close()` removes all of them (idempotent)."""
+
+    def __init__(self) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise LabUnavailable(reason)
+        self.pid = os.getpid()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.pid}-"))
+        self.hosts: list[LabHost] = []
+        self._client_key = self.workdir / "client_ed25519"
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ramdeck-lab", "-f", str(self._client_key)])
+        self._closed = False
+
+    # -- the credentials tests log in with ------------------------------------------------------------
+
+    @property
+    def client_private_key(self) -> str:
+        """The authorised test key (OpenSSH private key text)."""
+        return self._client_key.read_text()
+
+    @property
+    def client_public_key(self) -> str:
+        return Path(f"{self._client_key}.pub").read_text().strip()
+
+    def other_private_key(self) -> str:
+        """A valid key that no lab host authorises."""
+        path = self.workdir / "stranger_ed25519"
+        if not path.exists():
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)])
+        return path.read_text()
+
+    # -- hosts -------------------------------------------------------------------------------------------
+
+    def add_host(self, *, sshd: bool = True, password_auth: bool = False) -> LabHost:
+        serial = next(_serial)
+        netns = f"{PREFIX}-{self.pid}-{serial}"
+        veth_host, veth_ns = f"{VETH_PREFIX}{self.pid}h{serial}", f"{VETH_PREFIX}{self.pid}n{serial}"
+        workdir = self.workdir / netns
+        workdir.mkdir()
+        with _machine_lock():
+            index = next(i for i in range(1, 255) if i not in _used_subnet_indexes())
+            host = LabHost(
+                netns=netns,
+                index=index,
+                veth_host=veth_host,
+                veth_ns=veth_ns,
+                workdir=workdir,
+                address=f"{SUBNET}.{index}.2",
+                host_address=f"{SUBNET}.{index}.1",
+            )
+            # Registered before creation so a failure half-way is still torn down.
+            self.hosts.append(host)
+            self._create_network(host)
+        if sshd:
+            if password_auth:
+                ensure_password_user()
+            self.start_sshd(host, password_auth=password_auth)
+        return host
+
+    def _create_network(self, host: LabHost) -> None:
+        _run(["ip", "netns", "add", host.netns])
+        _run(["ip", "link", "add", host.veth_host, "type", "veth", "peer", "name", host.veth_ns])
+        _run(["ip", "link", "set", host.veth_ns, "netns", host.netns])
+        _run(["ip", "addr", "add", f"{host.host_address}/24", "dev", host.veth_host])
+        _run(["ip", "link", "set", host.veth_host, "up"])
+        inside = ["ip", "netns", "exec", host.netns]
+        _run([*inside, "ip", "addr", "add", f"{host.address}/24", "dev", host.veth_ns])
+        _run([*inside, "ip", "link", "set", host.veth_ns, "up"])
+        _run([*inside, "ip", "link", "set", "lo", "up"])
+
+    def start_sshd(self, host: LabHost, *, password_auth: bool = False, new_host_key: bool = False) -> None:
+        """(Re)start the host's sshd; `new_host_key` regenerates its host key (a "changed host key")."""
+        self.stop_sshd(host)
+        key = host.workdir / "ssh_host_ed25519_key"
+        if new_host_key or not key.exists():
+            for path in (key, Path(f"{key}.pub")):
+                path.unlink(missing_ok=True)
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", host.netns, "-f", str(key)])
+        host.host_key_path = key
+        host.password_auth = password_auth
+        authorized = host.workdir / "authorized_keys"
+        authorized.write_text(self.client_public_key + "\n")
+        config = host.workdir / "sshd_config"
+        config.write_text(_sshd_config(host, key, authorized, password_auth))
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory.
+        log = host.workdir / "sshd.log"
+        host.sshd_proc = subprocess.Popen(
+            host.exec_argv([SSHD, "-D", "-f", str(config), "-E", str(log)]),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        if host.cgroup is not None:
+            (host.cgroup / "cgroup.procs").write_text(str(host.sshd_proc.pid))
+        self._wait_for_sshd(host, log)
+
+    def _wait_for_sshd(self, host: LabHost, log: Path) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if host.sshd_proc is not None and host.sshd_proc.poll() is not None:
+                raise RuntimeError(f"sshd in {host.netns} exited: {log.read_text() if log.exists() else ''}")
+            with contextlib.suppress(OSError), socket.create_connection((host.address, host.port), 0.5) as s:
+                s.settimeout(2)
+                if s.recv(64).startswith(b"SSH-"):
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"sshd in {host.netns} did not answer on {host.address}:{host.port}")
+
+    def stop_sshd(self, host: LabHost) -> None:
+        if host.sshd_proc is not None:
+            _stop_child(host.sshd_proc)
+            host.sshd_proc = None
+
+    # -- faults and slowness -------------------------------------------------------------------------
+
+    def link_down(self, host: LabHost) -> None:
+        """The machine "goes away": its cable is pulled and packets to it vanish without an answer.
+
+        The namespace's end goes down, not ours: our route then stays on the veth (flagged linkdown) and
+        packets are dropped there. Taking our end down would remove the route and send them to the default
+        gateway, off this machine.
+        """
+        _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "down"]))
+
+    def link_up(self, host: LabHost) -> None:
+        _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "up"]))
+
+    def throttle_cpu(self, host: LabHost, fraction: float) -> Path:
+        """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1)."""
+        if not CGROUP_CPU_ROOT.is_dir():
+            raise LabUnavailable("cgroup v1 cpu controller is not mounted at /sys/fs/cgroup/cpu")
+        group = CGROUP_CPU_ROOT / host.netns
+        group.mkdir(exist_ok=True)
+        period = 100_000
+        (group / "cpu.cfs_period_us").write_text(str(period))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * fraction))))
+        host.cgroup = group
+        for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
+            if pid:
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(str(pid))
+        return group
+
+    def unthrottle_cpu(self, host: LabHost) -> None:
+        if host.cgroup is None:
+            return
+        _remove_cgroup(host.cgroup)
+        host.cgroup = None
+
+    # -- teardown ----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[str] = []
+        for host in reversed(self.hosts):
+            try:
+                self._destroy(host)
+            except Exception as exc:  # Keep going: every host must be torn down.
+                errors.append(f"{host.netns}: {exc}")
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if errors:
+            raise RuntimeError("lab teardown left things behind: " + "; ".join(errors))
+
+    def _destroy(self, host: LabHost) -> None:
+        self.stop_sshd(host)
+        for pid in [*host.extra_pids, *namespace_pids(host.netns)]:
+            kill_pid(pid, grace=1.0)
+        if host.cgroup is not None:
+            _remove_cgroup(host.cgroup)
+        _run(["ip", "link", "del", host.veth_host], check=False)
+        _run(["ip", "netns", "del", host.netns], check=False)
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _sshd_config(host: LabHost, key: Path, authorized: Path, password_auth: bool) -> str:
+    return "\n".join(
+        [
+            f"ListenAddress {host.address}:{host.port}",
+            f"HostKey {key}",
+            f"AuthorizedKeysFile {authorized}",
+            f"PidFile {host.workdir / 'sshd.pid'}",
+            f"PasswordAuthentication {'yes' if password_auth else 'no'}",
+            "KbdInteractiveAuthentication no",
+            "PubkeyAuthentication yes",
+            "PermitRootLogin prohibit-password",
+            f"AllowUsers root {PASSWORD_USER}",
+            "UsePAM no",
+            "StrictModes no",
+            "UseDNS no",
+            "MaxStartups 200",
+            "MaxSessions 200",
+            "LogLevel VERBOSE",
+            "Subsystem sftp internal-sftp",
+            "",
+        ]
+    )
+
+
+def ensure_password_user() -> None:
+    """Create the lab's password-login user (no home, no privileges) and set its known password."""
+    with _machine_lock():
+        if _run(["id", PASSWORD_USER], check=False).returncode != 0:
+            _run(["useradd", "--system", "--no-create-home", "--home-dir", "/", "-s", "/bin/sh", PASSWORD_USER])
+        subprocess.run(
+            ["chpasswd"], input=f"{PASSWORD_USER}:{PASSWORD_USER_PASSWORD}\n", text=True, check=True
+        )
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Move the group's processes back to the root group, then remove it."""
+    procs = group / "cgroup.procs"
+    with contextlib.suppress(OSError):
+        for pid in procs.read_text().split():
+            with contextlib.suppress(OSError):
+                (CGROUP_CPU_ROOT / "cgroup.procs").write_text(pid)
+    with contextlib.suppress(OSError):
+        group.rmdir()
+
+
+def cleanup_leftovers() -> list[str]:
+    """Remove namespaces, veths, cgroups and temp dirs of earlier runs whose process is gone."""
+    removed: list[str] = []
+    if unavailable_reason():
+        return removed
+    netns_out = _run(["ip", "netns", "list"], check=False).stdout
+    for name in re.findall(rf"^({PREFIX}-(\d+)-\d+)", netns_out, flags=re.M):
+        netns, pid = name[0], int(name[1])
+        if _pid_alive(pid):
+            continue
+        for child in namespace_pids(netns):
+            kill_pid(child, grace=1.0)
+        _run(["ip", "netns", "del", netns], check=False)
+        removed.append(netns)
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    for veth, pid in re.findall(rf"^\d+: ({VETH_PREFIX}(\d+)[hn]\d+)[@:]", links, flags=re.M):
+        if not _pid_alive(int(pid)):
+            _run(["ip", "link", "del", veth], check=False)
+            removed.append(veth)
+    if CGROUP_CPU_ROOT.is_dir():
+        for group in CGROUP_CPU_ROOT.glob(f"{PREFIX}-*-*"):
+            if not _pid_alive(int(group.name.split("-")[1])):
+                _remove_cgroup(group)
+                removed.append(str(group))
+    for stale in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-*"):
+        with contextlib.suppress(ValueError):
+            if not _pid_alive(int(stale.name.split("-")[1])):
+                shutil.rmtree(stale, ignore_errors=True)
+                removed.append(str(stale))
+    return removed
