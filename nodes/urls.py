@@ -10,6 +10,7 @@ urlpatterns = [
     path("new/", views.node_create, name="create"),
     path("credentials/", views.credential_list, name="credentials"),
     path("credentials/new/", views.credential_create, name="credential_create"),
+    path("credentials/<int:pk>/edit/", views.credential_edit, name="credential_edit"),
     path("credentials/<int:pk>/delete/", views.credential_delete, name="credential_delete"),
     path("<slug:name>/", views.node_detail, name="detail"),
     path("<slug:name>/edit/", views.node_edit, name="edit"),

@@ -1,11 +1,160 @@
+"""Node inventory and credential pages."""
+
 from __future__ import annotations
 
+from django.contrib import messages
+from django.db import transaction
+from django.db.models import ProtectedError, Q
 from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from jobs import audit
+from jobs.models import Job
+from ramdeck_site.roles import ADMIN, VIEWER, role_required
+
+from .forms import CredentialForm, NodeFilterForm, NodeForm
+from .models import Credential, Node, Reachability
 
 
-def _stub(request, *args, **kwargs):
-    return HttpResponse("stub")
+def _get_node(name: str) -> Node:
+    return get_object_or_404(Node, name=name)
 
 
-node_list = node_create = credential_list = credential_create = credential_delete = _stub
-node_detail = node_edit = node_delete = _stub
+def _filtered_nodes(params) -> tuple[NodeFilterForm, object]:
+    form = NodeFilterForm(params)
+    nodes = Node.objects.select_related("credential").prefetch_related("devices")
+    if form.is_valid():
+        q = form.cleaned_data["q"].strip()
+        if q:
+            nodes = nodes.filter(Q(name__icontains=q) | Q(address__icontains=q) | Q(notes__icontains=q))
+        if form.cleaned_data["transport"]:
+            nodes = nodes.filter(transport=form.cleaned_data["transport"])
+        status = form.cleaned_data["status"]
+        if status == "enabled":
+            nodes = nodes.filter(enabled=True)
+        elif status == "disabled":
+            nodes = nodes.filter(enabled=False)
+        elif status == "reachable":
+            nodes = nodes.filter(reachability=Reachability.REACHABLE)
+        elif status == "unreachable":
+            nodes = nodes.exclude(reachability__in=[Reachability.REACHABLE, Reachability.UNKNOWN])
+    return form, nodes
+
+
+@role_required(VIEWER)
+def node_list(request):
+    form, nodes = _filtered_nodes(request.GET)
+    template = "nodes/node_list.html"
+    if request.htmx and request.htmx.target == "node-table":
+        template += "#table"
+    return render(request, template, {"filter_form": form, "nodes": nodes})
+
+
+@role_required(VIEWER)
+def node_detail(request, name: str):
+    node = _get_node(name)
+    context = {
+        "node": node,
+        "devices": node.devices.all(),
+        "jobs": Job.objects.filter(node=node)[:10],
+        "deployments": node.coordinated_deployments.all()[:10],
+        "model_files": node.model_files.all(),
+    }
+    return render(request, "nodes/node_detail.html", context)
+
+
+@role_required(ADMIN)
+def node_create(request):
+    form = NodeForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        with transaction.atomic():
+            node = form.save()
+            audit.record(request, "node.create", node, changes=audit.form_changes(form))
+        messages.success(request, f"Node {node.name} added.")
+        return redirect(node)
+    return render(request, "nodes/node_form.html", {"form": form, "node": None})
+
+
+@role_required(ADMIN)
+def node_edit(request, name: str):
+    node = _get_node(name)
+    form = NodeForm(request.POST or None, instance=node)
+    if request.method == "POST" and form.is_valid():
+        with transaction.atomic():
+            node = form.save()
+            audit.record(request, "node.update", node, changes=audit.form_changes(form))
+        messages.success(request, f"Node {node.name} saved.")
+        return redirect(node)
+    return render(request, "nodes/node_form.html", {"form": form, "node": node})
+
+
+@role_required(ADMIN)
+def node_delete(request, name: str):
+    """GET shows a confirmation page (no-JS path); POST deletes. htmx posts come from the inline button."""
+    node = _get_node(name)
+    if request.method != "POST":
+        return render(request, "nodes/node_confirm_delete.html", {"node": node})
+    try:
+        with transaction.atomic():
+            snapshot = {"address": node.address, "transport": node.transport}
+            audit.record(request, "node.delete", node, changes=snapshot)
+            node.delete()
+    except ProtectedError:
+        message = f"{node.name} is used by a model or a deployment; remove those first."
+        if request.htmx:
+            return HttpResponse(message, status=409)
+        messages.error(request, message)
+        return redirect(node)
+    if request.htmx:
+        # The row disappears in place; an empty 200 with the row as target removes it.
+        return HttpResponse("")
+    messages.success(request, f"Node {name} deleted.")
+    return redirect("nodes:list")
+
+
+@role_required(VIEWER)
+def credential_list(request):
+    credentials = Credential.objects.prefetch_related("nodes")
+    return render(request, "nodes/credential_list.html", {"credentials": credentials})
+
+
+@role_required(ADMIN)
+def credential_create(request):
+    return _credential_form(request, Credential())
+
+
+@role_required(ADMIN)
+def credential_edit(request, pk: int):
+    return _credential_form(request, get_object_or_404(Credential, pk=pk))
+
+
+def _credential_form(request, credential: Credential):
+    creating = credential.pk is None
+    form = CredentialForm(request.POST or None, request.FILES or None, instance=credential)
+    if request.method == "POST" and form.is_valid():
+        with transaction.atomic():
+            credential = form.save()
+            changes = audit.form_changes(form)
+            if form.cleaned_data.get("new_secret") is not None:
+                changes["secret"] = ["(replaced)", "(replaced)"]
+            audit.record(request, "credential.create" if creating else "credential.update", credential,
+                         changes=changes)
+        messages.success(request, f"Credential {credential.name} saved.")
+        return redirect("nodes:credentials")
+    return render(request, "nodes/credential_form.html", {"form": form, "credential": credential})
+
+
+@role_required(ADMIN)
+@require_POST
+def credential_delete(request, pk: int):
+    credential = get_object_or_404(Credential, pk=pk)
+    try:
+        with transaction.atomic():
+            audit.record(request, "credential.delete", credential)
+            credential.delete()
+    except ProtectedError:
+        messages.error(request, f"{credential.name} is used by a node; give those nodes another credential first.")
+        return redirect("nodes:credentials")
+    messages.success(request, f"Credential {credential.name} deleted.")
+    return redirect("nodes:credentials")

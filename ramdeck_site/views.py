@@ -1,24 +1,84 @@
+"""Site-wide pages: dashboard, login/logout with audit, password change."""
+
 from __future__ import annotations
 
+from django.contrib import messages
+from django.contrib.auth import logout
 from django.contrib.auth import views as auth_views
-from django.http import HttpResponse
+from django.db.models import Count, Sum
+from django.shortcuts import redirect, render
+from django.urls import reverse_lazy
+from django.views.decorators.http import require_POST
+
+from deployments.models import ACTIVE_STATES as DEPLOYMENT_ACTIVE_STATES
+from deployments.models import Deployment
+from jobs import audit
+from jobs.models import AuditEvent, Job
+from nodes.models import Device, Node
 
 
 def dashboard(request):
-    return HttpResponse("dashboard")
+    nodes = Node.objects.all()
+    reachability = dict(nodes.values_list("reachability").annotate(n=Count("pk")))
+    memory = Device.objects.filter(node__enabled=True).aggregate(total=Sum("total_bytes"), free=Sum("free_bytes"))
+    context = {
+        "node_count": nodes.count(),
+        "enabled_count": nodes.filter(enabled=True).count(),
+        "reachable_count": reachability.get("reachable", 0),
+        "unreachable_nodes": nodes.filter(enabled=True).exclude(reachability__in=["reachable", "unknown"]),
+        "memory_total": memory["total"] or 0,
+        "memory_free": memory["free"] or 0,
+        "device_count": Device.objects.filter(node__enabled=True).count(),
+        "recent_jobs": Job.objects.select_related("node")[:8],
+        "active_deployments": Deployment.objects.filter(state__in=DEPLOYMENT_ACTIVE_STATES).select_related(
+            "model_file", "coordinator"
+        ),
+        "recent_events": AuditEvent.objects.all()[:8] if request.user.is_authenticated else [],
+    }
+    return render(request, "ramdeck_site/dashboard.html", context)
 
 
 class RamdeckLoginView(auth_views.LoginView):
-    pass
+    """Django's login, with the audit entries the console promises: success and failure."""
+
+    redirect_authenticated_user = True
+
+    def form_valid(self, form):
+        response = super().form_valid(form)
+        audit.record(self.request, "login", self.request.user)
+        return response
+
+    def form_invalid(self, form):
+        attempted = (self.request.POST.get("username") or "")[:150]
+        audit.record(
+            self.request, "login.failed", object_type="user", object_repr=attempted, changes={"username": attempted}
+        )
+        return super().form_invalid(form)
+
+
+@require_POST
+def logout_view(request):
+    if request.user.is_authenticated:
+        audit.record(request, "logout", request.user)
+    logout(request)
+    messages.success(request, "You are logged out.")
+    return redirect("login")
 
 
 class RamdeckPasswordChangeView(auth_views.PasswordChangeView):
-    pass
+    success_url = reverse_lazy("password_change_done")
 
-
-def logout_view(request):
-    return HttpResponse("logout")
+    def form_valid(self, form):
+        response = super().form_valid(form)
+        audit.record(self.request, "user.password_change", self.request.user)
+        return response
 
 
 def password_change_done(request):
-    return HttpResponse("done")
+    messages.success(request, "Your password has been changed.")
+    return redirect("dashboard")
+
+
+def not_built_yet(request, *args, **kwargs):
+    """Placeholder for pages another area of the console has not wired yet."""
+    return render(request, "ramdeck_site/not_built_yet.html", status=200)

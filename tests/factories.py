@@ -31,6 +31,7 @@ class UserFactory(factory.django.DjangoModelFactory):
 class CredentialFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = Credential
+        skip_postgeneration_save = True
 
     name = factory.Sequence(lambda n: f"cred-{n}")
     kind = CredentialKind.PASSWORD

@@ -1,0 +1,59 @@
+# RAMDeck: `make run` serves the console, `make test` runs the whole suite. Nothing to install by hand.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+# Django 6 needs Python 3.12+: take the first interpreter that is new enough (pyenv installs included).
+PYTHON_CANDIDATES := python3.14 python3.13 python3.12 python3 $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)
+BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
+	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
+	command -v $$p; break; fi; done)
+
+.PHONY: run test lint format check-deploy install-system-deps clean
+
+run: $(STAMP)
+	$(PY) manage.py console
+
+test: $(STAMP) install-system-deps
+	$(PY) -m ramdeck_site.services --postgres-if-available -- $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+check-deploy: $(STAMP)
+	DEBUG=0 RAMDECK_SECRET_KEY=$$($(PY) -c 'import secrets; print(secrets.token_urlsafe(50))') \
+	RAMDECK_ENCRYPTION_KEYS=$$($(PY) -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())') \
+	$(PY) manage.py check --deploy --fail-level WARNING
+
+$(VENV)/bin/python:
+	@if [ -z "$(BASE_PYTHON)" ]; then echo "RAMDeck needs Python 3.12 or newer (Django 6). Install it and retry."; exit 1; fi
+	$(BASE_PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VENV)/bin/python pyproject.toml
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+# Test-only system packages: Chromium for browser tests, OpenSSH server for the network-namespace lab.
+# Installed when missing and the machine allows it (root with apt-get); otherwise those tests say why.
+install-system-deps:
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "Installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "Not installing$$missing (needs root and apt-get); tests that need them will say so."; fi; \
+	fi
+
+clean:
+	rm -rf $(VENV) var .pytest_cache

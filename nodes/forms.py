@@ -1,0 +1,164 @@
+"""Forms for nodes and credentials. Secrets are write-only: never rendered back into a page."""
+
+from __future__ import annotations
+
+import asyncssh
+from django import forms
+from django.conf import settings
+
+from .models import Credential, CredentialKind, Node, Transport
+
+# What an edit form shows in a secret field that already has a stored value. Posting it back unchanged
+# keeps the stored secret; the real value is never sent to the browser.
+SECRET_PLACEHOLDER = "•••••••• (stored; leave as is to keep)"
+
+
+class NodeForm(forms.ModelForm):
+    class Meta:
+        model = Node
+        fields = [
+            "name",
+            "address",
+            "transport",
+            "ssh_port",
+            "ssh_user",
+            "credential",
+            "may_coordinate",
+            "rpc_port",
+            "rpc_bind_address",
+            "platform_hint",
+            "notes",
+            "enabled",
+        ]
+        widgets = {"notes": forms.Textarea(attrs={"rows": 3})}
+        labels = {"ssh_port": "SSH port", "ssh_user": "SSH user", "rpc_port": "RPC port",
+                  "rpc_bind_address": "RPC bind address"}
+
+    def clean_name(self):
+        return self.cleaned_data["name"].strip().lower()
+
+    def clean_address(self):
+        return self.cleaned_data["address"].strip()
+
+    def clean_rpc_bind_address(self):
+        value = self.cleaned_data["rpc_bind_address"].strip()
+        if value == "0.0.0.0":
+            # ggml-rpc-server has no authentication: binding to every interface is an admin decision
+            # taken per deployment with a warning, not a node default.
+            raise forms.ValidationError(
+                "0.0.0.0 exposes the unauthenticated RPC server on every network; give the node's LAN address."
+            )
+        return value
+
+    def clean(self):
+        cleaned = super().clean()
+        if cleaned.get("transport") == Transport.SSH:
+            if not cleaned.get("ssh_user"):
+                self.add_error("ssh_user", "An SSH node needs the user to log in as.")
+            if not cleaned.get("credential"):
+                self.add_error("credential", "An SSH node needs a credential (a private key or a password).")
+        return cleaned
+
+
+class CredentialForm(forms.ModelForm):
+    """Create or edit a credential. The secret can be pasted or uploaded (private keys)."""
+
+    secret = forms.CharField(
+        label="Secret",
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 6, "autocomplete": "off", "spellcheck": "false"}),
+        help_text="A private key in OpenSSH or PEM format, or the password.",
+    )
+    key_file = forms.FileField(label="…or upload the key file", required=False)
+    passphrase = forms.CharField(
+        label="Key passphrase",
+        required=False,
+        strip=False,
+        widget=forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"}),
+        help_text="Only for a private key that is protected by a passphrase.",
+    )
+
+    class Meta:
+        model = Credential
+        fields = ["name", "kind"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.has_stored_secret = bool(self.instance.pk and self.instance.secret_encrypted)
+        if self.has_stored_secret:
+            self.fields["secret"].initial = SECRET_PLACEHOLDER
+            self.fields["secret"].help_text += " The stored value is kept unless you replace it."
+
+    def clean_key_file(self):
+        upload = self.cleaned_data.get("key_file")
+        if upload and upload.size > settings.RAMDECK_MAX_UPLOAD_BYTES:
+            raise forms.ValidationError(
+                f"The file is {upload.size:,} bytes; a key file is at most "
+                f"{settings.RAMDECK_MAX_UPLOAD_BYTES:,} bytes."
+            )
+        return upload
+
+    def clean(self):
+        cleaned = super().clean()
+        secret = cleaned.get("secret") or ""
+        upload = cleaned.get("key_file")
+        if upload:
+            try:
+                secret = upload.read().decode("utf-8")
+            except UnicodeDecodeError:
+                self.add_error("key_file", "The file is not a text key file (it is not valid UTF-8).")
+                return cleaned
+        keep_stored = self.has_stored_secret and secret in ("", SECRET_PLACEHOLDER)
+        if keep_stored:
+            cleaned["new_secret"] = None
+            return cleaned
+        if secret in ("", SECRET_PLACEHOLDER):
+            self.add_error("secret", "Enter the password or paste the private key (or upload it).")
+            return cleaned
+        if len(secret.encode()) > settings.RAMDECK_MAX_UPLOAD_BYTES:
+            self.add_error("secret", "That is too long to be a key or a password.")
+            return cleaned
+        passphrase = cleaned.get("passphrase") or ""
+        if cleaned.get("kind") == CredentialKind.PRIVATE_KEY:
+            cleaned["fingerprint"] = self._check_private_key(secret, passphrase)
+        else:
+            cleaned["fingerprint"] = ""
+            passphrase = ""
+        cleaned["new_secret"] = secret
+        cleaned["new_passphrase"] = passphrase
+        return cleaned
+
+    def _check_private_key(self, secret: str, passphrase: str) -> str:
+        try:
+            key = asyncssh.import_private_key(secret.strip() + "\n", passphrase or None)
+        except asyncssh.KeyEncryptionError:
+            self.add_error("passphrase", "The passphrase does not open this key.")
+            return ""
+        except (asyncssh.KeyImportError, ValueError) as exc:
+            if "passphrase" in str(exc).lower():
+                self.add_error("passphrase", "This key is protected by a passphrase; enter it below.")
+            else:
+                self.add_error("secret", "This is not a private key that can be read (OpenSSH, PEM or PKCS#8).")
+            return ""
+        return key.get_fingerprint("sha256")
+
+    def save(self, commit: bool = True) -> Credential:
+        credential = super().save(commit=False)
+        new_secret = self.cleaned_data.get("new_secret")
+        if new_secret is not None:
+            credential.set_secret(new_secret, self.cleaned_data.get("new_passphrase", ""))
+            credential.public_fingerprint = self.cleaned_data.get("fingerprint", "")
+        if commit:
+            credential.save()
+        return credential
+
+
+class NodeFilterForm(forms.Form):
+    q = forms.CharField(label="Search", required=False)
+    transport = forms.ChoiceField(choices=[("", "Any transport"), *Transport.choices], required=False)
+    status = forms.ChoiceField(
+        choices=[("", "Any status"), ("enabled", "Enabled"), ("disabled", "Disabled"),
+                 ("reachable", "Reachable"), ("unreachable", "Unreachable")],
+        required=False,
+    )

