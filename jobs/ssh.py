@@ -31,6 +31,7 @@ from .transport import (
     LinePump,
     OutputLine,
     TransportError,
+    daemon_script,
     shell_join,
 )
 
@@ -111,6 +112,8 @@ class SSHTransport:
         self._last_result: CommandResult | None = None
         # PID of the command `stream` is running right now (so a canceller can end it).
         self.current_pid: int | None = None
+        # PID of the most recent command, kept after it ends (for diagnostics and tests).
+        self.last_pid: int | None = None
 
     # -- connection ----------------------------------------------------------------------------------
 
@@ -298,7 +301,7 @@ class SSHTransport:
                         and line.stream == "err"
                         and (m := _PID_LINE.match(line.text))
                     ):
-                        self.current_pid = int(m.group(1))
+                        self.current_pid = self.last_pid = int(m.group(1))
                         continue
                     yield line
             try:
@@ -352,11 +355,7 @@ class SSHTransport:
         return await self.run(["sh", "-c", script, "sh", *(str(a) for a in args)], timeout=timeout)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
-        # setsid: own session, so the daemon outlives this SSH session; nohup: ignore SIGHUP;
-        # stdbuf -oL: line-buffered stdout so its log is readable as it goes.
-        log = shell_join([log_path])
-        launch = f"setsid nohup stdbuf -oL {shell_join(argv)} > {log} 2>&1 < /dev/null & echo $!"
-        script = f"cd {shell_join([cwd])} && {launch}" if cwd else launch
+        script = daemon_script(argv, log_path=log_path, cwd=cwd)
         result = await self.run(["sh", "-c", script], timeout=60, check=True)
         try:
             return int(result.stdout.strip().splitlines()[-1])

@@ -189,6 +189,20 @@ class LinePump:
             task.cancel()
 
 
+def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
+    """Shell text that starts argv detached and prints its PID.
+
+    setsid: a session of its own, so it outlives the session that started it; nohup: SIGHUP is ignored;
+    stdbuf -oL: stdout is line-buffered, so its log can be read as it is written. Under `&` in a shell
+    without job control the child is no group leader, so setsid, nohup and stdbuf each exec in place and
+    `$!` is the daemon's own PID.
+    """
+    launch = (
+        f"setsid nohup stdbuf -oL {shell_join(argv)} > {shell_join([log_path])} 2>&1 < /dev/null & echo $!"
+    )
+    return f"{shell_join(['cd', cwd])} && {launch}" if cwd else launch
+
+
 def open_transport(node) -> Transport:
     """The transport for a Node row (not yet connected: use it with `async with`).
 

@@ -1,0 +1,203 @@
+"""The local transport: the console's own host, through asyncio subprocesses (no SSH needed).
+
+Same interface and the same conventions as jobs/ssh.py: argument lists (no shell except the one daemon
+launcher built by `transport.daemon_script`), output lines streamed as they come, a timeout on every
+command, each command in its own process group so an overrun ends all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator, Sequence
+
+import psutil
+
+from .transport import (
+    EXIT_NOT_FOUND,
+    CommandFailed,
+    CommandResult,
+    CommandTimeout,
+    LinePump,
+    OutputLine,
+    TransportError,
+    daemon_script,
+)
+
+DEFAULT_TIMEOUT_S = 3 * 3600.0
+
+
+class LocalTransport:
+    def __init__(self, *, command_timeout: float | None = None) -> None:
+        self.command_timeout = command_timeout or _default_timeout()
+        self._last_result: CommandResult | None = None
+        self.current_pid: int | None = None
+        self.last_pid: int | None = None
+
+    async def __aenter__(self) -> LocalTransport:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        return None
+
+    @property
+    def last_result(self) -> CommandResult | None:
+        return self._last_result
+
+    async def stream(
+        self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+    ) -> AsyncIterator[OutputLine]:
+        self._last_result = None
+        if not argv:
+            raise ValueError("empty command")
+        timeout = timeout or self.command_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *[str(a) for a in argv],
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env={**os.environ, **env} if env else None,
+                # Its own process group: a timeout or cancel ends the command and all its children.
+                start_new_session=True,
+            )
+        except FileNotFoundError as exc:
+            raise TransportError(
+                f"{argv[0]!r} was not found on this host (the console's own). Is it installed and on PATH?"
+            ) from exc
+        except PermissionError as exc:
+            raise TransportError(f"{argv[0]!r} cannot be executed here: permission denied.") from exc
+        self.current_pid = self.last_pid = process.pid
+        pump = LinePump({"out": process.stdout, "err": process.stderr})
+        finished = False
+        try:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(pump.next_batch(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    await self._end_group(process.pid, grace=2.0)
+                    raise CommandTimeout(
+                        f"{argv[0]!r} ran longer than {timeout:g} s and was ended."
+                    ) from None
+                if batch is None:
+                    break
+                for line in batch:
+                    yield line
+            try:
+                await asyncio.wait_for(process.wait(), max(1.0, deadline - loop.time()))
+            except TimeoutError:
+                await self._end_group(process.pid, grace=2.0)
+                raise CommandTimeout(f"{argv[0]!r} did not exit in time and was ended.") from None
+            finished = True
+            self._last_result = _result_of(process.returncode, argv)
+        finally:
+            pump.close()
+            self.current_pid = None
+            if not finished and process.returncode is None:
+                # The consumer gave up (cancelled or closed the stream): do not leave the command behind.
+                await self._end_group(process.pid, grace=2.0)
+                with contextlib.suppress(ProcessLookupError):
+                    await process.wait()
+
+    async def run(
+        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+    ) -> CommandResult:
+        lines = [line async for line in self.stream(argv, timeout=timeout)]
+        result = self._last_result or CommandResult(exit_status=None)
+        result.lines = lines
+        if check and not result.ok:
+            tail = "; ".join(line.text for line in lines[-3:] if line.text)
+            raise CommandFailed(
+                f"{argv[0]!r} failed with exit status {result.exit_status}" + (f": {tail}" if tail else ""),
+                result,
+            )
+        return result
+
+    async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
+        result = await self.run(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)], check=True)
+        try:
+            return int(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError) as exc:
+            raise TransportError(f"Starting {argv[0]!r} did not report a PID.") from exc
+
+    async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
+        return await self._end_group(int(pid), grace=grace)
+
+    async def pid_alive(self, pid: int) -> bool:
+        return _alive(int(pid))
+
+    async def upload(self, local_path: str, remote_path: str) -> None:
+        try:
+            await asyncio.to_thread(shutil.copyfile, local_path, remote_path)
+        except OSError as exc:
+            raise TransportError(
+                f"Copying {local_path} to {remote_path} failed: {exc.strerror or exc}"
+            ) from exc
+
+    async def read_head(self, remote_path: str, nbytes: int) -> bytes:
+        def read() -> bytes:
+            with open(remote_path, "rb") as handle:
+                return handle.read(nbytes)
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError as exc:
+            raise TransportError(f"Reading {remote_path} failed: {exc.strerror or exc}") from exc
+
+    async def _end_group(self, pid: int, *, grace: float) -> bool:
+        """TERM the process (its group when it leads one), wait up to `grace`, then KILL."""
+        if not _alive(pid):
+            return True
+        _signal(pid, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while _alive(pid) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+            for _ in range(40):
+                if not _alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+        return not _alive(pid)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+            return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a process nobody reaped is gone for every purpose here)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # Someone else's process, but it exists.
+        return True
+
+
+def _result_of(returncode: int | None, argv: Sequence[str]) -> CommandResult:
+    if returncode is not None and returncode < 0:
+        return CommandResult(exit_status=None, signal=signal.Signals(-returncode).name.removeprefix("SIG"))
+    if returncode == EXIT_NOT_FOUND:
+        raise TransportError(f"{argv[0]!r} reported exit status 127: a command it needs was not found.")
+    return CommandResult(exit_status=returncode)
+
+
+def _default_timeout() -> float:
+    try:
+        from django.conf import settings
+
+        return float(settings.RAMDECK_COMMAND_TIMEOUT_S)
+    except Exception:  # Outside Django (scripts, pure tests): the same default as the settings.
+        return DEFAULT_TIMEOUT_S
