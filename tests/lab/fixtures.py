@@ -39,7 +39,7 @@ def _new_lab() -> Lab:
 
 @pytest.fixture
 def lab(request) -> Iterator[Lab]:
-    """A fresh lab for this test; call `lab.add_host(...)` for machines. Torn down even when the test fails."""
+    """A fresh lab for this test; `lab.add_host(...)` adds machines. Torn down even when the test fails."""
     instance = _new_lab()
     request.addfinalizer(instance.close)
     yield instance

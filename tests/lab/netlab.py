@@ -78,6 +78,10 @@ def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30) -> sub
     return result
 
 
+def _keygen(path: Path, comment: str) -> None:
+    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
+
+
 @contextlib.contextmanager
 def _machine_lock() -> Iterator[None]:
     """Serialise subnet allocation and user creation across concurrent test runs on this machine."""
@@ -183,7 +187,7 @@ class Lab:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{self.pid}-"))
         self.hosts: list[LabHost] = []
         self._client_key = self.workdir / "client_ed25519"
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ramdeck-lab", "-f", str(self._client_key)])
+        _keygen(self._client_key, "ramdeck-lab")
         self._closed = False
 
     # -- the credentials tests log in with ------------------------------------------------------------
@@ -201,7 +205,7 @@ class Lab:
         """A valid key that no lab host authorises."""
         path = self.workdir / "stranger_ed25519"
         if not path.exists():
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)])
+            _keygen(path, "stranger")
         return path.read_text()
 
     # -- hosts -------------------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ class Lab:
         if new_host_key or not key.exists():
             for path in (key, Path(f"{key}.pub")):
                 path.unlink(missing_ok=True)
-            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", host.netns, "-f", str(key)])
+            _keygen(key, host.netns)
         host.host_key_path = key
         host.password_auth = password_auth
         authorized = host.workdir / "authorized_keys"
@@ -382,7 +386,7 @@ def ensure_password_user() -> None:
     """Create the lab's password-login user (no home, no privileges) and set its known password."""
     with _machine_lock():
         if _run(["id", PASSWORD_USER], check=False).returncode != 0:
-            _run(["useradd", "--system", "--no-create-home", "--home-dir", "/", "-s", "/bin/sh", PASSWORD_USER])
+            _run(["useradd", "--system", "--no-create-home", "-d", "/", "-s", "/bin/sh", PASSWORD_USER])
         subprocess.run(
             ["chpasswd"], input=f"{PASSWORD_USER}:{PASSWORD_USER_PASSWORD}\n", text=True, check=True
         )

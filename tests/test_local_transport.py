@@ -1,0 +1,117 @@
+"""The local transport: real subprocesses on this host, the same behaviour as the SSH transport."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jobs.local import LocalTransport
+from jobs.transport import CommandFailed, CommandTimeout, TransportError, open_transport
+from tests.factories import NodeFactory
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def local():
+    async with LocalTransport(command_timeout=60) as transport:
+        yield transport
+
+
+async def test_a_command_streams_both_streams_and_its_exit_status(local):
+    result = await local.run(["sh", "-c", "echo one; echo two >&2; echo three; exit 4"])
+    assert [line.text for line in result.lines if line.stream == "out"] == ["one", "three"]
+    assert [line.text for line in result.lines if line.stream == "err"] == ["two"]
+    assert result.exit_status == 4
+
+
+async def test_lines_arrive_while_the_command_is_still_running(local, tmp_path):
+    gate = tmp_path / "gate"
+    script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; echo done'
+    seen = []
+    async for line in local.stream(["sh", "-c", script], timeout=60):
+        seen.append(line.text)
+        if line.text == "ready":
+            gate.touch()
+    assert seen == ["ready", "done"]
+    assert local.last_result.exit_status == 0
+
+
+async def test_two_hundred_thousand_lines_all_arrive_in_order(local):
+    texts = [line.text async for line in local.stream(["seq", "1", "200000"])]
+    assert texts == [str(n) for n in range(1, 200_001)]
+
+
+async def test_nul_bytes_are_dropped_and_invalid_utf8_is_replaced(local):
+    result = await local.run(["printf", r"a\000b\377c\nlast line without newline"])
+    assert [line.text for line in result.lines] == ["ab\ufffdc", "last line without newline"]
+
+
+async def test_environment_additions_reach_the_command(local):
+    lines = [
+        line.text async for line in local.stream(["sh", "-c", 'echo "$RAMDECK_X"'], env={"RAMDECK_X": "42"})
+    ]
+    assert lines == ["42"]
+
+
+async def test_a_missing_program_is_a_transport_error(local):
+    with pytest.raises(TransportError, match="'no-such-tool-xyz' was not found on this host"):
+        await local.run(["no-such-tool-xyz"])
+
+
+async def test_check_turns_a_non_zero_exit_into_command_failed(local):
+    with pytest.raises(CommandFailed, match="exit status 3: nope"):
+        await local.run(["sh", "-c", "echo nope >&2; exit 3"], check=True)
+
+
+async def test_an_overrun_ends_the_command_and_its_children(local, tmp_path):
+    with pytest.raises(CommandTimeout, match="longer than 1 s"):
+        await local.run(["sh", "-c", "sleep 300 & sleep 300; wait"], timeout=1)
+    assert not await local.pid_alive(local.last_pid)
+
+
+async def test_a_signal_is_reported_as_such(local):
+    result = await local.run(["sh", "-c", "kill -TERM $$"])
+    assert result.exit_status is None
+    assert result.signal == "TERM"
+
+
+async def test_a_daemon_survives_and_is_killed_by_pid(local, tmp_path):
+    log = tmp_path / "daemon.log"
+    pid = await local.start_daemon(
+        ["sh", "-c", "echo up; exec sleep 600"], log_path=str(log), cwd=str(tmp_path)
+    )
+    try:
+        assert await local.pid_alive(pid)
+        # The log is line-buffered: the first line is there without the daemon exiting.
+        for _ in range(100):
+            if log.exists() and log.read_bytes():
+                break
+            await asyncio.sleep(0.05)
+        assert await local.read_head(str(log), 100) == b"up\n"
+    finally:
+        assert await local.kill(pid, grace=2.0)
+    assert not await local.pid_alive(pid)
+
+
+async def test_upload_copies_and_read_head_reads_the_start(local, tmp_path):
+    source = tmp_path / "a.bin"
+    source.write_bytes(b"GGUF" + bytes(100))
+    await local.upload(str(source), str(tmp_path / "b.bin"))
+    assert await local.read_head(str(tmp_path / "b.bin"), 4) == b"GGUF"
+    with pytest.raises(TransportError, match="No such file"):
+        await local.read_head(str(tmp_path / "missing"), 4)
+
+
+@pytest.mark.django_db
+def test_open_transport_picks_the_local_transport_for_a_local_node():
+    node = NodeFactory(transport="local", address="127.0.0.1")
+    assert isinstance(open_transport(node), LocalTransport)
+
+
+@pytest.mark.django_db
+def test_open_transport_refuses_an_ssh_node_without_credential():
+    node = NodeFactory(credential=None)
+    with pytest.raises(TransportError, match="has no credential"):
+        open_transport(node)
