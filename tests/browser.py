@@ -1,0 +1,89 @@
+"""Browser testing: a live ASGI server (daphne, websockets included) and headless Chromium via Playwright.
+
+Playwright cannot download browsers here; it drives Debian's `chromium` through `executable_path`. Without
+Chromium the browser tests skip with the reason, except in CI (CI=true), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from functools import partial
+
+import pytest
+from channels.testing.live import make_application, set_database_connection
+from daphne.testing import DaphneProcess
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def chromium_path() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _unavailable(reason: str):
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"Browser tests cannot run in CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    executable = chromium_path()
+    if executable is None:
+        _unavailable("Chromium is not installed (make test installs Debian's chromium when it can).")
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API keeps an event loop on this thread; the test's own ORM calls are still plain
+    # synchronous code, so Django's async-safety guard would be a false alarm here.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with sync_playwright() as playwright:
+        instance = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_FLAGS)
+        yield instance
+        instance.close()
+
+
+@pytest.fixture
+def live_server_url(transactional_db, settings):
+    """A real daphne serving the ASGI app (HTTP and websockets) against the test database."""
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "localhost", "127.0.0.1"]
+    get_application = partial(make_application, static_wrapper=ASGIStaticFilesHandler)
+    process = DaphneProcess("127.0.0.1", get_application, setup=set_database_connection)
+    process.start()
+    if not process.ready.wait(timeout=30):
+        process.terminate()
+        raise RuntimeError("The live daphne server did not start in 30 s.")
+    yield f"http://127.0.0.1:{process.port.value}"
+    process.terminate()
+    process.join(timeout=10)
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(15_000)
+    page = context.new_page()
+    yield page
+    context.close()
+
+
+def log_in(page, base_url: str, username: str, password: str) -> None:
+    page.goto(f"{base_url}/login/")
+    page.fill("input[name=username]", username)
+    page.fill("input[name=password]", password)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base_url}/")
