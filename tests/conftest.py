@@ -9,7 +9,7 @@ import pytest
 
 from tests.factories import PASSWORD, UserFactory
 
-pytest_plugins: list[str] = ["tests.lab.fixtures", "tests.browser"]
+pytest_plugins: list[str] = ["tests.lab.fixtures", "tests.browser", "tests.job_fixtures"]
 
 
 @pytest.fixture

@@ -1,0 +1,92 @@
+"""How job output and job states reach browsers: line markup, and group messages on the channel layer.
+
+The runner saves lines first and sends them here second (AWX's callback receiver does the same), so a
+message that is lost on the way costs a watcher nothing they cannot reload. Line markup is rendered once,
+here, by the same function the pages use (`log_line_html`), and carried in the message with its `seq`
+so each consumer can drop lines it has already sent. Status messages carry only the job's id and state:
+consumers render the parts of the page that depend on the viewer (the cancel button) themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+from asgiref.sync import async_to_sync
+from channels.layers import get_channel_layer
+from django.utils.html import escape
+
+logger = logging.getLogger(__name__)
+
+# Everyone watching the job list; status changes of every job go here too.
+LIST_GROUP = "jobs"
+
+# ANSI escape sequences: CSI (colours, cursor moves), OSC (window titles, hyperlinks), and the short
+# two-byte forms. Build tools colour their output; a web page must never show the raw codes.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
+# Other control characters (except tab) have no business in a page or a text download.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def group_name(job_id: int) -> str:
+    """Channel-layer group of one job. A hyphen, because colons are not valid in group names."""
+    return f"job-{job_id}"
+
+
+def plain_text(text: str) -> str:
+    """What a person should read: ANSI codes stripped, a carriage-return progress line reduced to its
+    final state (what a terminal would show), other control characters dropped."""
+    if "\x1b" in text:
+        text = _ANSI.sub("", text)
+    if "\r" in text:
+        text = next((part for part in reversed(text.split("\r")) if part), "")
+    return _CONTROL.sub("", text)
+
+
+def log_line_html(seq: int, stream: str, text: str) -> str:
+    """One log line as the page shows it. No whitespace around it: the log box is `white-space: pre-wrap`."""
+    return f'<div class="{stream}" data-seq="{seq}">{escape(plain_text(text)) or " "}</div>'
+
+
+def lines_message(job_id: int, rows: Iterable) -> dict:
+    """The group message for freshly saved JobLogLine rows (or (seq, stream, text) tuples)."""
+    lines = []
+    for row in rows:
+        seq, stream, text = (row.seq, row.stream, row.text) if hasattr(row, "seq") else row
+        lines.append([seq, log_line_html(seq, stream, text)])
+    return {"type": "job.lines", "job_id": job_id, "lines": lines}
+
+
+def status_message(job_id: int, state: str) -> dict:
+    return {"type": "job.status", "job_id": job_id, "state": state}
+
+
+async def send_lines(job_id: int, rows: list) -> None:
+    if rows:
+        await _group_send(group_name(job_id), lines_message(job_id, rows))
+
+
+async def send_status(job_id: int, state: str) -> None:
+    message = status_message(job_id, state)
+    await _group_send(group_name(job_id), message)
+    await _group_send(LIST_GROUP, message)
+
+
+def send_lines_sync(job_id: int, rows: list) -> None:
+    """For callers without an event loop (views, the sweeper)."""
+    async_to_sync(send_lines)(job_id, rows)
+
+
+def send_status_sync(job_id: int, state: str) -> None:
+    async_to_sync(send_status)(job_id, state)
+
+
+async def _group_send(group: str, message: dict) -> None:
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        await layer.group_send(group, message)
+    except Exception as exc:  # noqa: BLE001 - the data is saved; a watcher catches up on reload or reconnect.
+        logger.warning("Could not send to channel group %s: %s", group, exc)
