@@ -1,0 +1,416 @@
+"""Job bodies of a deployment's steps: reap, start ggml-rpc-server, start llama-server, verify, measure, stop.
+
+Each body is `async def body(ctx) -> str` run by jobs/runner.py; the order and the deployment's state
+changes are decided by deployments/lifecycle.py. Every process a step starts is recorded by PID in
+`Deployment.processes` at once, so a failure later on can end exactly what this deployment started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import posixpath
+import secrets
+import tempfile
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import placement
+from deployments.reaper import ForeignHolder, PortStillBusy, find_holders, reap_port
+from jobs.runner import JobFailed
+
+MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
+MEASURE_TOKENS = 32
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def node_platform(node) -> str:
+    """ "linux", "macos" or "windows": the operator's hint, else what the probe found."""
+    if node.platform_hint and node.platform_hint != "auto":
+        return node.platform_hint
+    facts = node.facts or {}
+    text = " ".join(str(facts.get(key, "")) for key in ("platform", "os", "system", "os_name")).lower()
+    if "darwin" in text or "mac" in text:
+        return "macos"
+    if "windows" in text:
+        return "windows"
+    return "linux"
+
+
+async def run_dir(ctx) -> str:
+    """~/.ramdeck/run on the node: logs and key files of the processes the console starts."""
+    home = (await ctx.transport.run(["printenv", "HOME"], timeout=30)).stdout.strip() or "/tmp"
+    path = posixpath.join(home, ".ramdeck", "run")
+    await ctx.transport.run(["mkdir", "-p", path], timeout=30)
+    return path
+
+
+def _deployment(pk: int):
+    from deployments.models import Deployment
+
+    return Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
+
+
+async def load_deployment(ctx):
+    return await sync_to_async(_deployment)(ctx.job.params["deployment"])
+
+
+def _add_process(pk: int, key: str, info: dict) -> None:
+    from deployments.models import Deployment
+
+    with transaction.atomic():
+        current = Deployment.objects.select_for_update().get(pk=pk)
+        processes = {**(current.processes or {}), key: info}
+        Deployment.objects.filter(pk=pk).update(processes=processes)
+
+
+def _set_fields(pk: int, **fields) -> None:
+    from deployments.models import Deployment
+
+    Deployment.objects.filter(pk=pk).update(**fields)
+
+
+def _audit(job, action: str, obj, changes: dict) -> None:
+    from jobs.audit import record
+
+    record(job.created_by, action, obj, changes=changes, actor_name="" if job.created_by_id else "console")
+
+
+async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
+    result = await ctx.transport.run(["tail", "-n", str(count), path], timeout=30)
+    return [line.text for line in result.lines if line.stream == "out"]
+
+
+def reach_host(deployment) -> str:
+    """Where the console reaches llama-server: its bind address, or the coordinator's for a wildcard."""
+    host = deployment.host
+    if host in ("0.0.0.0", "::", ""):
+        return deployment.coordinator.address
+    return host
+
+
+def endpoint_url(deployment) -> str:
+    host = reach_host(deployment)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{deployment.port}"
+
+
+def bind_host(deployment) -> str:
+    """llama-server's --host. A loopback address on a remote coordinator could not be reached by the
+    console (or anyone else), so it binds to the coordinator's own address instead."""
+    host = deployment.host or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1") and not deployment.coordinator.is_local:
+        return deployment.coordinator.address
+    return host
+
+
+def health_timeout_s(model_bytes: int) -> float:
+    """Loading reads every weight once (and sends RPC devices theirs): allow a minute plus ~30 s per GiB."""
+    per_gib = getattr(settings, "RAMDECK_HEALTH_TIMEOUT_PER_GIB_S", 30.0)
+    return 60.0 + per_gib * model_bytes / 2**30
+
+
+# --------------------------------------------------------------------------------------------------
+# reap
+# --------------------------------------------------------------------------------------------------
+
+
+async def reap_body(ctx) -> str:
+    """End stale rpc-server/llama-server processes holding the given ports; fail naming any foreign holder."""
+    ports = [int(p) for p in ctx.job.params.get("ports") or [ctx.node.rpc_port]]
+    platform = node_platform(ctx.node)
+    summaries = []
+    for port in ports:
+        try:
+            outcome = await reap_port(
+                ctx.transport, platform, port, log=ctx.log, grace=settings.RAMDECK_KILL_GRACE_S
+            )
+        except (ForeignHolder, PortStillBusy) as exc:
+            raise JobFailed(f"{ctx.node.name}: {exc}") from exc
+        for holder in outcome.reaped:
+            await sync_to_async(_audit)(
+                ctx.job,
+                "process.reaped",
+                ctx.node,
+                {"pid": holder.pid, "port": port, "program": holder.kind, "cmdline": holder.cmdline[:300]},
+            )
+        summaries.append(outcome.summary)
+    return f"{ctx.node.name}: " + "; ".join(summaries)
+
+
+# --------------------------------------------------------------------------------------------------
+# ggml-rpc-server
+# --------------------------------------------------------------------------------------------------
+
+
+async def wait_listening(ctx, pid: int, port: int, log_path: str, *, timeout: float) -> None:
+    """Until `pid` listens on `port` on the node. An rpc-server given a bad option prints usage and exits
+    with status 0, so "alive and listening" is the test, never the exit status."""
+    platform = node_platform(ctx.node)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        holders = await find_holders(ctx.transport, platform, port)
+        if any(h.pid == pid for h in holders):
+            return
+        others = [h for h in holders if h.pid != pid]
+        if not await ctx.transport.pid_alive(pid):
+            tail = "\n".join(await tail_lines(ctx, log_path))
+            held = f" Port {port} is held by {others[0].describe()}." if others else ""
+            raise JobFailed(
+                f"PID {pid} exited before listening on port {port}.{held} Last log lines:\n{tail}"
+            )
+        if asyncio.get_running_loop().time() >= deadline:
+            raise JobFailed(f"PID {pid} is alive but did not listen on port {port} within {timeout:g} s")
+        await asyncio.sleep(0.3)
+
+
+async def rpc_server_body(ctx) -> str:
+    from nodes.models import Build
+
+    params = ctx.job.params
+    deployment = await load_deployment(ctx)
+    build = await sync_to_async(
+        lambda: Build.objects.filter(node=ctx.node).order_by("-created_at", "-pk").first()
+    )()
+    if build is None:
+        raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
+    port = int(params["port"])
+    directory = await run_dir(ctx)
+    log_path = posixpath.join(directory, f"rpc-server-{port}.log")
+    argv = [build.rpc_server_path, *params["args"]]
+    await ctx.log("starting: " + " ".join(argv))
+    pid = await ctx.start_daemon(argv, log_path=log_path)
+    await sync_to_async(_add_process)(
+        deployment.pk,
+        f"rpc-server@{ctx.node.name}",
+        {
+            "node": ctx.node.name,
+            "role": "rpc-server",
+            "pid": pid,
+            "port": port,
+            "log": log_path,
+            "started_at": timezone.now().isoformat(),
+        },
+    )
+    await ctx.log(f"PID {pid}; log {log_path}")
+    await wait_listening(ctx, pid, port, log_path, timeout=float(params.get("listen_timeout", 30)))
+    banner_text = "\n".join(await tail_lines(ctx, log_path, 40))
+    for line in banner_text.splitlines():
+        await ctx.log(f"[rpc-server] {line}")
+    problems = placement.banner_shortfalls(banner_text, params.get("needs", {}))
+    if problems:
+        raise JobFailed(f"{ctx.node.name}: the plan no longer fits: " + "; ".join(problems))
+    return f"{build.rpc_binary} PID {pid} listening on {params['bind']}:{port}"
+
+
+# --------------------------------------------------------------------------------------------------
+# llama-server
+# --------------------------------------------------------------------------------------------------
+
+
+async def _write_key_file(ctx, path: str, key: str) -> None:
+    """The API key reaches the node as a 0600 file, never in a command line (visible in `ps`) or a log."""
+    fd, local = tempfile.mkstemp(prefix="ramdeck-key-")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(key + "\n")
+        await ctx.run(["sh", "-c", 'umask 077 && : > "$1"', "keyfile", path], timeout=30)
+        await ctx.transport.upload(local, path)
+        await ctx.run(["chmod", "600", path], timeout=30)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(local)
+
+
+async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeout: float) -> None:
+    """Copy llama-server's log into the job log as it grows and wait for GET /health = 200."""
+    shown = 0
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            result = await ctx.transport.run(["tail", "-n", f"+{shown + 1}", log_path], timeout=30)
+            fresh = [line.text for line in result.lines if line.stream == "out"]
+            shown += len(fresh)
+            for text in fresh:
+                await ctx.log(f"[llama-server] {text}")
+            with contextlib.suppress(httpx.HTTPError):
+                response = await client.get(f"{url}/health")
+                if response.status_code == 200:
+                    return
+            if not await ctx.transport.pid_alive(pid):
+                tail = "\n".join(await tail_lines(ctx, log_path))
+                raise JobFailed(f"llama-server (PID {pid}) exited while loading. Last log lines:\n{tail}")
+            if asyncio.get_running_loop().time() >= deadline:
+                raise JobFailed(f"llama-server did not become healthy within {timeout:.0f} s")
+            if ctx.cancelled():
+                raise JobFailed("cancelled while llama-server was loading")
+            await asyncio.sleep(0.5)
+
+
+async def llama_server_body(ctx) -> str:
+    from nodes.models import Build
+
+    deployment = await load_deployment(ctx)
+    build = await sync_to_async(
+        lambda: Build.objects.filter(node=ctx.node).order_by("-created_at", "-pk").first()
+    )()
+    if build is None:
+        raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
+    directory = await run_dir(ctx)
+    port = deployment.port
+    log_path = posixpath.join(directory, f"llama-server-{port}.log")
+    key_path = posixpath.join(directory, f"llama-server-{port}.key")
+    key = secrets.token_urlsafe(32)
+    await sync_to_async(_store_key)(deployment.pk, key)
+    await _write_key_file(ctx, key_path, key)
+    host = bind_host(deployment)
+    argv = [
+        build.llama_server_path,
+        "-m",
+        deployment.model_file.path,
+        *deployment.plan["llama_server_args"],
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--api-key-file",
+        key_path,
+        "--metrics",
+        "-lv",
+        "4",
+    ]
+    await ctx.log("starting: " + " ".join(argv))
+    pid = await ctx.start_daemon(argv, log_path=log_path)
+    await sync_to_async(_add_process)(
+        deployment.pk,
+        f"llama-server@{ctx.node.name}",
+        {
+            "node": ctx.node.name,
+            "role": "llama-server",
+            "pid": pid,
+            "port": port,
+            "log": log_path,
+            "key_file": key_path,
+            "started_at": timezone.now().isoformat(),
+        },
+    )
+    await ctx.log(f"PID {pid}; log {log_path}")
+    url = endpoint_url(deployment) if host == deployment.host else f"http://{host}:{port}"
+    timeout = float(
+        ctx.job.params.get("health_timeout") or health_timeout_s(deployment.model_file.size_bytes)
+    )
+    await follow_until_healthy(ctx, pid, log_path, url, timeout=timeout)
+    return f"llama-server PID {pid} healthy at {url}"
+
+
+def _store_key(pk: int, key: str) -> None:
+    deployment = _deployment(pk)
+    deployment.set_api_key(key)
+    deployment.save(update_fields=["api_key_encrypted"])
+
+
+# --------------------------------------------------------------------------------------------------
+# verify and measure
+# --------------------------------------------------------------------------------------------------
+
+
+def _llama_process(deployment) -> dict:
+    for info in (deployment.processes or {}).values():
+        if info.get("role") == "llama-server":
+            return info
+    raise JobFailed("this deployment has no llama-server process on record")
+
+
+async def verify_body(ctx) -> str:
+    deployment = await load_deployment(ctx)
+    info = _llama_process(deployment)
+    result = await ctx.transport.run(["grep", "-E", "buffer size|offloaded", info["log"]], timeout=60)
+    log_text = "\n".join(line.text for line in result.lines if line.stream == "out")
+    report = placement.compare(deployment.plan, log_text)
+    for line in report["lines"]:
+        await ctx.log(line)
+    await sync_to_async(_set_fields)(deployment.pk, verification=report)
+    if report["problems"]:
+        message = "placement differs from the plan: " + "; ".join(report["problems"])
+        if getattr(settings, "RAMDECK_PLACEMENT_MISMATCH", "fail") == "fail":
+            raise JobFailed(message)
+        await ctx.log("WARNING: " + message)
+        return "placement differs from the plan (warned, not failed)"
+    return f"placement matches the plan on {len(report['devices'])} device(s)"
+
+
+async def measure_body(ctx) -> str:
+    deployment = await load_deployment(ctx)
+    key = await sync_to_async(deployment.api_key)()
+    url = endpoint_url(deployment) if deployment.host == bind_host(deployment) else None
+    url = url or f"http://{bind_host(deployment)}:{deployment.port}"
+    body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "cache_prompt": False}
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        response = await client.post(
+            f"{url}/completion", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+    if response.status_code != 200:
+        raise JobFailed(f"POST /completion answered {response.status_code}: {response.text[:300]}")
+    timings = response.json().get("timings", {})
+    decode = timings.get("predicted_per_second")
+    prompt = timings.get("prompt_per_second")
+    predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
+    await sync_to_async(_set_fields)(deployment.pk, measured_decode_tps=decode, measured_prompt_tps=prompt)
+    await ctx.log(
+        f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}); prompt {prompt:.1f} tokens/s"
+    )
+    return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s"
+
+
+# --------------------------------------------------------------------------------------------------
+# stop (also the rollback of a failed launch)
+# --------------------------------------------------------------------------------------------------
+
+
+async def stop_body(ctx) -> str:
+    """End this deployment's processes on the node by PID, then confirm their ports are free."""
+    processes = ctx.job.params.get("processes", [])
+    platform = node_platform(ctx.node)
+    done = []
+    for info in processes:
+        pid = int(info["pid"])
+        if await ctx.transport.pid_alive(pid):
+            await ctx.log(f"ending {info['role']} PID {pid}")
+            gone = await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
+            if not gone:
+                raise JobFailed(f"{info['role']} PID {pid} on {ctx.node.name} did not end")
+            done.append(f"{info['role']} PID {pid} ended")
+        else:
+            await ctx.log(f"{info['role']} PID {pid} was not running")
+            done.append(f"{info['role']} PID {pid} already gone")
+        if info.get("key_file"):
+            await ctx.transport.run(["rm", "-f", info["key_file"]], timeout=30)
+        # What else holds the port now? A leftover of ours is reaped; a foreign holder fails the stop.
+        try:
+            await reap_port(ctx.transport, platform, int(info["port"]), log=ctx.log)
+        except (ForeignHolder, PortStillBusy) as exc:
+            raise JobFailed(str(exc)) from exc
+    return f"{ctx.node.name}: " + ("; ".join(done) or "nothing to stop")
+
+
+async def launch_body(ctx) -> str:
+    """The `launch` job kind: one of the launch steps, named in params["step"]."""
+    step = ctx.job.params.get("step")
+    bodies = {
+        "rpc-server": rpc_server_body,
+        "llama-server": llama_server_body,
+        "verify": verify_body,
+        "measure": measure_body,
+    }
+    if step not in bodies:
+        raise JobFailed(f"unknown launch step {step!r}")
+    return await bodies[step](ctx)

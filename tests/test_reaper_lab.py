@@ -1,0 +1,81 @@
+"""The reaper against real processes on a lab host over real sshd: ours are ended by PID, others never."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.models import AuditEvent, Job, JobKind, JobState
+from tests.deploy_fixtures import (
+    RPC_SERVER,
+    lab_node,
+    listeners_in,
+    log_text,
+    pid_alive,
+    run,
+    start_in,
+    stop_proc,
+    wait_listening,
+)
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.llamacpp,
+    pytest.mark.timeout(180),
+    pytest.mark.django_db(transaction=True),
+]
+
+PORT = 50052
+
+
+@pytest.fixture
+def host_node(lab, lab_host):
+    if not RPC_SERVER.exists():
+        pytest.skip(f"the cached llama.cpp build is missing ({RPC_SERVER})")
+    return lab_host, lab_node(lab, lab_host)
+
+
+def test_a_stale_rpc_server_holding_the_port_is_reaped_by_pid(host_node, tmp_path):
+    host, node = host_node
+    stale = start_in(host, [str(RPC_SERVER), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
+    try:
+        assert f"pid={stale.pid}" in wait_listening(host, PORT)
+        job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+        assert job.state == JobState.SUCCEEDED, job.result
+        stale.wait(timeout=10)
+        assert not pid_alive(stale.pid)
+        assert listeners_in(host, PORT) == ""
+        assert f"PID {stale.pid}" in log_text(job)
+        assert f"reaped rpc-server PID {stale.pid}" in job.result
+        event = AuditEvent.objects.get(action="process.reaped")
+        assert event.changes["pid"] == stale.pid
+        assert event.changes["port"] == PORT
+        assert event.object_repr == node.name
+    finally:
+        stop_proc(stale)
+
+
+def test_a_free_port_is_reported_free_and_nothing_is_killed(host_node):
+    host, node = host_node
+    job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+    assert job.state == JobState.SUCCEEDED, job.result
+    assert "was free" in job.result
+    assert not AuditEvent.objects.filter(action="process.reaped").exists()
+
+
+def test_a_foreign_process_is_never_killed_and_the_job_fails_naming_it(host_node, tmp_path):
+    host, node = host_node
+    foreign = start_in(
+        host, ["python3", "-m", "http.server", str(PORT), "--bind", host.address], tmp_path / "foreign.log"
+    )
+    try:
+        wait_listening(host, PORT)
+        job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+        assert job.state == JobState.FAILED
+        assert "python3" in job.result
+        assert "http.server" in job.result
+        assert f"PID {foreign.pid}" in job.result
+        assert pid_alive(foreign.pid)
+        assert foreign.poll() is None
+        assert not AuditEvent.objects.filter(action="process.reaped").exists()
+    finally:
+        stop_proc(foreign)
