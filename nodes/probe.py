@@ -1,0 +1,452 @@
+"""Hardware discovery: the probe script and pure parsers of what it prints (no Django here).
+
+One POSIX shell script (`PROBE_SCRIPT`) runs on the node in a single round trip and prints sections
+headed `@@@ <name>`; it branches on `uname -s` itself, so Linux and macOS need no second trip. Its only
+input, the RPC port, arrives as "$1". `build_report` turns the sections into a `ProbeReport` whose devices
+are named as llama.cpp names them (CUDA0.., ROCm0.., MTL0, CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from .bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
+
+MIB = 1024**2
+SECTION = "@@@ "
+BINARIES = ("ggml-rpc-server", "rpc-server", "llama-server")
+# cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
+_UNLIMITED = 1 << 60
+
+PROBE_SCRIPT = r"""
+port="$1"
+sec() { printf '\n%s%s\n' '@@@ ' "$1"; }
+sec uname; uname -srm
+sec hostname; hostname 2>/dev/null || uname -n
+case "$(uname -s)" in
+Darwin)
+  sec sw_vers; sw_vers 2>/dev/null
+  sec sysctl
+  sysctl hw.memsize hw.ncpu hw.physicalcpu hw.pagesize machdep.cpu.brand_string \
+    iogpu.wired_limit_mb 2>/dev/null
+  sec vm_stat; vm_stat 2>/dev/null
+  sec displays; system_profiler SPDisplaysDataType 2>/dev/null
+  sec listeners; lsof -nP -iTCP:"$port" -sTCP:LISTEN 2>/dev/null
+  ;;
+*)
+  sec os-release; cat /etc/os-release 2>/dev/null
+  sec cpuinfo; cat /proc/cpuinfo 2>/dev/null
+  sec nproc; nproc 2>/dev/null
+  sec meminfo; cat /proc/meminfo 2>/dev/null
+  cg2=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null)
+  cg1=$(sed -n 's/^[0-9]*:[^:]*memory[^:]*://p' /proc/self/cgroup 2>/dev/null)
+  sec cgroup-v2-max
+  cat "/sys/fs/cgroup$cg2/memory.max" 2>/dev/null || cat /sys/fs/cgroup/memory.max 2>/dev/null
+  sec cgroup-v2-current
+  cat "/sys/fs/cgroup$cg2/memory.current" 2>/dev/null || cat /sys/fs/cgroup/memory.current 2>/dev/null
+  sec cgroup-v1-limit
+  cat "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" 2>/dev/null ||
+    cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
+  sec cgroup-v1-usage
+  cat "/sys/fs/cgroup/memory$cg1/memory.usage_in_bytes" 2>/dev/null ||
+    cat /sys/fs/cgroup/memory/memory.usage_in_bytes 2>/dev/null
+  sec nvidia-smi
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits 2>&1
+  fi
+  sec rocm-smi
+  if command -v rocm-smi >/dev/null 2>&1; then
+    rocm-smi --showproductname --showmeminfo vram --json 2>/dev/null
+  fi
+  sec listeners; ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
+  ;;
+esac
+server=""
+for name in ggml-rpc-server rpc-server llama-server; do
+  path=$(command -v "$name" 2>/dev/null)
+  if [ -z "$path" ] && [ -d "$HOME/.ramdeck/llama.cpp" ]; then
+    path=$(find "$HOME/.ramdeck/llama.cpp" -maxdepth 6 -type f -name "$name" -perm -u+x 2>/dev/null |
+      head -n 1)
+  fi
+  sec "bin $name"; [ -n "$path" ] && echo "$path"
+  [ "$name" = llama-server ] && server="$path"
+done
+sec llama-server-version
+[ -n "$server" ] && "$server" --version 2>&1 | head -n 5
+sec end
+"""
+
+
+@dataclass
+class DeviceInfo:
+    name: str  # As llama.cpp names it: CUDA0, ROCm0, MTL0, CPU.
+    kind: str  # cpu | cuda | rocm | metal | vulkan (nodes.models.DeviceKind values)
+    description: str
+    total_bytes: int
+    free_bytes: int
+    unified_memory: bool = False
+    bandwidth_gbs: float | None = None
+
+
+@dataclass
+class ProbeReport:
+    platform: str = "unknown"  # linux | macos | unknown
+    hostname: str = ""
+    os_name: str = ""
+    kernel: str = ""
+    arch: str = ""
+    cpu_model: str = ""
+    cpu_cores: int = 0
+    ram_total_bytes: int = 0
+    ram_available_bytes: int = 0
+    memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
+    devices: list[DeviceInfo] = field(default_factory=list)
+    binaries: dict[str, str] = field(default_factory=dict)  # name -> path
+    llama_version: str = ""
+    llama_commit: str = ""
+    rpc_port: int | None = None
+    rpc_port_pid: int | None = None
+    rpc_port_process: str = ""
+    rtt_ms: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def rpc_port_in_use(self) -> bool:
+        return bool(self.rpc_port_process or self.rpc_port_pid)
+
+    @property
+    def rpc_server_binary(self) -> str:
+        """The RPC server's path: `ggml-rpc-server` in current releases, `rpc-server` in older ones."""
+        return self.binaries.get("ggml-rpc-server") or self.binaries.get("rpc-server", "")
+
+    def facts(self) -> dict:
+        """What a Node stores in `facts` (JSON; devices are rows of their own)."""
+        data = asdict(self)
+        data.pop("devices")
+        data["rpc_port_in_use"] = self.rpc_port_in_use
+        data["rpc_server_binary"] = self.rpc_server_binary
+        return data
+
+
+# -- sections -------------------------------------------------------------------------------------------
+
+
+def split_sections(text: str) -> dict[str, str]:
+    """{"uname": "...", "cpuinfo": "...", ...} from the probe script's output."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(SECTION):
+            current = sections.setdefault(line[len(SECTION) :].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines).strip() for name, lines in sections.items()}
+
+
+# -- Linux ----------------------------------------------------------------------------------------------
+
+
+def parse_uname(text: str) -> tuple[str, str, str]:
+    """`uname -srm` → (system, kernel release, machine)."""
+    parts = text.split()
+    if len(parts) < 3:
+        return (parts[0] if parts else "", parts[1] if len(parts) > 1 else "", "")
+    return parts[0], parts[1], parts[-1]
+
+
+def parse_os_release(text: str) -> dict[str, str]:
+    result = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and not key.startswith("#"):
+            result[key.strip()] = value.strip().strip('"').strip("'")
+    return result
+
+
+def parse_cpuinfo(text: str) -> tuple[str, int]:
+    """(CPU model, logical CPU count). x86 says "model name"; Arm boards say "Model" or nothing."""
+    model, count = "", 0
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip().lower(), value.strip()
+        if key == "processor" and value.isdigit():
+            count += 1
+        fields.setdefault(key, value)
+    for key in ("model name", "cpu model", "model", "hardware", "cpu part"):
+        if fields.get(key) and not (key == "model" and fields[key].isdigit()):
+            model = fields[key]
+            break
+    return model, count
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes; old kernels without MemAvailable: free + buffers + cached."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\w+(?:\(\w+\))?):\s+(\d+)(?:\s+kB)?", line)
+        if match:
+            values[match.group(1)] = int(match.group(2)) * 1024
+    total = values.get("MemTotal", 0)
+    available = values.get("MemAvailable")
+    if available is None:
+        available = values.get("MemFree", 0) + values.get("Buffers", 0) + values.get("Cached", 0)
+    return total, available
+
+
+def parse_cgroup_bytes(text: str) -> int | None:
+    """A cgroup memory file's value: None for "max", empty, or v1's effectively-unlimited number."""
+    text = text.strip()
+    if not text.isdigit():
+        return None
+    value = int(text)
+    return None if value >= _UNLIMITED else value
+
+
+def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
+    """(limit, usage) of the cgroup the probe ran in; v2 wins when both hierarchies answer."""
+    limit = parse_cgroup_bytes(sections.get("cgroup-v2-max", ""))
+    if limit is not None:
+        return limit, parse_cgroup_bytes(sections.get("cgroup-v2-current", ""))
+    limit = parse_cgroup_bytes(sections.get("cgroup-v1-limit", ""))
+    if limit is not None:
+        return limit, parse_cgroup_bytes(sections.get("cgroup-v1-usage", ""))
+    return None, None
+
+
+def parse_nvidia_smi(text: str) -> list[tuple[int, str, int, int]]:
+    """`--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits` (MiB) →
+    [(index, name, total bytes, free bytes)]. Error text (no driver) yields no GPUs."""
+    gpus = []
+    for line in text.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) != 4 or not parts[0].isdigit():
+            continue
+        index, name, total, free = parts
+        if not (total.isdigit() and free.isdigit()):
+            continue  # "[N/A]" on some boards.
+        gpus.append((int(index), name, int(total) * MIB, int(free) * MIB))
+    return sorted(gpus)
+
+
+def parse_rocm_smi(text: str) -> list[tuple[int, str, int, int]]:
+    """rocm-smi's product name and VRAM, as JSON (`--json`) or its classic text → same tuples as nvidia."""
+    cards: dict[int, dict[str, str]] = {}
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return []
+        for key, values in data.items():
+            match = re.fullmatch(r"card(\d+)", key)
+            if match and isinstance(values, dict):
+                cards[int(match.group(1))] = {k: str(v) for k, v in values.items()}
+    else:
+        for match in re.finditer(r"^GPU\[(\d+)\]\s*:\s*([^:]+?):\s*(.*)$", text, flags=re.M):
+            cards.setdefault(int(match.group(1)), {})[match.group(2).strip()] = match.group(3).strip()
+    gpus = []
+    for index, values in sorted(cards.items()):
+        total = _digits(values.get("VRAM Total Memory (B)"))
+        used = _digits(values.get("VRAM Total Used Memory (B)")) or 0
+        if not total:
+            continue
+        name = values.get("Card Series") or values.get("Card series") or values.get("Card model") or "AMD GPU"
+        gpus.append((index, name, total, max(0, total - used)))
+    return gpus
+
+
+def _digits(value: str | None) -> int | None:
+    return int(value) if value and value.strip().isdigit() else None
+
+
+def parse_ss_listener(text: str, port: int) -> tuple[int | None, str] | None:
+    """Who listens on TCP `port` according to `ss -ltnp`: (pid, process name), or None when nobody does."""
+    for line in text.splitlines():
+        columns = line.split()
+        local = next((c for c in columns if re.search(r":\d+$", c)), None)
+        if local is None or int(local.rsplit(":", 1)[1]) != port:
+            continue
+        match = re.search(r'users:\(\("([^"]*)",pid=(\d+)', line)
+        return (
+            (int(match.group(2)), match.group(1)) if match else (None, "unknown (not visible to this user)")
+        )
+    return None
+
+
+# -- macOS ----------------------------------------------------------------------------------------------
+
+
+def parse_sysctl(text: str) -> dict[str, str]:
+    """`sysctl a b c` prints "a: value" lines."""
+    result = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            result[key.strip()] = value.strip()
+    return result
+
+
+def parse_sw_vers(text: str) -> str:
+    values = parse_sysctl(text)
+    return " ".join(v for v in (values.get("ProductName", ""), values.get("ProductVersion", "")) if v)
+
+
+def parse_vm_stat(text: str) -> int | None:
+    """Reclaimable memory in bytes: free + inactive + speculative pages (what macOS can hand out soon)."""
+    page = re.search(r"page size of (\d+) bytes", text)
+    if not page:
+        return None
+    pages = {
+        k.strip().lower(): int(v) for k, v in re.findall(r"^Pages ([\w ]+):\s+(\d+)\.", text, flags=re.M)
+    }
+    free = sum(pages.get(name, 0) for name in ("free", "inactive", "speculative"))
+    return free * int(page.group(1))
+
+
+def parse_displays(text: str) -> list[dict[str, str]]:
+    """`system_profiler SPDisplaysDataType` → one dict per GPU ("Chipset Model", "Metal Support", ...)."""
+    gpus: list[dict[str, str]] = []
+    current: dict[str, str] | None = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("Chipset Model:"):
+            current = {"Chipset Model": stripped.split(":", 1)[1].strip()}
+            gpus.append(current)
+        elif current is not None and ":" in stripped and not stripped.endswith(":"):
+            key, value = stripped.split(":", 1)
+            current.setdefault(key.strip(), value.strip())
+    return gpus
+
+
+def parse_lsof_listener(text: str) -> tuple[int | None, str] | None:
+    """`lsof -nP -iTCP:PORT -sTCP:LISTEN`: (pid, command) of the first listener."""
+    for line in text.splitlines()[1:]:
+        columns = line.split()
+        if len(columns) >= 2 and columns[1].isdigit():
+            return int(columns[1]), columns[0]
+    return None
+
+
+# -- llama.cpp --------------------------------------------------------------------------------------------
+
+
+def parse_llama_version(text: str) -> tuple[str, str]:
+    """`llama-server --version` → (version, commit). Old: "version: 4567 (a1b2c3d4)";
+    new: "version: 0.6.0-dev (build 0, commit unknown)"."""
+    match = re.search(r"^version:\s*(\S+)(?:\s*\(([^)]*)\))?", text, flags=re.M)
+    if not match:
+        return "", ""
+    inner = match.group(2) or ""
+    commit = re.search(r"commit\s+(\S+)", inner)
+    if commit:
+        value = commit.group(1)
+    else:
+        value = inner.strip() if re.fullmatch(r"[0-9a-f]{7,40}", inner.strip()) else ""
+    return match.group(1), "" if value == "unknown" else value
+
+
+def parse_binaries(sections: dict[str, str]) -> dict[str, str]:
+    return {name: path for name in BINARIES if (path := sections.get(f"bin {name}", "").strip())}
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+
+
+def build_report(text: str, *, rpc_port: int, unified_clamp: float = 0.70) -> ProbeReport:
+    """Everything the probe script printed, as a report with llama.cpp-named devices."""
+    sections = split_sections(text)
+    system, kernel, arch = parse_uname(sections.get("uname", ""))
+    report = ProbeReport(hostname=sections.get("hostname", ""), kernel=kernel, arch=arch, rpc_port=rpc_port)
+    report.binaries = parse_binaries(sections)
+    report.llama_version, report.llama_commit = parse_llama_version(sections.get("llama-server-version", ""))
+    if system == "Darwin":
+        _fill_macos(report, sections, unified_clamp)
+    elif system == "Linux":
+        _fill_linux(report, sections)
+    else:
+        report.warnings.append(
+            f"Unsupported system {system or 'unknown'!r}: only Linux and macOS are probed."
+        )
+    if "end" not in sections:
+        report.warnings.append("The probe output ended early; some facts may be missing.")
+    return report
+
+
+def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
+    report.platform = "linux"
+    os_release = parse_os_release(sections.get("os-release", ""))
+    report.os_name = os_release.get("PRETTY_NAME") or os_release.get("NAME", "Linux")
+    report.cpu_model, report.cpu_cores = parse_cpuinfo(sections.get("cpuinfo", ""))
+    if sections.get("nproc", "").isdigit():
+        # nproc honours CPU affinity (containers pinned to some cores); cpuinfo lists the whole machine.
+        report.cpu_cores = int(sections["nproc"])
+    total, available = parse_meminfo(sections.get("meminfo", ""))
+    limit, usage = cgroup_memory(sections)
+    if limit is not None and limit < total:
+        # A container sees the host's /proc/meminfo; what it may use is its cgroup limit.
+        report.memory_limit_bytes = limit
+        total = limit
+        available = min(available, max(0, limit - (usage or 0)))
+    report.ram_total_bytes, report.ram_available_bytes = total, available
+    gbs, why = cpu_bandwidth(report.cpu_model)
+    report.devices.append(
+        DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)
+    )
+    report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
+    nvidia = sections.get("nvidia-smi", "")
+    gpus = parse_nvidia_smi(nvidia)
+    if nvidia and not gpus:
+        report.warnings.append(f"nvidia-smi is installed but reported no GPU: {nvidia.splitlines()[0][:200]}")
+    for index, name, total_b, free_b in gpus:
+        report.devices.append(
+            DeviceInfo(f"CUDA{index}", "cuda", name, total_b, free_b, False, gpu_bandwidth(name))
+        )
+    for index, name, total_b, free_b in parse_rocm_smi(sections.get("rocm-smi", "")):
+        report.devices.append(
+            DeviceInfo(f"ROCm{index}", "rocm", name, total_b, free_b, False, gpu_bandwidth(name))
+        )
+    holder = parse_ss_listener(sections.get("listeners", ""), report.rpc_port or 0)
+    if holder:
+        report.rpc_port_pid, report.rpc_port_process = holder
+
+
+def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: float) -> None:
+    report.platform = "macos"
+    report.os_name = parse_sw_vers(sections.get("sw_vers", "")) or "macOS"
+    values = parse_sysctl(sections.get("sysctl", ""))
+    report.cpu_model = values.get("machdep.cpu.brand_string", "")
+    report.cpu_cores = int(values.get("hw.ncpu", "0") or 0)
+    total = int(values.get("hw.memsize", "0") or 0)
+    reclaimable = parse_vm_stat(sections.get("vm_stat", ""))
+    report.ram_total_bytes = total
+    report.ram_available_bytes = min(total, reclaimable) if reclaimable is not None else total
+    holder = parse_lsof_listener(sections.get("listeners", ""))
+    if holder:
+        report.rpc_port_pid, report.rpc_port_process = holder
+    gpus = parse_displays(sections.get("displays", ""))
+    apple = next((g for g in gpus if g["Chipset Model"].startswith("Apple")), None)
+    if apple is None and not report.cpu_model.startswith("Apple"):
+        # An Intel Mac: llama.cpp's Metal path is not used there; plan it as a CPU machine.
+        gbs, why = cpu_bandwidth(report.cpu_model)
+        report.devices.append(
+            DeviceInfo("CPU", "cpu", report.cpu_model, total, report.ram_available_bytes, bandwidth_gbs=gbs)
+        )
+        report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
+        return
+    chip = apple["Chipset Model"] if apple else report.cpu_model
+    wired_mb = int(values.get("iogpu.wired_limit_mb", "0") or 0)
+    # Metal may use only part of unified memory: the wired limit when an operator raised it, else the
+    # console's conservative share (macOS's own default lies between 67% and 84%).
+    usable = wired_mb * MIB if wired_mb > 0 else int(total * unified_clamp)
+    cores = apple.get("Total Number of Cores", "") if apple else ""
+    description = f"{chip} ({cores}-core GPU)" if cores else chip
+    # llama.cpp reports Metal's free memory as the working-set limit minus its own allocations, so a
+    # fresh server offers all of `usable`.
+    report.devices.append(
+        DeviceInfo("MTL0", "metal", description, usable, usable, True, apple_bandwidth(chip))
+    )

@@ -1,0 +1,241 @@
+"""Hardware probe parsers on recorded outputs of real tools (tests/data/probe/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nodes import bandwidth, probe
+
+DATA = Path(__file__).parent / "data" / "probe"
+GIB = 1024**3
+MIB = 1024**2
+
+
+def recorded(name: str) -> str:
+    return (DATA / name).read_text()
+
+
+def report_of(name: str, **options) -> probe.ProbeReport:
+    return probe.build_report(recorded(name), rpc_port=options.pop("rpc_port", 50052), **options)
+
+
+# -- whole reports ------------------------------------------------------------------------------------
+
+
+def test_a_debian_vm_recorded_here_has_one_cpu_device_with_its_ram():
+    report = report_of("linux_debian12_x86_64.txt")
+    assert report.platform == "linux"
+    assert report.os_name == "Debian GNU/Linux 12 (bookworm)"
+    assert (report.kernel, report.arch, report.hostname) == ("6.18.44-fc-v857", "x86_64", "vm")
+    assert (report.cpu_model, report.cpu_cores) == ("AMD EPYC", 2)
+    assert report.ram_total_bytes == 24683652 * 1024
+    assert report.ram_available_bytes == 23826052 * 1024
+    assert report.memory_limit_bytes is None  # v1 "unlimited" is a huge number, not a limit.
+    [cpu] = report.devices
+    assert (cpu.name, cpu.kind, cpu.unified_memory) == ("CPU", "cpu", False)
+    assert cpu.total_bytes == report.ram_total_bytes and cpu.free_bytes == report.ram_available_bytes
+    assert cpu.bandwidth_gbs and cpu.bandwidth_gbs > 0
+    assert report.rpc_server_binary.endswith("/ggml-rpc-server")
+    assert report.binaries["llama-server"].endswith("/llama-server")
+    assert (report.llama_version, report.llama_commit) == ("0.6.0-dev", "")
+    assert not report.rpc_port_in_use  # Nobody listens on 50052 in that recording...
+    other_port = report_of("linux_debian12_x86_64.txt", rpc_port=50161)
+    assert (other_port.rpc_port_pid, other_port.rpc_port_process) == (24346, "ggml-rpc-server")
+
+
+def test_an_ubuntu_desktop_with_an_rtx_3090_has_cpu_and_cuda0_and_a_legacy_rpc_server():
+    report = report_of("linux_ubuntu_rtx3090.txt")
+    assert [d.name for d in report.devices] == ["CPU", "CUDA0"]
+    cpu, gpu = report.devices
+    assert cpu.description == "AMD Ryzen 9 5950X 16-Core Processor"
+    assert report.cpu_cores == 32
+    assert gpu.kind == "cuda" and gpu.description == "NVIDIA GeForce RTX 3090"
+    assert (gpu.total_bytes, gpu.free_bytes) == (24576 * MIB, 23871 * MIB)
+    assert gpu.bandwidth_gbs == 936.0
+    assert report.rpc_server_binary == "/usr/local/bin/rpc-server"
+    assert (report.llama_version, report.llama_commit) == ("4567", "a1b2c3d4")
+    assert report.rpc_port_in_use and (report.rpc_port_pid, report.rpc_port_process) == (48211, "rpc-server")
+    assert report.memory_limit_bytes is None  # cgroup v2 "max".
+
+
+def test_a_container_with_a_cgroup_v2_limit_offers_only_its_limit():
+    report = report_of("linux_container_cgroup_v2_arm64.txt")
+    assert report.arch == "aarch64"
+    assert report.cpu_model == "Raspberry Pi 5 Model B Rev 1.0"
+    assert report.cpu_cores == 2  # nproc (affinity), not the 4 cores cpuinfo lists.
+    assert report.memory_limit_bytes == 4 * GIB
+    [cpu] = report.devices
+    assert cpu.total_bytes == 4 * GIB
+    assert cpu.free_bytes == 4 * GIB - 512 * MIB
+
+
+def test_a_docker_container_on_cgroup_v1_without_memavailable_uses_limit_minus_usage():
+    report = report_of("linux_docker_cgroup_v1_no_memavailable.txt")
+    assert report.memory_limit_bytes == 8 * GIB
+    assert report.ram_total_bytes == 8 * GIB
+    assert report.ram_available_bytes == 8 * GIB - 7516192768
+    assert any("nvidia-smi is installed but reported no GPU" in w for w in report.warnings)
+    assert [d.name for d in report.devices] == ["CPU"]
+    assert report.binaries == {} and report.rpc_server_binary == ""
+
+
+def test_an_apple_m2_pro_is_one_unified_metal_device_within_the_clamp():
+    report = report_of("macos_m2_pro.txt", unified_clamp=0.70)
+    assert report.platform == "macos"
+    assert report.os_name == "macOS 14.4.1"
+    assert (report.cpu_model, report.cpu_cores, report.ram_total_bytes) == ("Apple M2 Pro", 12, 32 * GIB)
+    assert report.ram_available_bytes == (73829 + 801234 + 12010) * 16384
+    [metal] = report.devices
+    assert (metal.name, metal.kind, metal.unified_memory) == ("MTL0", "metal", True)
+    assert metal.total_bytes == int(32 * GIB * 0.70)
+    assert metal.description == "Apple M2 Pro (19-core GPU)"
+    assert metal.bandwidth_gbs == 200.0
+    assert (report.rpc_port_pid, report.llama_version, report.llama_commit) == (71337, "6800", "6de8ed75")
+
+
+def test_a_raised_iogpu_wired_limit_wins_over_the_clamp():
+    [metal] = report_of("macos_m2_pro_wired_limit.txt", unified_clamp=0.70).devices
+    assert metal.total_bytes == 28672 * MIB
+
+
+def test_an_intel_mac_is_planned_as_a_cpu_machine():
+    report = report_of("macos_intel_radeon.txt")
+    assert [d.name for d in report.devices] == ["CPU"]
+    assert report.devices[0].total_bytes == 16 * GIB
+    assert report.ram_available_bytes == (412331 + 1300112 + 40123) * 4096
+
+
+def test_output_that_ends_early_is_reported_with_a_warning():
+    text = recorded("linux_debian12_x86_64.txt").split("@@@ nvidia-smi")[0]
+    report = probe.build_report(text, rpc_port=50052)
+    assert report.devices[0].name == "CPU"
+    assert any("ended early" in w for w in report.warnings)
+
+
+def test_an_unknown_system_is_a_warning_not_a_crash():
+    report = probe.build_report("@@@ uname\nFreeBSD 14.0-RELEASE amd64\n@@@ end\n", rpc_port=50052)
+    assert report.devices == []
+    assert "Unsupported system 'FreeBSD'" in report.warnings[0]
+
+
+def test_facts_are_json_and_carry_no_devices():
+    facts = report_of("linux_ubuntu_rtx3090.txt").facts()
+    assert "devices" not in facts
+    assert facts["rpc_port_in_use"] is True and facts["rpc_server_binary"] == "/usr/local/bin/rpc-server"
+    assert json.loads(json.dumps(facts)) == facts
+
+
+# -- single tools ------------------------------------------------------------------------------------------
+
+
+def test_nvidia_smi_with_several_gpus_keeps_their_indexes():
+    gpus = probe.parse_nvidia_smi(recorded("nvidia_smi_several_gpus.csv"))
+    assert [(i, name) for i, name, _, _ in gpus] == [
+        (0, "NVIDIA GeForce RTX 4090"),
+        (1, "NVIDIA GeForce RTX 3090"),
+        (2, "Tesla P40"),
+    ]
+    assert gpus[1][2:] == (24576 * MIB, 1012 * MIB)
+
+
+def test_nvidia_smi_without_driver_or_with_na_memory_yields_no_gpu():
+    assert probe.parse_nvidia_smi(recorded("nvidia_smi_no_driver.txt")) == []
+    assert probe.parse_nvidia_smi(recorded("nvidia_smi_unified_na.csv")) == []
+
+
+def test_several_nvidia_gpus_become_cuda0_cuda1_cuda2_after_the_cpu():
+    text = recorded("linux_ubuntu_rtx3090.txt").replace(
+        "0, NVIDIA GeForce RTX 3090, 24576, 23871", recorded("nvidia_smi_several_gpus.csv").strip()
+    )
+    devices = probe.build_report(text, rpc_port=50052).devices
+    assert [d.name for d in devices] == ["CPU", "CUDA0", "CUDA1", "CUDA2"]
+    assert [d.bandwidth_gbs for d in devices[1:]] == [1008.0, 936.0, 346.0]
+
+
+def test_rocm_smi_json_gives_vram_total_and_free():
+    gpus = probe.parse_rocm_smi(recorded("rocm_smi.json"))
+    assert [(i, name) for i, name, _, _ in gpus] == [
+        (0, "Navi 31 [Radeon RX 7900 XTX]"),
+        (1, "Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]"),
+    ]
+    assert gpus[0][2:] == (25753026560, 25753026560 - 1116504064)
+
+
+def test_rocm_smi_classic_text_is_understood_too():
+    [(index, name, total, free)] = probe.parse_rocm_smi(recorded("rocm_smi_classic.txt"))
+    assert (index, name, total, free) == (0, "Instinct MI210", 68702699520, 68702699520 - 11866112)
+    assert bandwidth.gpu_bandwidth(name) == 1638.0
+
+
+def test_amd_gpus_become_rocm_devices():
+    text = recorded("linux_debian12_x86_64.txt").replace(
+        "@@@ rocm-smi\n", "@@@ rocm-smi\n" + recorded("rocm_smi.json")
+    )
+    devices = probe.build_report(text, rpc_port=50052).devices
+    assert [(d.name, d.kind, d.bandwidth_gbs) for d in devices[1:]] == [
+        ("ROCm0", "rocm", 960.0),
+        ("ROCm1", "rocm", 512.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ("version: 4567 (a1b2c3d4)\nbuilt with cc 11.4.0 for x86_64-linux-gnu", ("4567", "a1b2c3d4")),
+        ("version: 0.6.0-dev (build 0, commit unknown)\nbuilt with GNU 12.2.0", ("0.6.0-dev", "")),
+        ("version: 0.7.1 (build 7001, commit 0fa2b7c)", ("0.7.1", "0fa2b7c")),
+        ("error while loading shared libraries: libggml.so", ("", "")),
+    ],
+)
+def test_llama_server_version_lines(output, expected):
+    assert probe.parse_llama_version(output) == expected
+
+
+def test_ss_listener_on_ipv6_and_without_process_info():
+    text = (
+        'LISTEN 0 1 [::]:50052 [::]:* users:(("ggml-rpc-server",pid=77,fd=3))\n'
+        "LISTEN 0 1 0.0.0.0:50053 0.0.0.0:*\n"
+    )
+    assert probe.parse_ss_listener(text, 50052) == (77, "ggml-rpc-server")
+    assert probe.parse_ss_listener(text, 50053) == (None, "unknown (not visible to this user)")
+    assert probe.parse_ss_listener(text, 50054) is None
+
+
+def test_meminfo_and_cgroup_values():
+    assert probe.parse_meminfo("MemTotal: 100 kB\nMemAvailable: 40 kB\n") == (102400, 40960)
+    assert probe.parse_cgroup_bytes("max") is None
+    assert probe.parse_cgroup_bytes("9223372036854771712") is None
+    assert probe.parse_cgroup_bytes("4294967296\n") == 4 * GIB
+
+
+def test_the_probe_script_is_valid_posix_shell():
+    result = subprocess.run(["sh", "-n", "-c", probe.PROBE_SCRIPT], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# -- bandwidth table ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("chip", "gbs"),
+    [("Apple M1", 68.25), ("Apple M1 Max", 400.0), ("Apple M3 Pro", 150.0), ("Apple M4 Pro", 273.0)],
+)
+def test_apple_chips_have_their_published_bandwidth(chip, gbs):
+    assert bandwidth.apple_bandwidth(chip) == gbs
+
+
+def test_gpu_names_match_the_most_specific_entry():
+    assert bandwidth.gpu_bandwidth("NVIDIA GeForce RTX 4070 Ti SUPER") == 672.0
+    assert bandwidth.gpu_bandwidth("NVIDIA GeForce RTX 4070") == 504.0
+    assert bandwidth.gpu_bandwidth("NVIDIA A10") == 600.0  # Not the A100.
+    assert bandwidth.gpu_bandwidth("Some Unknown Accelerator") is None
+
+
+def test_cpu_bandwidth_is_a_labelled_estimate():
+    assert bandwidth.cpu_bandwidth("AMD Ryzen 9 7950X 16-Core Processor")[0] == 65.0
+    gbs, why = bandwidth.cpu_bandwidth("Mystery CPU")
+    assert gbs == bandwidth.DEFAULT_CPU_GBS and "unknown" in why
