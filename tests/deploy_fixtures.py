@@ -83,3 +83,20 @@ def run(job: Job) -> Job:
 
 def log_text(job: Job) -> str:
     return "\n".join(job.log_lines.order_by("seq").values_list("text", flat=True))
+
+
+def route_between(hosts) -> None:
+    """Let lab hosts reach each other (a coordinator must reach its workers' RPC ports).
+
+    Forwarding is switched on only for packets arriving on the lab's own veth ends (removed with the lab),
+    never machine-wide, and each namespace routes 10.77.0.0/16 through its host side.
+    """
+    for host in hosts:
+        subprocess.run(
+            ["sysctl", "-q", "-w", f"net.ipv4.conf.{host.veth_host}.forwarding=1"], check=True, timeout=30
+        )
+        subprocess.run(
+            host.exec_argv(["ip", "route", "replace", "10.77.0.0/16", "via", host.host_address]),
+            check=True,
+            timeout=30,
+        )

@@ -1,0 +1,329 @@
+"""End to end on the lab, real all the way: three hosts over real sshd, the console's own build job (from the
+llama.cpp source tarball, cached by source hash), a generated GGUF model, the planner, deploy, a completion
+through the endpoint with the API key, the verified placement, stop — and nothing of ours left behind.
+
+Scenario 2: a stale rpc-server on a worker's port is reaped and the deployment succeeds; a foreign process
+on the coordinator's port makes the launch fail naming it, and is left alone. Scenario 3: a worker's
+rpc-server dies while running and the periodic check marks the deployment degraded.
+
+Phase times are printed (run with -s); they are not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments import lifecycle, monitor, planner
+from deployments.gguf_profile import profile_path
+from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
+from jobs.models import AuditEvent, Job, JobKind, JobState
+from nodes.models import Build, Device, DeviceKind
+from tests.deploy_fixtures import (
+    RPC_SERVER,
+    TARBALL,
+    lab_node,
+    listeners_in,
+    log_text,
+    pid_alive,
+    route_between,
+    run,
+    start_in,
+    stop_proc,
+    wait_listening,
+)
+from tests.factories import UserFactory
+from tests.gguf_models import TinyLlama, write_tiny_llama
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.lab,
+    pytest.mark.llamacpp,
+    pytest.mark.timeout(600),
+    pytest.mark.django_db(transaction=True),
+]
+
+MIB = 2**20
+LLAMA_PORT = 8080
+RPC_PORT = 50052
+
+
+def _devices(coordinator, workers) -> None:
+    """Hardware as the probe would record it, with the workers' memory kept small so the planner has to
+    split the model over both of them (all lab hosts really share this machine's RAM)."""
+    Device.objects.create(
+        node=coordinator,
+        name="CPU",
+        kind=DeviceKind.CPU,
+        total_bytes=24000 * MIB,
+        free_bytes=24000 * MIB,
+        bandwidth_gbs=2.0,
+    )
+    for worker in workers:
+        Device.objects.create(
+            node=worker,
+            name="CPU",
+            kind=DeviceKind.CPU,
+            total_bytes=12 * MIB,
+            free_bytes=12 * MIB,
+            bandwidth_gbs=40.0,
+        )
+
+
+def _planner_nodes(coordinator, workers) -> list[planner.Node]:
+    nodes = []
+    for node in [coordinator, *workers]:
+        devices = tuple(
+            planner.Device(
+                node.name, d.name, d.kind, d.total_bytes, d.free_bytes, d.effective_bandwidth_gbs or 20.0
+            )
+            for d in node.devices.all()
+        )
+        nodes.append(
+            planner.Node(
+                node.name,
+                node.address,
+                devices,
+                coordinator=node == coordinator,
+                rpc_port=node.rpc_port,
+                rtt_ms=0.1,
+            )
+        )
+    return nodes
+
+
+class Cluster:
+    def __init__(self, lab, hosts, tmp_path):
+        self.lab, self.hosts, self.tmp_path = lab, hosts, tmp_path
+        route_between(hosts)
+        self.operator = UserFactory(username="oscar-operator", role="operator")
+        self.coordinator = lab_node(lab, hosts[0], name="desk", may_coordinate=True)
+        self.workers = [lab_node(lab, h, name=f"old-pc-{i}") for i, h in enumerate(hosts[1:], start=1)]
+        self.times: dict[str, float] = {}
+
+    @property
+    def nodes(self):
+        return [self.coordinator, *self.workers]
+
+    def build_all(self) -> None:
+        for node in self.nodes:
+            job = run(
+                Job.objects.create(
+                    kind=JobKind.BUILD,
+                    node=node,
+                    created_by=self.operator,
+                    params={"source": "tarball", "tarball": str(TARBALL)},
+                )
+            )
+            assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-2000:])
+            self.times[f"build {node.name}"] = (job.finished_at - job.started_at).total_seconds()
+
+    def model(self) -> ModelFile:
+        path = write_tiny_llama(self.tmp_path / "tiny.gguf", TinyLlama(n_layer=8, n_embd=256))
+        profile = profile_path(path)
+        return ModelFile.objects.create(
+            name="tiny",
+            node=self.coordinator,
+            path=str(path),
+            size_bytes=profile["size_bytes"],
+            profile=profile,
+        )
+
+    def confirm(self, model: ModelFile) -> Deployment:
+        _devices(self.coordinator, self.workers)
+        plan = planner.plan(
+            model.profile, _planner_nodes(self.coordinator, self.workers), planner.Settings(ctx=512)
+        )
+        assert plan["fits"], plan
+        return Deployment.objects.create(
+            name="tiny",
+            model_file=model,
+            coordinator=self.coordinator,
+            plan=plan,
+            plan_settings=plan["settings"],
+            host=self.coordinator.address,
+            port=LLAMA_PORT,
+            created_by=self.operator,
+        )
+
+    def deploy(self, deployment: Deployment, monkeypatch) -> Deployment:
+        enqueued = []
+        monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: enqueued.append((task, pk)))
+        started, message = lifecycle.start_deploy(deployment, self.operator)
+        assert started, message
+        assert enqueued == [("deploy", deployment.pk)]
+        again, _ = lifecycle.start_deploy(Deployment.objects.get(pk=deployment.pk), self.operator)
+        assert not again  # pressing deploy twice starts one deployment
+        lifecycle.run_deployment(deployment.pk)
+        deployment.refresh_from_db()
+        for step in deployment.steps.select_related("job").order_by("order"):
+            job = step.job
+            if job.started_at and job.finished_at:
+                key = f"{step.order:02d} {step.name} {job.node_name}"
+                self.times[key] = (job.finished_at - job.started_at).total_seconds()
+        return deployment
+
+    def stop(self, deployment: Deployment, monkeypatch) -> Deployment:
+        monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: None)
+        stopped, message = lifecycle.stop_deployment(deployment, self.operator)
+        assert stopped, message
+        lifecycle.run_stop(deployment.pk)
+        deployment.refresh_from_db()
+        return deployment
+
+    def assert_clean(self, deployment: Deployment) -> None:
+        """No rpc-server or llama-server of this deployment runs, and every port it used is free."""
+        for info in deployment.processes.values():
+            assert not pid_alive(int(info["pid"])), info
+        for host in self.hosts:
+            for port in (RPC_PORT, LLAMA_PORT):
+                assert listeners_in(host, port) == "", (host.address, port)
+            names = subprocess.run(
+                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
+            ).stdout.split()
+            for pid in names:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                assert "rpc-server" not in cmd and "llama-server" not in cmd, cmd
+        assert not ResourceClaim.objects.filter(deployment=deployment).exists()
+
+    def report(self, deployment: Deployment) -> None:
+        figures = {
+            "phase_seconds": {k: round(v, 2) for k, v in self.times.items()},
+            "measured_decode_tps": deployment.measured_decode_tps,
+            "measured_prompt_tps": deployment.measured_prompt_tps,
+            "predicted_tps": deployment.plan.get("predicted_tokens_per_s"),
+        }
+        print("\nE2E " + json.dumps(figures))
+
+
+@pytest.fixture
+def cluster(lab, lab_hosts, tmp_path):
+    if not RPC_SERVER.exists() or not TARBALL.exists():
+        pytest.skip("the llama.cpp source tarball or its cached build is missing")
+    return Cluster(lab, lab_hosts(3), tmp_path)
+
+
+def test_build_plan_deploy_complete_verify_stop(cluster, monkeypatch):
+    t0 = time.monotonic()
+    cluster.build_all()
+    builds = {b.node.name: b for b in Build.objects.select_related("node")}
+    assert {b.rpc_protocol for b in builds.values()} == {"7.0.0"}
+    assert {b.rpc_binary for b in builds.values()} == {"ggml-rpc-server"}
+    assert all(b.tarball_sha256.startswith("b0a2feb64c6fbd09") for b in builds.values())
+    cluster.times["build (all three)"] = time.monotonic() - t0
+
+    deployment = cluster.confirm(cluster.model())
+    rpc_nodes = {p["node"] for p in deployment.plan["placements"] if p["endpoint"]}
+    assert rpc_nodes == {w.name for w in cluster.workers}
+
+    t0 = time.monotonic()
+    deployment = cluster.deploy(deployment, monkeypatch)
+    cluster.times["deploy total"] = time.monotonic() - t0
+    assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+    assert deployment.verification["problems"] == []
+    for worker in cluster.workers:
+        row = next(r for r in deployment.verification["devices"].values() if r["node"] == worker.name)
+        assert row["logged_weights"] > 0 and row["ok"]
+    assert deployment.measured_decode_tps > 0 and deployment.measured_prompt_tps > 0
+
+    url = f"http://{cluster.coordinator.address}:{LLAMA_PORT}"
+    key = deployment.api_key()
+    assert key and key not in json.dumps(list(Job.objects.values_list("params", flat=True)))
+    assert not any(
+        key in text
+        for text in AuditEvent.objects.values_list("changes", flat=True).iterator()
+        if isinstance(text, str)
+    )
+    answer = httpx.post(
+        f"{url}/completion",
+        json={"prompt": "hello", "n_predict": 8},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+    assert answer.status_code == 200
+    assert answer.json()["tokens_predicted"] > 0
+    refused = httpx.post(f"{url}/completion", json={"prompt": "hello", "n_predict": 8}, timeout=30)
+    assert refused.status_code == 401
+
+    t0 = time.monotonic()
+    deployment = cluster.stop(deployment, monkeypatch)
+    cluster.times["stop"] = time.monotonic() - t0
+    assert deployment.state == DeploymentState.STOPPED
+    cluster.assert_clean(deployment)
+    actions = set(AuditEvent.objects.values_list("action", flat=True))
+    assert {"deployment.deploy", "deployment.running", "deployment.stop"} <= actions
+    cluster.report(deployment)
+
+
+def test_a_stale_rpc_server_is_reaped_and_a_foreign_port_holder_fails_the_launch(cluster, monkeypatch):
+    cluster.build_all()
+    model = cluster.model()
+    worker_host = cluster.hosts[1]
+    stale = start_in(
+        worker_host,
+        [str(RPC_SERVER), "-H", worker_host.address, "-p", str(RPC_PORT)],
+        cluster.tmp_path / "stale.log",
+    )
+    try:
+        assert f"pid={stale.pid}" in wait_listening(worker_host, RPC_PORT)
+        deployment = cluster.deploy(cluster.confirm(model), monkeypatch)
+        assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+        stale.wait(timeout=10)
+        reap = deployment.steps.get(name="reap", job__node=cluster.workers[0]).job
+        assert f"reaped rpc-server PID {stale.pid}" in reap.result
+        assert AuditEvent.objects.filter(action="process.reaped").count() == 1
+        deployment = cluster.stop(deployment, monkeypatch)
+        cluster.assert_clean(deployment)
+    finally:
+        stop_proc(stale)
+
+    coordinator_host = cluster.hosts[0]
+    foreign = start_in(
+        coordinator_host,
+        ["python3", "-m", "http.server", str(LLAMA_PORT), "--bind", coordinator_host.address],
+        cluster.tmp_path / "foreign.log",
+    )
+    try:
+        wait_listening(coordinator_host, LLAMA_PORT)
+        redo, started, message = lifecycle.redeploy(deployment, cluster.operator)
+        assert started, message
+        lifecycle.run_deployment(redo.pk)
+        redo.refresh_from_db()
+        assert redo.state == DeploymentState.FAILED
+        assert redo.failed_step == "reap"
+        assert "python3" in redo.state_reason and f"PID {foreign.pid}" in redo.state_reason
+        assert foreign.poll() is None and pid_alive(foreign.pid)
+        skipped = redo.steps.filter(job__state=JobState.CANCELLED).count()
+        assert skipped >= 4  # rpc-servers, llama-server, verify, measure never ran
+        for host in cluster.hosts[1:]:
+            assert listeners_in(host, RPC_PORT) == ""
+        assert not ResourceClaim.objects.filter(deployment=redo).exists()
+    finally:
+        stop_proc(foreign)
+
+
+def test_a_dead_rpc_server_makes_the_deployment_degraded(cluster, monkeypatch):
+    cluster.build_all()
+    deployment = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
+    assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+    assert monitor.check_all() == []
+    victim = deployment.processes[f"rpc-server@{cluster.workers[0].name}"]
+    subprocess.run(["kill", "-KILL", str(victim["pid"])], check=True)
+    deadline = time.monotonic() + 10
+    while pid_alive(int(victim["pid"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert monitor.check_all() == [deployment.pk]
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.DEGRADED
+    assert f"PID {victim['pid']}" in deployment.state_reason
+    # The reason carries the dead server's last log lines (here: its client connections).
+    assert "Last log lines:" in deployment.state_reason
+    assert "client connection" in deployment.state_reason
+    deployment = cluster.stop(deployment, monkeypatch)
+    assert deployment.state == DeploymentState.STOPPED
+    cluster.assert_clean(deployment)
