@@ -2,10 +2,13 @@ from __future__ import annotations
 
 from django.urls import path
 
-from ramdeck_site.views import not_built_yet
+from . import job_views
 
 app_name = "jobs"
 urlpatterns = [
-    path("", not_built_yet, name="list"),
-    path("<int:pk>/", not_built_yet, name="detail"),
+    path("", job_views.job_list, name="list"),
+    path("new/", job_views.job_create, name="create"),
+    path("<int:pk>/", job_views.job_detail, name="detail"),
+    path("<int:pk>/log.txt", job_views.job_log_download, name="log_download"),
+    path("<int:pk>/cancel/", job_views.job_cancel, name="cancel"),
 ]
