@@ -1,0 +1,102 @@
+"""The "probe" job: discover a node's hardware and store it. Started by an operator or by Celery beat."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+
+from jobs.models import Job, JobKind
+from jobs.transport import CommandTimeout, TransportError
+
+from .models import Node, Reachability
+from .probe import ProbeReport
+from .probing import ProbeUnsupported, apply_probe_report, collect, record_probe_failure
+
+if TYPE_CHECKING:
+    from jobs.runner import JobContext
+
+GIB = 1024**3
+
+
+def start_probe(node: Node, *, user=None) -> Job | None:
+    """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped."""
+    from jobs.runner import enqueue
+
+    with transaction.atomic():
+        # Lock the node row so two callers (beat and a button) cannot both pass the check.
+        Node.objects.select_for_update().filter(pk=node.pk).first()
+        if Job.objects.active().filter(node=node, kind=JobKind.PROBE).exists():
+            return None
+        job = Job.objects.create(kind=JobKind.PROBE, node=node, title=f"Probe {node.name}", created_by=user)
+        enqueue(job)
+    return job
+
+
+async def probe(ctx: JobContext) -> str:
+    from jobs.runner import JobFailed
+
+    node = ctx.node
+    if node is None:
+        raise JobFailed("A probe needs a node.")
+    await ctx.log(f"Probing {node.name} ({node.address}) ...")
+    try:
+        report = await collect(
+            ctx.transport,
+            node.platform_hint,
+            rpc_port=node.rpc_port,
+            unified_clamp=settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
+        )
+    except ProbeUnsupported as exc:
+        await sync_to_async(record_probe_failure)(node, str(exc))
+        raise JobFailed(str(exc)) from exc
+    except CommandTimeout as exc:
+        await sync_to_async(record_probe_failure)(node, str(exc))
+        raise
+    except TransportError as exc:
+        await sync_to_async(record_probe_failure)(node, str(exc), reachability=Reachability.UNREACHABLE)
+        raise
+    for line in summary_lines(report):
+        await ctx.log(line)
+    devices = await sync_to_async(apply_probe_report)(node, report)
+    if not devices:
+        raise JobFailed("The probe found no device llama.cpp could use on this node.")
+    names = ", ".join(f"{d.name} {d.free_bytes / GIB:.1f}/{d.total_bytes / GIB:.1f} GiB" for d in devices)
+    return f"{report.os_name or report.platform}; {names}; RTT {report.rtt_ms:g} ms."
+
+
+def summary_lines(report: ProbeReport) -> list[str]:
+    """What the probe found, for the job log (a person skims it)."""
+    lines = [
+        f"System: {report.os_name} ({report.platform}), kernel {report.kernel}, {report.arch}",
+        f"CPU: {report.cpu_model or 'unknown'}, {report.cpu_cores} cores",
+        f"RAM: {report.ram_available_bytes / GIB:.1f} GiB available of {report.ram_total_bytes / GIB:.1f} GiB"
+        + (
+            f" (container limit {report.memory_limit_bytes / GIB:.1f} GiB)"
+            if report.memory_limit_bytes
+            else ""
+        ),
+    ]
+    for device in report.devices:
+        speed = f", {device.bandwidth_gbs:g} GB/s" if device.bandwidth_gbs else ""
+        unified = ", unified memory" if device.unified_memory else ""
+        lines.append(
+            f"Device {device.name}: {device.description}, {device.free_bytes / GIB:.1f} of "
+            f"{device.total_bytes / GIB:.1f} GiB free{speed}{unified}"
+        )
+    if report.rpc_server_binary or report.binaries.get("llama-server"):
+        version = f" (version {report.llama_version})" if report.llama_version else ""
+        lines.append(f"llama.cpp: {', '.join(sorted(report.binaries))}{version}")
+    else:
+        lines.append("llama.cpp: not found on this node (build it from the node page).")
+    if report.rpc_port_in_use:
+        lines.append(
+            f"RPC port {report.rpc_port} is in use by {report.rpc_port_process or 'a process'}"
+            + (f" (PID {report.rpc_port_pid})" if report.rpc_port_pid else "")
+        )
+    if report.rtt_ms is not None:
+        lines.append(f"Round trip: {report.rtt_ms:g} ms")
+    lines.extend(f"Note: {warning}" for warning in report.warnings)
+    return lines

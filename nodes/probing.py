@@ -1,0 +1,152 @@
+"""Running the hardware probe on a node and storing what it found.
+
+`collect` talks to the node through any transport (one round trip for the facts, a few tiny ones for the
+round-trip time); `apply_probe_report` writes the result to the Node and its Device rows in one transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+from django.db import transaction
+from django.utils import timezone
+
+from jobs.local import LocalTransport
+from jobs.transport import TransportError
+
+from .models import Device, Node, Reachability
+from .probe import PROBE_SCRIPT, DeviceInfo, ProbeReport, build_report
+
+PROBE_TIMEOUT_S = 120.0
+RTT_SAMPLES = 3
+
+
+class ProbeUnsupported(Exception):
+    """The node's platform cannot be probed (e.g. Windows). The message says what to do instead."""
+
+
+async def collect(
+    transport,
+    platform_hint: str = "auto",
+    *,
+    rpc_port: int = 50052,
+    unified_clamp: float = 0.70,
+    timeout: float = PROBE_TIMEOUT_S,
+) -> ProbeReport:
+    """Probe the node behind `transport` and return its report (nothing is stored here)."""
+    if platform_hint == "windows":
+        raise ProbeUnsupported(
+            "Windows nodes cannot be probed: run ggml-rpc-server under WSL2 and add the WSL address as a "
+            "Linux node."
+        )
+    local = isinstance(transport, LocalTransport)
+    rtt_ms = 0.0 if local else await measure_rtt(transport)
+    result = await transport.run(["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port))], timeout=timeout)
+    if result.exit_status != 0:
+        tail = "; ".join(line.text for line in result.lines[-3:])
+        raise TransportError(f"The probe script failed with exit status {result.exit_status}: {tail}")
+    report = build_report(result.stdout, rpc_port=rpc_port, unified_clamp=unified_clamp)
+    report.rtt_ms = rtt_ms
+    if local:
+        _fill_from_psutil(report, rpc_port)
+    return report
+
+
+async def measure_rtt(transport, samples: int = RTT_SAMPLES) -> float:
+    """The fastest of a few trivial commands, in ms: a channel open, exec and exit on the node."""
+    best = float("inf")
+    for _ in range(samples):
+        start = time.perf_counter()
+        await transport.run(["true"], timeout=30)
+        best = min(best, (time.perf_counter() - start) * 1000)
+    return round(best, 2)
+
+
+def _fill_from_psutil(report: ProbeReport, rpc_port: int) -> None:
+    """The console's own host: memory, cores and the port holder straight from psutil."""
+    memory = psutil.virtual_memory()
+    total, available = memory.total, memory.available
+    if report.memory_limit_bytes is not None:
+        total = min(total, report.ram_total_bytes)
+        available = min(available, report.ram_available_bytes)
+    report.ram_total_bytes, report.ram_available_bytes = total, available
+    report.cpu_cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
+    )
+    for device in report.devices:
+        if device.kind == "cpu":
+            device.total_bytes, device.free_bytes = total, available
+    holder = _port_holder(rpc_port)
+    if holder:
+        report.rpc_port_pid, report.rpc_port_process = holder
+
+
+def _port_holder(port: int) -> tuple[int | None, str] | None:
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return None
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            if conn.pid is None:
+                return None, "unknown (not visible to this user)"
+            try:
+                return conn.pid, psutil.Process(conn.pid).name()
+            except psutil.Error:
+                return conn.pid, ""
+    return None
+
+
+def _device_fields(info: DeviceInfo) -> dict:
+    return {
+        "kind": info.kind,
+        "description": info.description[:200],
+        "total_bytes": info.total_bytes,
+        "free_bytes": info.free_bytes,
+        "unified_memory": info.unified_memory,
+        "bandwidth_gbs": info.bandwidth_gbs,
+    }
+
+
+def apply_probe_report(node: Node, report: ProbeReport) -> list[Device]:
+    """Store a successful probe: node facts and reachability, and the devices it found (added, updated
+    or removed). Operator bandwidth overrides and measured figures of devices that remain are kept."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        existing = {device.name: device for device in locked.devices.all()}
+        seen = set()
+        for info in report.devices:
+            seen.add(info.name)
+            device = existing.get(info.name)
+            if device is None:
+                Device.objects.create(node=locked, name=info.name, **_device_fields(info))
+                continue
+            for field, value in _device_fields(info).items():
+                setattr(device, field, value)
+            device.save(update_fields=[*_device_fields(info), "updated_at"])
+        gone = [name for name in existing if name not in seen]
+        if gone:
+            locked.devices.filter(name__in=gone).delete()
+        node.reachability = Reachability.REACHABLE
+        node.last_seen_at = node.last_probe_at = now
+        node.facts = report.facts()
+        node.rtt_ms = report.rtt_ms
+        node.last_error = ""
+        node.save(
+            update_fields=["reachability", "last_seen_at", "last_probe_at", "facts", "rtt_ms", "last_error"]
+        )
+    return list(node.devices.all())
+
+
+def record_probe_failure(node: Node, message: str, *, reachability: str | None = None) -> None:
+    """A probe that could not finish: keep the devices (last known), mark the node and say why."""
+    node.last_probe_at = timezone.now()
+    node.last_error = message[:2000]
+    fields = ["last_probe_at", "last_error"]
+    if reachability:
+        node.reachability = reachability
+        fields.append("reachability")
+    node.save(update_fields=fields)
