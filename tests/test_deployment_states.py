@@ -144,3 +144,85 @@ def test_different_ports_on_different_nodes_do_not_conflict(cluster):
         plan=_plan(worker2.name, coordinator2.name),
     )
     assert other.mark_preparing() is True
+
+
+# -- start_deploy: refusals before anything runs, one run per press --------------------------------------
+
+
+def _build(node, protocol: str = "7.0.0"):
+    from nodes.models import Build, BuildSource
+
+    return Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        rpc_protocol=protocol,
+        rpc_server_path="/opt/llama/ggml-rpc-server",
+        llama_server_path="/opt/llama/llama-server",
+    )
+
+
+@pytest.fixture
+def no_enqueue(monkeypatch):
+    from deployments import lifecycle
+
+    calls = []
+    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+    return calls
+
+
+def _ready(cluster) -> Deployment:
+    deployment = _deployment(cluster)
+    deployment.plan["llama_server_args"] = ["--rpc", "10.77.1.2:50052", "--device", "RPC0"]
+    deployment.save()
+    return deployment
+
+
+def test_a_node_without_a_build_is_refused_by_name(cluster, no_enqueue):
+    from deployments.lifecycle import start_deploy
+    from jobs.models import AuditEvent
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    started, reason = start_deploy(deployment)
+    assert not started
+    assert reason.startswith("old-pc has no llama.cpp build")
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.CONFIRMED
+    assert not deployment.steps.exists() and no_enqueue == []
+    assert AuditEvent.objects.get(action="deployment.refused").changes["reason"] == reason
+
+
+def test_nodes_speaking_different_rpc_protocols_are_refused(cluster, no_enqueue):
+    from deployments.lifecycle import start_deploy
+
+    deployment = _ready(cluster)
+    _build(cluster[0], "7.0.0")
+    _build(cluster[1], "3.0.0")
+    started, reason = start_deploy(deployment)
+    assert not started
+    assert "old-pc speaks 3.0.0" in reason
+
+
+def test_deploy_pressed_twice_creates_one_ordered_run(
+    cluster, no_enqueue, django_capture_on_commit_callbacks
+):
+    from deployments.lifecycle import start_deploy
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    with django_capture_on_commit_callbacks(execute=True):
+        assert start_deploy(deployment)[0] is True
+        assert start_deploy(Deployment.objects.get(pk=deployment.pk))[0] is False
+    names = list(deployment.steps.order_by("order").values_list("name", "job__node__name"))
+    assert names == [
+        ("reap", "old-pc"),
+        ("reap", "desk"),
+        ("rpc-server", "old-pc"),
+        ("llama-server", "desk"),
+        ("verify", "desk"),
+        ("measure", "desk"),
+    ]
+    rpc = deployment.steps.get(name="rpc-server").job
+    assert rpc.params["args"][-1] == "-c"  # the tensor cache is on by default
+    assert no_enqueue == [("deploy", deployment.pk)]
