@@ -1,0 +1,189 @@
+"""Lost jobs, with a real Celery worker process on the (file-based) test database and the real Redis broker.
+
+Each test's worker consumes a queue of its own, so other workers on this machine never take its tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from jobs import sweeper, tasks
+from jobs.models import Job, JobState
+from tests.job_fixtures import log_of, pid_running, python_job, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CELERY = str(Path(sys.executable).with_name("celery"))
+
+
+class Worker:
+    def __init__(self, tmp_path: Path, name: str | None = None) -> None:
+        self.queue = f"ramdeck-test-{uuid.uuid4().hex[:10]}"
+        self.name = name or f"{self.queue}@{socket.gethostname()}"
+        self.log_path = tmp_path / f"{self.queue}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> Worker:
+        env = {
+            **os.environ,
+            "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+            "PYTHONUNBUFFERED": "1",
+        }
+        argv = [CELERY, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", self.queue, "-n", self.name]
+        argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(
+            lambda: " ready." in self.log() or self.process.poll() is not None, timeout=60, what="worker"
+        )
+        assert self.process.poll() is None, self.log()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def send(self, job_id: int, task_id: str | None = None) -> None:
+        tasks.run_job.apply_async(args=[job_id], queue=self.queue, task_id=task_id)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._forget_queue()
+
+    def _forget_queue(self) -> None:
+        """Leave nothing of this test in the broker (a killed worker's unacknowledged message included)."""
+        client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+        client.delete(self.queue)
+        for tag, payload in client.hgetall("unacked").items():
+            if self.queue.encode() in payload:
+                client.hdel("unacked", tag)
+                client.zrem("unacked_index", tag)
+
+
+@pytest.fixture
+def worker_factory(tmp_path):
+    started: list[Worker] = []
+
+    def start(name: str | None = None) -> Worker:
+        worker = Worker(tmp_path, name)
+        started.append(worker)
+        return worker.start()
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def orphans():
+    """PIDs a test expects to be ended; killed at teardown whatever happened."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if pid_running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_whose_worker_was_killed_becomes_errored_and_its_process_is_ended(
+    local_node, worker_factory, orphans
+):
+    job = python_job(local_node, "import time\nprint('started', flush=True)\ntime.sleep(600)")
+    worker = worker_factory()
+    worker.send(job.pk)
+    wait_for(lambda: any(t == "started" for _, _, t in log_of(job)), what="the job to start in the worker")
+    pid = wait_for(lambda: Job.objects.get(pk=job.pk).remote_pid, what="the remote PID")
+    orphans.append(pid)
+    assert Job.objects.get(pk=job.pk).worker == worker.name
+
+    worker.kill()
+    assert pid_running(pid)  # The command outlived its worker: exactly what the sweeper must clean up.
+    assert Job.objects.get(pk=job.pk).state == JobState.RUNNING
+
+    lost = sweeper.sweep(stale_after=0)
+
+    job.refresh_from_db()
+    assert lost == [job.pk]
+    assert job.state == JobState.ERRORED
+    assert job.result.startswith(f"Worker lost: worker {worker.name} stopped answering")
+    assert not pid_running(pid)
+    texts = [text for _, _, text in log_of(job)]
+    assert f"Ended process {pid} on {local_node.name}." in texts
+
+
+def test_a_duplicated_task_message_runs_the_job_once(local_node, worker_factory, tmp_path):
+    marker = tmp_path / "runs"
+    job = python_job(local_node, f"open({str(marker)!r}, 'a').write('ran\\n'); print('done')")
+    worker = worker_factory()
+    task_id = str(uuid.uuid4())
+    worker.send(job.pk, task_id)
+    worker.send(job.pk, task_id)  # The broker delivers the same message twice.
+    wait_for(lambda: worker.log().count(f"[{task_id}] succeeded") == 2, timeout=120, what="both deliveries")
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    assert marker.read_text() == "ran\n"
+    assert [text for _, stream, text in log_of(job) if stream == "out"] == ["done"]
+
+
+def test_a_restarted_worker_declares_its_previous_jobs_lost(local_node, worker_factory, orphans, tmp_path):
+    name = f"ramdeck-test-{uuid.uuid4().hex[:10]}@{socket.gethostname()}"
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    orphans.append(sleeper.pid)
+    job = python_job(local_node, "print('never runs again')")
+    job.mark_running(worker=name)
+    Job.objects.filter(pk=job.pk).update(started_at=timezone.now() - timedelta(minutes=5))
+    job.record_remote_pid(sleeper.pid)
+
+    worker_factory(name)  # The same hostname comes back: whatever ran the job is gone.
+
+    job.refresh_from_db()
+    assert job.state == JobState.ERRORED
+    assert job.result == f"Worker lost: {name} restarted while the job was running."
+    assert sleeper.wait(timeout=30) is not None
+    assert not pid_running(sleeper.pid)
+
+
+def test_a_live_worker_with_a_fresh_heartbeat_is_not_swept(local_node):
+    job = python_job(local_node, "print(1)")
+    job.mark_running(worker="busy@somewhere")
+    assert sweeper.sweep(alive=set()) == []  # Heartbeat is fresh: not a suspect, whatever the ping says.
+    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(minutes=2))
+    assert sweeper.sweep(alive={"busy@somewhere"}) == []  # Stale, but its worker answers: wait.
+    assert sweeper.sweep(alive=set()) == [job.pk]
+    job.refresh_from_db()
+    assert job.state == JobState.ERRORED
+
+
+def test_a_lost_launch_keeps_its_daemon_running_as_adopted(local_node, orphans):
+    from jobs.models import JobKind
+
+    daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    orphans.append(daemon.pid)
+    job = Job.objects.create(kind=JobKind.LAUNCH, node=local_node)
+    job.mark_running(worker="gone@nowhere")
+    job.record_remote_pid(daemon.pid)
+    assert sweeper.sweep(stale_after=0, alive=set()) == [job.pk]
+    assert pid_running(daemon.pid)
+    texts = [text for _, _, text in log_of(job)]
+    assert any("adopted" in text for text in texts)
