@@ -269,6 +269,19 @@ RAMDECK_UNIFIED_MEMORY_CLAMP = env_float("RAMDECK_UNIFIED_MEMORY_CLAMP", 0.70, m
 RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
+# When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".
+RAMDECK_PLACEMENT_MISMATCH = env_str("RAMDECK_PLACEMENT_MISMATCH", "fail")
+if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):
+    raise ImproperlyConfigured("RAMDECK_PLACEMENT_MISMATCH must be fail or warn.")
+# llama-server's /health wait: a minute plus this much per GiB of model.
+RAMDECK_HEALTH_TIMEOUT_PER_GIB_S = env_float("RAMDECK_HEALTH_TIMEOUT_PER_GIB_S", 30.0, minimum=1, maximum=3600)
+# How often beat checks that running deployments' processes are alive (0: never).
+RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S = env_int("RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S", 60, minimum=0)
+if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:
+    CELERY_BEAT_SCHEDULE["check-deployments"] = {
+        "task": "deployments.tasks.check_deployments",
+        "schedule": float(RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S),
+    }
 
 # ---------------------------------------------------------------------------------------------------
 # Static files, sessions, security
