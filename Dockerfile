@@ -1,0 +1,19 @@
+# One image for the web server, the Celery worker and beat.
+FROM python:3.12-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 RAMDECK_VAR_DIR=/var/lib/ramdeck
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends openssh-client iproute2 \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY ramdeck_site ramdeck_site
+COPY nodes nodes
+COPY jobs jobs
+COPY deployments deployments
+RUN pip install .
+COPY . .
+RUN mkdir -p /var/lib/ramdeck && DEBUG=0 RAMDECK_SECRET_KEY=build-only RAMDECK_ENCRYPTION_KEYS=$(python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())') \
+    python manage.py collectstatic --noinput -v0
+EXPOSE 8000
+CMD ["sh", "-c", "python manage.py migrate --noinput && python manage.py ensure_admin && daphne -b 0.0.0.0 -p 8000 ramdeck_site.asgi:application"]
