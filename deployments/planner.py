@@ -205,27 +205,37 @@ def kv_bytes_per_block(profile: dict[str, Any], settings: Settings) -> list[int]
     return out
 
 
-def compute_bytes(profile: dict[str, Any], settings: Settings, *, output: bool, coordinator_cpu: bool) -> int:
-    """An upper estimate of one device's compute buffer (ggml_backend_sched's reservation), one graph copy.
+def compute_bytes(
+    profile: dict[str, Any], settings: Settings, *, role: str, coordinator_cpu: bool, pipeline: bool = False
+) -> int:
+    """An upper estimate of one copy of a device's compute buffer (ggml_backend_sched's reservation).
 
-    Measured on llama.cpp's CPU and RPC backends with flash attention (its default): per ubatch token, f32
-    activations of the feed-forward and attention (bounded here by 3 x n_ff + 4 x n_embd floats) plus the
-    f16 attention mask over the cells of one sequence; the output device adds the logits, the coordinator's
-    CPU the input embeddings and logits read-back.
+    No closed form exists; this is fitted to llama.cpp's own logs on its CPU and RPC backends with flash
+    attention (its default) and kept above them (tests/test_planner_vs_llamacpp.py holds it to within 2x).
+    Per ubatch token: f32 activations, plus the f16 attention mask over the cells of one sequence.
+    `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output layer and at
+    most the last block, whose feed-forward runs on the output rows only), "idle" (the coordinator's CPU
+    computing no block: input embeddings and the mask). With pipeline parallelism the graph is cut into
+    more, smaller splits, so the feed-forward share is smaller (but there are four copies).
     """
     per_seq, _ = kv_cells(settings)
     ub = min(settings.ubatch, per_seq)
-    n_embd = profile["embedding_length"]
+    n_embd = int(profile["embedding_length"])
     n_ff = profile.get("feed_forward_length") or 4 * n_embd
-    if isinstance(n_ff, list):
-        n_ff = max(n_ff)
-    n_vocab = profile.get("vocab_size") or 32000
-    n_expert_used = max(1, profile.get("expert_used_count") or 1)
-    floats = 3 * n_ff * n_expert_used + 4 * n_embd
-    if output:
-        floats += n_vocab
+    n_ff = max(n_ff) if isinstance(n_ff, list) else int(n_ff)
+    n_ff *= max(1, int(profile.get("expert_used_count") or 1))
+    n_vocab = int(profile.get("vocab_size") or 32000)
+    if role == "idle":
+        floats = 4 * n_embd
+    elif role == "tail":
+        floats = 5 * n_embd
+    else:
+        floats = n_ff + 4 * n_embd if pipeline else 3 * n_ff + 5 * n_embd
+    if role in ("out", "tail"):
+        # The logits replace the activations once the last block is done, so the peak is the larger one.
+        floats = max(floats, n_vocab + 2 * n_embd)
     if coordinator_cpu:
-        floats += n_embd + n_vocab
+        floats += n_vocab if role == "idle" else n_embd + n_vocab
     return ub * (4 * floats + 2 * per_seq)
 
 
@@ -255,8 +265,11 @@ class Slot:
     capacity: int
     bandwidth: float  # bytes per second
     overhead_s: float  # per-token RPC cost of its node
-    compute: int  # one graph copy, not holding the output
-    compute_out: int  # one graph copy, holding the output
+    # Bytes of one compute-graph copy by (role, pipeline parallelism on); see `compute_bytes`.
+    compute: dict[tuple[str, bool], int] = field(default_factory=dict)
+
+    def compute_for(self, role: str, copies: int) -> int:
+        return self.compute[(role, copies > 1)] * copies
 
 
 @dataclass
@@ -273,6 +286,14 @@ class Problem:
     prefix: np.ndarray  # prefix sums of block_bytes, float64
     cpu_base: int  # input embedding and other non-block tensors, on the coordinator's CPU
     warnings: list[str] = field(default_factory=list)
+
+
+def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
+    return {
+        (role, pp): compute_bytes(profile, settings, role=role, coordinator_cpu=coordinator_cpu, pipeline=pp)
+        for role in ("mid", "out", "tail", "idle")
+        for pp in (False, True)
+    }
 
 
 def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> Problem:
@@ -302,8 +323,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             capacity=capacity,
             bandwidth=device.bandwidth_gbs * 1e9,
             overhead_s=RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0) / 1000.0 if remote else 0.0,
-            compute=compute_bytes(profile, settings, output=False, coordinator_cpu=False),
-            compute_out=compute_bytes(profile, settings, output=True, coordinator_cpu=False),
+            compute=_compute_table(profile, settings, coordinator_cpu=False),
         )
 
     cpu_device = next(d for d in coordinator.devices if d.name == "CPU")
@@ -314,8 +334,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         shared = sum(capacity_bytes(d, settings)[0] for d in unified_gpus)
         cpu.limit = max(0, min(cpu.limit, cpu_device.total_bytes - shared))
         cpu.capacity = int(cpu.limit * (1 - settings.margin_fraction))
-    cpu.compute = compute_bytes(profile, settings, output=False, coordinator_cpu=True)
-    cpu.compute_out = compute_bytes(profile, settings, output=True, coordinator_cpu=True)
+    cpu.compute = _compute_table(profile, settings, coordinator_cpu=True)
     slots = [slot(d, coordinator) for d in coordinator.devices if d.name != "CPU"]
     for node in nodes:
         if not node.coordinator:
@@ -364,6 +383,14 @@ def pipeline_parallel(split: Split) -> bool:
     return split.cpu_blocks == 0 and len(split.order) > 1
 
 
+def _role(is_cpu: bool, start: int, count: int, output: bool, n: int) -> str:
+    if is_cpu:
+        return "out" if output else ("idle" if count == 0 else "mid")
+    if output:
+        return "tail" if count <= 1 and start + count == n else "out"
+    return "mid"
+
+
 def evaluate(problem: Problem, split: Split) -> Evaluation:
     n = len(problem.block_bytes)
     if split.cpu_blocks + sum(split.counts) != n or len(split.order) != len(split.counts):
@@ -385,7 +412,7 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
         if slot is problem.cpu:
             weights += problem.cpu_base
         kv = sum(problem.kv[start : start + count])
-        compute = (slot.compute_out if output else slot.compute) * copies
+        compute = slot.compute_for(_role(slot is problem.cpu, start, count, output, n), copies)
         fits = fits and weights + kv + compute <= slot.capacity
         read = sum(problem.block_bytes[start : start + count]) + (out_bytes if output else 0)
         seconds += read / slot.bandwidth
@@ -443,7 +470,11 @@ class _Search:
         key = (i, last, copies)
         if key not in self._cache:
             s = self.p.slots[i]
-            fixed = (s.compute_out if last else s.compute) * copies + (self.out_bytes if last else 0.0)
+            fixed = s.compute_for("out" if last else "mid", copies) + (self.out_bytes if last else 0.0)
+            if last:
+                # Rows j >= n - 1: the output device holds at most the last block (smaller compute buffer).
+                fixed = np.full((self.n + 1, 1), fixed)
+                fixed[self.n - 1 :] = s.compute_for("tail", copies) + self.out_bytes
             ok = (self.span + fixed <= s.capacity) & (self.upper | (self.diag if last else False))
             cost = (self.span + (self.out_bytes if last else 0.0)) / s.bandwidth
             self._cache[key] = np.where(ok, cost, INF)
@@ -453,10 +484,14 @@ class _Search:
         c = self.p.cpu
         fixed = (
             self.p.cpu_base
-            + (c.compute_out if output else c.compute) * copies
+            + c.compute_for("out" if output else "mid", copies)
             + (self.out_bytes if output else 0)
         )
         pre = self.p.prefix
+        if not output:
+            # With no block of its own the CPU's compute buffer is much smaller.
+            fixed = np.full(len(pre), float(fixed))
+            fixed[0] = self.p.cpu_base + c.compute_for("idle", copies)
         ok = pre + fixed <= c.capacity
         return np.where(ok, (pre + (self.out_bytes if output else 0.0)) / c.bandwidth, INF)
 
@@ -798,7 +833,7 @@ def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings:
         sum(profile["block_weight_bytes"])
         + sum(kv_bytes_per_block(profile, settings))
         + profile["output_bytes"]
-        + PIPELINE_COPIES * compute_bytes(profile, settings, output=True, coordinator_cpu=False)
+        + PIPELINE_COPIES * compute_bytes(profile, settings, role="out", coordinator_cpu=False)
     )
     hi = int(hi / (1 - settings.margin_fraction)) + MIB
     if not _solve(profile, _extra_node(nodes, hi), settings)[0]:

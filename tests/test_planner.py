@@ -74,7 +74,7 @@ def exhaustive(problem: planner.Problem) -> float:
                         continue
                     candidates = [[]]
                 else:
-                    # Every listed device but the last holds at least one block; the last may hold only the output.
+                    # Listed devices hold a block or more, except the last, which may hold only the output.
                     candidates = [
                         [*c, rest - sum(c)]
                         for c in itertools.product(range(1, rest + 1), repeat=size - 1)
@@ -263,7 +263,7 @@ def test_pipeline_parallel_compute_buffers_are_counted_four_times():
     )
     result = planner.plan(profile, nodes, Settings(ctx=1024, margin_fraction=0))
     assert result["fits"]
-    one = planner.compute_bytes(profile, Settings(ctx=1024), output=False, coordinator_cpu=False)
+    one = planner.compute_bytes(profile, Settings(ctx=1024), role="mid", coordinator_cpu=False, pipeline=True)
     if result["pipeline_parallel"]:
         assert result["placements"][0]["layers"] == 0
         assert any(p["compute_bytes"] >= 4 * one for p in result["placements"][1:])

@@ -1,0 +1,80 @@
+"""Pure llama.cpp knowledge: the rpc-server banner, the -lv 4 load log, the argument lists."""
+
+from __future__ import annotations
+
+from deployments import llamacpp
+
+BANNER = """Starting RPC server v7.0.0
+  endpoint       : 127.0.0.1:50061
+  local cache    : n/a
+Devices:
+  CPU: AMD EPYC (24105 MiB, 24105 MiB free)
+  transport      : TCP
+Accepted client connection
+"""
+
+LOG = """\
+0.00.021.332 I load_tensors: offloaded 7/9 layers to GPU
+0.00.021.341 I load_tensors:   CPU_Mapped model buffer size =     2.26 MiB
+0.00.021.342 I load_tensors: RPC0[127.0.0.1:50161] model buffer size =     3.19 MiB
+0.00.021.343 I load_tensors: RPC0[127.0.0.1:50162] model buffer size =     3.33 MiB
+0.00.021.343 I load_tensors: RPC1[127.0.0.1:50162] model buffer size =     1.00 MiB
+0.00.031.070 I llama_context:        CPU  output buffer size =     0.00 MiB
+0.00.031.150 I llama_kv_cache:        CPU KV buffer size =     0.50 MiB
+0.00.032.099 I llama_kv_cache: RPC0[127.0.0.1:50161] KV buffer size =     0.75 MiB
+0.00.032.099 I llama_kv_cache: RPC0[127.0.0.1:50161] KV buffer size =     0.25 MiB
+0.00.036.629 I sched_reserve: RPC0[127.0.0.1:50161] compute buffer size =     5.01 MiB
+0.00.036.635 I sched_reserve:        CPU compute buffer size =     6.52 MiB
+"""
+
+
+def test_rpc_banner_gives_version_endpoint_and_devices():
+    info = llamacpp.parse_rpc_banner(BANNER)
+    assert info["version"] == "7.0.0"
+    assert info["endpoint"] == "127.0.0.1:50061"
+    assert info["transport"] == "TCP"
+    assert info["devices"] == [
+        {"name": "CPU", "description": "AMD EPYC", "total_mib": 24105, "free_mib": 24105}
+    ]
+
+
+def test_load_log_is_keyed_by_endpoint_and_sums_buffers_of_one_device():
+    parsed = llamacpp.parse_load_log(LOG.splitlines())
+    mib = 1024 * 1024
+    assert parsed["offloaded"] == [7, 9]
+    devices = parsed["devices"]
+    assert set(devices) == {"CPU", "127.0.0.1:50161", "127.0.0.1:50162", "127.0.0.1:50162#1"}
+    assert devices["CPU"]["model"] == round(2.26 * mib)
+    assert devices["CPU"]["compute"] == round(6.52 * mib)
+    assert devices["127.0.0.1:50161"]["kv"] == mib  # an SWA and a full cache add up
+    assert devices["127.0.0.1:50162#1"]["model"] == mib
+
+
+def test_server_args_put_rpc_before_device_and_count_the_output_slot():
+    placements = [
+        {"llama_device": "CPU", "endpoint": None, "layers": 2, "output_layer": False},
+        {"llama_device": "RPC0", "endpoint": "10.0.0.2:50052", "layers": 3, "output_layer": False},
+        {"llama_device": "RPC1", "endpoint": "10.0.0.3:50052", "layers": 1, "output_layer": False},
+        {"llama_device": "CUDA0", "endpoint": None, "layers": 2, "output_layer": True},
+    ]
+    args = llamacpp.llama_server_args(placements, {"ctx": 4096, "parallel": 1, "cache_type": "f16"}, 8)
+    assert args[:10] == [
+        "--rpc", "10.0.0.2:50052,10.0.0.3:50052", "--device", "RPC0,RPC1,CUDA0", "-ngl", "7", "-ts", "3,1,3",
+        "-sm", "layer",
+    ]  # fmt: skip
+    assert llamacpp.layer_assignment([3, 1, 3], 8, 7) == [-1, -1, 0, 0, 0, 1, 2, 2, 2]
+    assert llamacpp.rpc_server_args("10.0.0.9", 50052, ["MTL0"]) == [
+        "-H",
+        "10.0.0.9",
+        "-p",
+        "50052",
+        "-d",
+        "MTL0",
+    ]
+
+
+def test_everything_on_the_cpu_lists_no_device():
+    placements = [{"llama_device": "CPU", "endpoint": None, "layers": 8, "output_layer": True}]
+    args = llamacpp.llama_server_args(placements, {"ctx": 512, "parallel": 1, "cache_type": "q8_0"}, 8)
+    assert args[:4] == ["--device", "none", "-ngl", "0"]
+    assert "-ts" not in args
