@@ -127,6 +127,7 @@ class ProbeReport:
         data.pop("devices")
         data["rpc_port_in_use"] = self.rpc_port_in_use
         data["rpc_server_binary"] = self.rpc_server_binary
+        data["llama_server_binary"] = self.binaries.get("llama-server", "")
         return data
 
 
