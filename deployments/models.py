@@ -40,7 +40,7 @@ class DeploymentState(models.TextChoices):
                                   │             │             │            │   ▲              │
                                   └─────────────┴──────┬──────┘            ▼   │ (recovers)   │
                                                        ▼                degraded ──stop───────┘
-                                                     failed (step and reason kept; what it started is rolled back)
+                                                     failed (step and reason kept; what it started is ended)
 
     preparing: reap stale processes and check builds; launching: rpc-servers, then llama-server;
     verifying: compare llama.cpp's logged placement with the plan and measure speed. A stopped or failed

@@ -10,7 +10,7 @@ import asyncio
 import logging
 
 from jobs.audit import record
-from jobs.transport import TransportError
+from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 
 from .models import Deployment, DeploymentState
@@ -20,13 +20,22 @@ logger = logging.getLogger(__name__)
 LOG_LINES = 15
 
 
-async def _check_node(node: Node, processes: list[dict]) -> dict[int, str]:
-    """{pid: reason} for the processes on `node` that are gone (or that cannot be checked)."""
-    from jobs.runner import open_transport_for
+def _transport(node: Node):
+    """Made in synchronous code: the factory reads the node's credential from the database, which must not
+    happen from inside the short event loop below (a view's thread may be the database thread)."""
+    try:
+        return open_transport(node)
+    except TransportError as exc:
+        return exc
 
+
+async def _check_node(node: Node, opened, processes: list[dict]) -> dict[int, str]:
+    """{pid: reason} for the processes on `node` that are gone (or that cannot be checked)."""
     dead: dict[int, str] = {}
     try:
-        async with await open_transport_for(node) as transport:
+        if isinstance(opened, TransportError):
+            raise opened
+        async with opened as transport:
             for info in processes:
                 pid = int(info["pid"])
                 if await transport.pid_alive(pid):
@@ -42,8 +51,10 @@ async def _check_node(node: Node, processes: list[dict]) -> dict[int, str]:
     return dead
 
 
-async def _check(groups: dict[Node, list[dict]]) -> dict[int, str]:
-    results = await asyncio.gather(*(_check_node(node, procs) for node, procs in groups.items()))
+async def _check(groups: dict[Node, list[dict]], transports: dict) -> dict[int, str]:
+    results = await asyncio.gather(
+        *(_check_node(node, transports[node.name], procs) for node, procs in groups.items())
+    )
     merged: dict[int, str] = {}
     for item in results:
         merged.update(item)
@@ -61,7 +72,8 @@ def check_deployment(deployment: Deployment) -> str:
     for info in processes:
         if info["node"] in nodes:
             groups.setdefault(nodes[info["node"]], []).append(info)
-    dead = asyncio.run(_check(groups)) if groups else {}
+    transports = {node.name: _transport(node) for node in groups}
+    dead = asyncio.run(_check(groups, transports)) if groups else {}
     if not dead:
         return ""
     reason = "\n\n".join(dead.values())
@@ -82,3 +94,59 @@ def check_all() -> list[int]:
         except Exception:  # noqa: BLE001 - one broken deployment must not stop the check of the others.
             logger.exception("Checking deployment %s failed.", deployment.pk)
     return degraded
+
+
+# --------------------------------------------------------------------------------------------------
+# Process status for the deployment page
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_ps_status(text: str) -> dict[int, dict]:
+    """{pid: {"uptime_s", "rss_bytes"}} from `ps -o pid=,etimes=,rss= -p PIDS` (rss in KiB)."""
+    status = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            status[int(parts[0])] = {"uptime_s": int(parts[1]), "rss_bytes": int(parts[2]) * 1024}
+    return status
+
+
+async def _status_of_node(opened, processes: list[dict]) -> list[dict]:
+    pids = ",".join(str(int(p["pid"])) for p in processes)
+    try:
+        if isinstance(opened, TransportError):
+            raise opened
+        async with opened as transport:
+            result = await transport.run(["ps", "-o", "pid=,etimes=,rss=", "-p", pids], timeout=30)
+            found = parse_ps_status(result.stdout)
+            error = ""
+    except TransportError as exc:
+        found, error = {}, str(exc)
+    rows = []
+    for info in processes:
+        pid = int(info["pid"])
+        rows.append({**info, "alive": pid in found, **found.get(pid, {}), "error": error})
+    return rows
+
+
+def process_status(deployment: Deployment) -> list[dict]:
+    """Every process this deployment started, with whether it is alive, its uptime and resident memory."""
+    processes = list((deployment.processes or {}).values())
+    nodes = {
+        n.name: n
+        for n in Node.objects.select_related("credential").filter(name__in={p["node"] for p in processes})
+    }
+    groups: dict[str, list[dict]] = {}
+    for info in processes:
+        if info["node"] in nodes:
+            groups.setdefault(info["node"], []).append(info)
+
+    transports = {name: _transport(nodes[name]) for name in groups}
+
+    async def gather() -> list[list[dict]]:
+        return await asyncio.gather(
+            *(_status_of_node(transports[name], procs) for name, procs in groups.items())
+        )
+
+    rows = [row for group in (asyncio.run(gather()) if groups else []) for row in group]
+    return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"]))

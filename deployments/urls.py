@@ -4,9 +4,21 @@ from django.urls import path
 
 from ramdeck_site.views import not_built_yet
 
+from . import lifecycle_views
+
 app_name = "deployments"
 urlpatterns = [
     path("models/", not_built_yet, name="models"),
     path("deployments/", not_built_yet, name="list"),
     path("deployments/<int:pk>/", not_built_yet, name="detail"),
+    # The run of a deployment (deployments/lifecycle_views.py).
+    path("deployments/<int:pk>/run/", lifecycle_views.deployment_run, name="run"),
+    path("deployments/<int:pk>/processes/", lifecycle_views.deployment_processes, name="processes"),
+    path("deployments/<int:pk>/api-key/", lifecycle_views.deployment_api_key, name="api_key"),
+    path("deployments/<int:pk>/deploy/", lifecycle_views.deployment_deploy, name="deploy"),
+    path("deployments/<int:pk>/stop/", lifecycle_views.deployment_stop, name="stop"),
+    path("deployments/<int:pk>/restart/", lifecycle_views.deployment_restart, name="restart"),
+    path("deployments/<int:pk>/redeploy/", lifecycle_views.deployment_redeploy, name="redeploy"),
+    path("builds/<slug:name>/", lifecycle_views.node_builds, name="node_builds"),
+    path("builds/<slug:name>/start/", lifecycle_views.node_build_start, name="node_build_start"),
 ]

@@ -269,6 +269,8 @@ RAMDECK_UNIFIED_MEMORY_CLAMP = env_float("RAMDECK_UNIFIED_MEMORY_CLAMP", 0.70, m
 RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
+# A llama.cpp source tarball on the console host, offered as the default source of builds (offline LANs).
+RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".
 RAMDECK_PLACEMENT_MISMATCH = env_str("RAMDECK_PLACEMENT_MISMATCH", "fail")
 if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):

@@ -1,0 +1,284 @@
+"""Pages and buttons of a deployment's run (deploy, stop, restart, redeploy) and of a node's llama.cpp builds.
+
+The plan preview and the deployment list are deployments/views.py; this module is the part after confirm.
+Every button is a POST for operators and is audited by the lifecycle function it calls.
+"""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+from django import forms
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import Q
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from jobs import audit
+from jobs.models import Job, JobKind
+from jobs.runner import enqueue
+from nodes.models import Node
+from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
+
+from . import lifecycle, monitor
+from .lifecycle_steps import endpoint_url
+from .models import ACTIVE_STATES, Deployment, DeploymentState
+
+METRICS_SHOWN = (
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:predicted_tokens_seconds",
+    "llamacpp:requests_processing",
+    "llamacpp:requests_deferred",
+)
+
+
+def _get_deployment(pk: int) -> Deployment:
+    return get_object_or_404(
+        Deployment.objects.select_related("coordinator", "model_file", "created_by"), pk=pk
+    )
+
+
+def _steps(deployment: Deployment) -> list[dict]:
+    rows = []
+    for step in deployment.steps.select_related("job").order_by("order", "pk"):
+        job = step.job
+        tail = list(job.log_lines.order_by("-seq").values_list("text", flat=True)[:6])[::-1]
+        rows.append({"step": step, "job": job, "tail": tail})
+    return rows
+
+
+def _context(request, deployment: Deployment) -> dict:
+    plan = deployment.plan or {}
+    predicted = plan.get("predicted_tokens_per_s")
+    measured = deployment.measured_decode_tps
+    return {
+        "deployment": deployment,
+        "steps": _steps(deployment),
+        "endpoint": endpoint_url(deployment),
+        "predicted_tps": predicted,
+        "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),
+        "measured_ratio": (measured / predicted) if measured and predicted else None,
+        "verification": deployment.verification or {},
+        "is_active": deployment.state in ACTIVE_STATES,
+        "is_moving": deployment.state
+        in (
+            DeploymentState.PREPARING,
+            DeploymentState.LAUNCHING,
+            DeploymentState.VERIFYING,
+            DeploymentState.STOPPING,
+        ),
+        "can_operate": can_operate(request.user),
+        "may_deploy": deployment.state == DeploymentState.CONFIRMED,
+        "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
+        "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
+        "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
+        # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
+        "history": Deployment.objects.filter(
+            Q(redeployed_from=deployment) | Q(pk=deployment.redeployed_from_id or 0)
+        ).order_by("-created_at")[:10],
+    }
+
+
+@role_required(VIEWER)
+def deployment_run(request, pk: int):
+    deployment = _get_deployment(pk)
+    template = "deployments/lifecycle/run.html"
+    if request.htmx and request.htmx.target == "deployment-run":
+        template += "#run"
+    return render(request, template, _context(request, deployment))
+
+
+@role_required(VIEWER)
+def deployment_processes(request, pk: int):
+    """Per-node process status (alive, PID, uptime, memory) and live numbers from /metrics."""
+    deployment = _get_deployment(pk)
+    rows = monitor.process_status(deployment) if deployment.processes else []
+    metrics = (
+        _metrics(deployment)
+        if deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+        else {}
+    )
+    return render(
+        request,
+        "deployments/lifecycle/processes.html",
+        {"deployment": deployment, "rows": rows, "metrics": metrics},
+    )
+
+
+def _metrics(deployment: Deployment) -> dict[str, str]:
+    try:
+        response = httpx.get(
+            f"{endpoint_url(deployment)}/metrics",
+            headers={"Authorization": f"Bearer {deployment.api_key()}"},
+            timeout=2.0,
+        )
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in METRICS_SHOWN:
+            values[name.split(":", 1)[1]] = value
+    return values
+
+
+@role_required(OPERATOR)
+def deployment_api_key(request, pk: int):
+    """The API key, for operators only; every reveal is audited."""
+    deployment = _get_deployment(pk)
+    key = deployment.api_key() if deployment.api_key_encrypted else ""
+    audit.record(request, "deployment.api_key_viewed", deployment)
+    context = {"deployment": deployment, "api_key": key, "endpoint": endpoint_url(deployment)}
+    return render(request, "deployments/lifecycle/api_key.html", context)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_deploy(request, pk: int):
+    deployment = _get_deployment(pk)
+    started, message = lifecycle.start_deploy(deployment, request.user)
+    (messages.success if started else messages.error)(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_stop(request, pk: int):
+    deployment = _get_deployment(pk)
+    stopped, message = lifecycle.stop_deployment(deployment, request.user)
+    (messages.success if stopped else messages.error)(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_restart(request, pk: int):
+    deployment = _get_deployment(pk)
+    stopped, message = lifecycle.stop_deployment(deployment, request.user, then_redeploy=True)
+    if stopped:
+        messages.success(
+            request, "Restarting: it stops, then the same plan deploys again as a new deployment."
+        )
+    else:
+        messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_redeploy(request, pk: int):
+    deployment = _get_deployment(pk)
+    if deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED):
+        messages.error(request, "Only a stopped or failed deployment can be redeployed.")
+        return redirect("deployments:run", pk=deployment.pk)
+    fresh, started, message = lifecycle.redeploy(deployment, request.user)
+    (messages.success if started else messages.error)(request, message)
+    return redirect("deployments:run", pk=fresh.pk)
+
+
+# --------------------------------------------------------------------------------------------------
+# Builds of a node
+# --------------------------------------------------------------------------------------------------
+
+
+class BuildForm(forms.Form):
+    source = forms.ChoiceField(
+        choices=[
+            ("tarball", "Source tarball on this console (uploaded to the node over SFTP)"),
+            ("git", "Git URL and ref (the node fetches it)"),
+            ("existing", "Existing install on the node (a folder holding llama-server)"),
+        ]
+    )
+    tarball = forms.CharField(
+        required=False, max_length=1000, help_text="Path of the .tar.gz on the console host."
+    )
+    git_url = forms.CharField(required=False, max_length=500)
+    git_ref = forms.CharField(required=False, max_length=200)
+    path = forms.CharField(required=False, max_length=1000, help_text="Folder on the node with the binaries.")
+    backend = forms.ChoiceField(
+        choices=[
+            ("auto", "Detect"),
+            ("cpu", "CPU"),
+            ("cuda", "CUDA"),
+            ("metal", "Metal"),
+            ("vulkan", "Vulkan"),
+        ]
+    )
+    rebuild = forms.BooleanField(required=False, help_text="Recompile even when the build folder is current.")
+
+    def clean(self):
+        data = super().clean()
+        source = data.get("source")
+        if source == "tarball":
+            tarball = data.get("tarball") or getattr(settings, "RAMDECK_LLAMACPP_TARBALL", "")
+            if not tarball or not os.path.isfile(tarball):
+                self.add_error("tarball", "No such file on the console host.")
+            data["tarball"] = tarball
+        if source == "existing" and not data.get("path"):
+            self.add_error("path", "Give the folder that holds llama-server and ggml-rpc-server.")
+        if source == "git":
+            data["git_url"] = data.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL
+            data["git_ref"] = data.get("git_ref") or settings.RAMDECK_LLAMACPP_GIT_REF
+        return data
+
+    def params(self) -> dict:
+        data = self.cleaned_data
+        keep = {"tarball": ["tarball"], "git": ["git_url", "git_ref"], "existing": ["path"]}[data["source"]]
+        return {
+            "source": data["source"],
+            "backend": data["backend"],
+            "rebuild": data["rebuild"],
+            **{k: data[k] for k in keep},
+        }
+
+
+def _build_page(request, node: Node, form: BuildForm):
+    return render(
+        request,
+        "deployments/lifecycle/builds.html",
+        {
+            "node": node,
+            "builds": node.builds.all()[:20],
+            "jobs": Job.objects.filter(node=node, kind=JobKind.BUILD)[:10],
+            "form": form,
+            "can_operate": can_operate(request.user),
+        },
+    )
+
+
+@role_required(VIEWER)
+def node_builds(request, name: str):
+    node = get_object_or_404(Node, name=name)
+    initial = {
+        "source": "tarball",
+        "tarball": getattr(settings, "RAMDECK_LLAMACPP_TARBALL", ""),
+        "git_url": settings.RAMDECK_LLAMACPP_GIT_URL,
+        "git_ref": settings.RAMDECK_LLAMACPP_GIT_REF,
+        "backend": "auto",
+    }
+    return _build_page(request, node, BuildForm(initial=initial))
+
+
+@require_POST
+@role_required(OPERATOR)
+def node_build_start(request, name: str):
+    node = get_object_or_404(Node, name=name)
+    form = BuildForm(request.POST)
+    if not form.is_valid():
+        return _build_page(request, node, form)
+    params = form.params()
+    job = Job.objects.create(
+        kind=JobKind.BUILD,
+        node=node,
+        title=f"Build llama.cpp on {node.name} ({params['source']})",
+        params=params,
+        created_by=request.user,
+    )
+    audit.record(request, "build.requested", node, changes=params)
+    enqueue(job)
+    return redirect(job.get_absolute_url())

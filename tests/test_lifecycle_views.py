@@ -1,0 +1,161 @@
+"""The deployment run page and its buttons, and the builds page of a node: who may do what, and the audit."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+
+from deployments import lifecycle
+from deployments.models import Deployment, DeploymentState, ModelFile
+from jobs.models import AuditEvent, Job, JobKind
+from nodes.models import Build, BuildSource
+from tests.deploy_fixtures import TARBALL
+from tests.factories import NodeFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def deployment(operator_user):
+    coordinator = NodeFactory(name="desk", may_coordinate=True)
+    worker = NodeFactory(name="old-pc")
+    for node in (coordinator, worker):
+        Build.objects.create(
+            node=node,
+            source_kind=BuildSource.EXISTING,
+            rpc_protocol="7.0.0",
+            rpc_server_path="/opt/llama/ggml-rpc-server",
+            llama_server_path="/opt/llama/llama-server",
+        )
+    model = ModelFile.objects.create(name="tiny", node=coordinator, path="/m/tiny.gguf")
+    plan = {
+        "fits": True,
+        "predicted_tokens_per_s": 50.0,
+        "baseline": {"predicted_tokens_per_s": 12.0},
+        "placements": [
+            {
+                "node": "old-pc",
+                "device": "CPU",
+                "llama_device": "RPC0",
+                "endpoint": f"{worker.address}:50052",
+                "layers": 8,
+                "output_layer": True,
+                "weights_bytes": 1,
+                "kv_bytes": 1,
+                "compute_bytes": 1,
+            },
+        ],
+        "llama_server_args": ["--rpc", f"{worker.address}:50052", "--device", "RPC0", "-ngl", "9"],
+    }
+    return Deployment.objects.create(
+        name="tiny", model_file=model, coordinator=coordinator, plan=plan, created_by=operator_user
+    )
+
+
+@pytest.fixture
+def no_enqueue(monkeypatch):
+    calls = []
+    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+    return calls
+
+
+def test_a_viewer_sees_the_run_page_without_buttons(viewer_client, deployment):
+    response = viewer_client.get(reverse("deployments:run", args=[deployment.pk]))
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert "Confirmed" in body
+    assert 'id="deploy-button"' not in body
+
+
+def test_a_viewer_cannot_deploy_and_nothing_starts(viewer_client, deployment, no_enqueue):
+    response = viewer_client.post(reverse("deployments:deploy", args=[deployment.pk]))
+    assert response.status_code == 403
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.CONFIRMED
+    assert no_enqueue == []
+
+
+def test_deploy_is_post_only(operator_client, deployment):
+    assert operator_client.get(reverse("deployments:deploy", args=[deployment.pk])).status_code == 405
+
+
+def test_an_operator_deploys_once_even_when_pressing_twice(
+    operator_client, deployment, no_enqueue, django_capture_on_commit_callbacks
+):
+    url = reverse("deployments:deploy", args=[deployment.pk])
+    with django_capture_on_commit_callbacks(execute=True):
+        first = operator_client.post(url)
+        second = operator_client.post(url, follow=True)
+    assert first.status_code == 302
+    assert "already preparing" in second.content.decode()
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.PREPARING
+    assert no_enqueue == [("deploy", deployment.pk)]
+    assert AuditEvent.objects.filter(action="deployment.deploy").count() == 1
+    page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert "Reap port 50052 on old-pc" in page and 'id="stop-button"' in page
+
+
+def test_stopping_a_running_deployment_is_audited_and_enqueued(
+    operator_client, deployment, no_enqueue, django_capture_on_commit_callbacks
+):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.RUNNING)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(reverse("deployments:stop", args=[deployment.pk]))
+    assert response.status_code == 302
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.STOPPING
+    assert no_enqueue == [("stop", deployment.pk)]
+    assert AuditEvent.objects.get(action="deployment.stop").actor.username == "oscar-operator"
+
+
+def test_the_api_key_is_for_operators_and_each_reveal_is_audited(
+    viewer_client, client, operator_user, deployment
+):
+    deployment.set_api_key("sk-test-123")
+    deployment.save()
+    url = reverse("deployments:api_key", args=[deployment.pk])
+    assert viewer_client.get(url).status_code == 403
+    client.force_login(operator_user)
+    response = client.get(url)
+    assert "sk-test-123" in response.content.decode()
+    assert "Authorization: Bearer" in response.content.decode()
+    event = AuditEvent.objects.get(action="deployment.api_key_viewed")
+    assert "sk-test-123" not in str(event.changes)
+    run_page = client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert "sk-test-123" not in run_page
+
+
+def test_redeploy_creates_a_new_deployment_from_the_same_plan(operator_client, deployment, no_enqueue):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.FAILED)
+    response = operator_client.post(reverse("deployments:redeploy", args=[deployment.pk]))
+    fresh = Deployment.objects.exclude(pk=deployment.pk).get()
+    assert response.url == reverse("deployments:run", args=[fresh.pk])
+    assert fresh.redeployed_from == deployment and fresh.plan == deployment.plan
+    assert fresh.state == DeploymentState.PREPARING
+
+
+def test_an_operator_starts_a_build_from_the_tarball(operator_client, monkeypatch):
+    node = NodeFactory(name="old-pc")
+    started = []
+    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    response = operator_client.post(
+        reverse("deployments:node_build_start", args=[node.name]),
+        {"source": "tarball", "tarball": str(TARBALL), "backend": "auto"},
+    )
+    job = Job.objects.get(kind=JobKind.BUILD)
+    assert response.url == job.get_absolute_url()
+    assert job.params["source"] == "tarball" and job.params["tarball"] == str(TARBALL)
+    assert started == [job.pk]
+    assert AuditEvent.objects.filter(action="build.requested").exists()
+
+
+def test_a_viewer_sees_builds_but_cannot_start_one(viewer_client):
+    node = NodeFactory(name="old-pc")
+    page = viewer_client.get(reverse("deployments:node_builds", args=[node.name]))
+    assert page.status_code == 200 and "No llama.cpp build is recorded" in page.content.decode()
+    response = viewer_client.post(
+        reverse("deployments:node_build_start", args=[node.name]), {"source": "existing", "path": "/opt"}
+    )
+    assert response.status_code == 403
+    assert not Job.objects.exists()
