@@ -495,14 +495,20 @@ class _Search:
         ok = pre + fixed <= c.capacity
         return np.where(ok, (pre + (self.out_bytes if output else 0.0)) / c.bandwidth, INF)
 
-    def run(self, order: list[list[int]], start: np.ndarray, copies: int, record: bool):
-        """Returns final cost array and, when recording, the choices for backtracking."""
+    def run(
+        self, order: list[list[int]], start: np.ndarray, copies: int, record: bool, *, has_last: bool = True
+    ):
+        """Returns final cost array and, when recording, the choices for backtracking.
+
+        The last slot of `order` holds the output layer unless `has_last` is false (a shared prefix).
+        """
         f = start
         trace: list[tuple] = []
         cols = np.arange(self.n + 1)
-        last_slot = order[-1][-1]
+        last_slot = order[-1][-1] if has_last and order else -1
         for group in order:
-            remote = self.p.slots[group[0]].remote
+            # A remote node with one device is a local device plus its overhead: no second state needed.
+            remote = self.p.slots[group[0]].remote and len(group) > 1
             if remote:
                 a, b = f, np.full_like(f, INF)
             for i in group:
@@ -528,15 +534,19 @@ class _Search:
                         trace.append(("r", i, pick, ja, jb))
                     a, b = na, nb
                 else:
-                    step = f[:, None] + m
-                    j = step.argmin(0)
-                    v = step[j, cols]
+                    step = f[:, None] + (m + self.p.slots[i].overhead_s if self.p.slots[i].remote else m)
+                    if record:
+                        j = step.argmin(0)
+                        v = step[j, cols]
+                    else:
+                        v = step.min(0)
                     if is_last:
                         pick = np.ones(self.n + 1, dtype=int)
                         nf = v
                     else:
-                        pick = (v < f).astype(int)
-                        nf = np.where(pick == 1, v, f)
+                        better = v < f
+                        pick = better.astype(int)
+                        nf = np.where(better, v, f)
                     if record:
                         trace.append(("l", i, pick, j))
                     f = nf
@@ -593,31 +603,46 @@ def search(problem: Problem) -> tuple[Split | None, float]:
     everything = s.cpu_costs(1, output=True)
     consider(float(everything[n]), Split(n, [], []))
     groups = _canonical_groups(problem)
-    for last in range(len(problem.slots)):
-        order = _order_for_last(groups, last)
-        # Mode 1: some blocks stay on the CPU (no pipeline parallelism): CPU count >= 1.
-        start = s.cpu_costs(1, output=False)
-        start1 = start.copy()
-        start1[0] = INF
-        # Mode 2: nothing on the CPU and a single device (no pipeline parallelism).
-        start2 = np.full(n + 1, INF)
-        start2[0] = start[0]
-        # Mode 3: nothing on the CPU, pipeline parallelism on (x4 compute everywhere).
-        start3 = np.full(n + 1, INF)
-        start3[0] = s.cpu_costs(PIPELINE_COPIES, output=False)[0]
-        for mode, st, copies, ord_ in (
-            (1, start1, 1, order),
-            (2, start2, 1, [[last]]),
-            (3, start3, PIPELINE_COPIES, order),
-        ):
-            f, _ = s.run(ord_, st, copies, record=False)
-            if f[n] < INF and (best is None or f[n] < best[0] * (1 - 1e-12)):
-                _, trace = s.run(ord_, st, copies, record=True)
-                cpu_blocks, o, c = s.backtrack(trace, n)
-                split = Split(cpu_blocks, o, c)
-                if mode == 3 and not pipeline_parallel(split):
-                    continue  # covered exactly by modes 1 and 2
-                consider(float(f[n]), split)
+    best_run: tuple[float, list[list[int]], np.ndarray, int] | None = None
+    start = s.cpu_costs(1, output=False)
+    # Mode 1: some blocks stay on the CPU (no pipeline parallelism): CPU count >= 1.
+    start1 = start.copy()
+    start1[0] = INF
+    # Mode 2: nothing on the CPU and a single device (no pipeline parallelism).
+    start2 = np.full(n + 1, INF)
+    start2[0] = start[0]
+    # Mode 3: nothing on the CPU, pipeline parallelism on (x4 compute everywhere).
+    start3 = np.full(n + 1, INF)
+    start3[0] = s.cpu_costs(PIPELINE_COPIES, output=False)[0]
+    modes = ((start1, 1), (start3, PIPELINE_COPIES))
+    # The order for a last device in group k starts with groups 1..k-1 in canonical order: share that prefix.
+    prefixes = []
+    for st, copies in modes:
+        states = [st]
+        for group in groups[:-1]:
+            states.append(s.run([group], states[-1], copies, record=False, has_last=False)[0])
+        prefixes.append(states)
+    for k, group in enumerate(groups):
+        for last in group:
+            slot = problem.slots[last]
+            if slot.compute_for("tail", 1) + s.out_bytes > slot.capacity:
+                continue  # it cannot hold the output layer at all
+            order = _order_for_last(groups, last)
+            rest = order[k:]  # after the shared prefix groups[:k]
+            runs = [
+                (prefixes[0][k], 1, rest, order, start1),
+                (start2, 1, [[last]], [[last]], start2),
+                (prefixes[1][k], PIPELINE_COPIES, rest, order, start3),
+            ]
+            for st_k, copies, tail_order, full_order, st in runs:
+                f, _ = s.run(tail_order, st_k, copies, record=False)
+                if f[n] < INF and (best_run is None or f[n] < best_run[0] * (1 - 1e-12)):
+                    # A mode-3 optimum on a single device is never strictly better than mode 2 on it.
+                    best_run = (float(f[n]), full_order, st, copies)
+    if best_run is not None:
+        cost, ord_, st, copies = best_run
+        _, trace = s.run(ord_, st, copies, record=True)
+        consider(cost, Split(*s.backtrack(trace, n)))
     if best is None:
         return None, INF
     return best[1], best[0]
@@ -750,13 +775,12 @@ def _tps(seconds: float) -> float | None:
 def _baseline(problem: Problem) -> dict[str, Any]:
     split = baseline_split(problem)
     ev = evaluate(problem, split)
+    placements = _placements(problem, split, ev)
     return {
         "fits": ev.fits,
-        "placements": _placements(problem, split, ev),
+        "placements": placements,
         "predicted_tokens_per_s": _tps(ev.seconds_per_token),
-        "over_capacity": [
-            f"{p['node']}/{p['device']}" for p in _placements(problem, split, ev) if not p["fits"]
-        ],
+        "over_capacity": [f"{p['node']}/{p['device']}" for p in placements if not p["fits"]],
     }
 
 
