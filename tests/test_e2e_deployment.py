@@ -327,3 +327,57 @@ def test_a_dead_rpc_server_makes_the_deployment_degraded(cluster, monkeypatch):
     deployment = cluster.stop(deployment, monkeypatch)
     assert deployment.state == DeploymentState.STOPPED
     cluster.assert_clean(deployment)
+
+
+def test_a_model_llama_server_cannot_load_fails_with_its_log_and_rolls_back(cluster, monkeypatch):
+    cluster.build_all()
+    model = cluster.model()
+    deployment = cluster.confirm(model)
+    # Cut the file after its header: the plan is fine, llama.cpp's load is not.
+    path = Path(model.path)
+    path.write_bytes(path.read_bytes()[: 64 * 1024])
+    deployment = cluster.deploy(deployment, monkeypatch)
+    assert deployment.state == DeploymentState.FAILED
+    assert deployment.failed_step == "llama-server"
+    assert "exited while loading" in deployment.state_reason
+    assert "Last log lines" in deployment.state_reason
+    rollback = deployment.steps.filter(name="rollback")
+    assert rollback.count() == 3  # the coordinator (llama-server) and both workers (rpc-servers)
+    assert all(step.job.state == JobState.SUCCEEDED for step in rollback.select_related("job"))
+    cluster.assert_clean(deployment)
+
+
+def test_a_placement_llama_cpp_did_not_follow_fails_verification(cluster, monkeypatch):
+    """The silent case: llama.cpp keeps every layer on the coordinator and still serves."""
+    cluster.build_all()
+    deployment = cluster.confirm(cluster.model())
+    args = deployment.plan["llama_server_args"]
+    args[args.index("-ngl") + 1] = "0"
+    deployment.save(update_fields=["plan"])
+    deployment = cluster.deploy(deployment, monkeypatch)
+    assert deployment.state == DeploymentState.FAILED
+    assert deployment.failed_step == "verify"
+    assert "no RPC device received any weights" in deployment.state_reason
+    cluster.assert_clean(deployment)
+
+
+def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
+    cluster.build_all()
+    first = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
+    assert first.state == DeploymentState.RUNNING
+    calls = []
+    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+    restarted, message = lifecycle.stop_deployment(first, cluster.operator, then_redeploy=True)
+    assert restarted, message
+    assert calls == [("restart", first.pk)]
+    lifecycle.run_restart(first.pk)
+    first.refresh_from_db()
+    assert first.state == DeploymentState.STOPPED
+    second = Deployment.objects.get(redeployed_from=first)
+    assert calls[-1] == ("deploy", second.pk)
+    lifecycle.run_deployment(second.pk)
+    second.refresh_from_db()
+    assert second.state == DeploymentState.RUNNING, (second.failed_step, second.state_reason)
+    assert second.plan == first.plan
+    second = cluster.stop(second, monkeypatch)
+    cluster.assert_clean(second)
