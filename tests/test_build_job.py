@@ -153,3 +153,76 @@ def test_a_path_without_llama_cpp_is_refused(lab, lab_host, tmp_path):
     assert job.state == JobState.FAILED
     assert "holds no ggml-rpc-server/rpc-server and llama-server" in job.result
     assert not Build.objects.exists()
+
+
+MINI_FILES = {
+    "llama.cpp/CMakeLists.txt": """
+cmake_minimum_required(VERSION 3.14)
+project(mini CXX)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_subdirectory(tools/rpc)
+add_executable(llama-server server.cpp)
+""",
+    "llama.cpp/tools/rpc/CMakeLists.txt": (
+        "set(TARGET ggml-rpc-server)\nadd_executable(${TARGET} rpc-server.cpp)\n"
+    ),
+    "llama.cpp/ggml/include/ggml-rpc.h": (
+        "#define RPC_PROTO_MAJOR_VERSION 7\n#define RPC_PROTO_MINOR_VERSION 0\n"
+        "#define RPC_PROTO_PATCH_VERSION 0\n"
+    ),
+    "llama.cpp/server.cpp": (
+        '#include <cstdio>\nint main() { std::fprintf(stderr, "version: 42 (mini)\\n"); }\n'
+    ),
+    "llama.cpp/tools/rpc/rpc-server.cpp": (
+        "#include <cstdio>\n#include <unistd.h>\n"
+        'int main() { std::printf("Starting RPC server v7.0.0\\n"); std::fflush(stdout); sleep(30); }\n'
+    ),
+}
+
+
+def _mini_tarball(tmp_path) -> str:
+    """A llama.cpp-shaped source tarball (the sdist layout: one top folder holding llama.cpp/) that builds
+    in seconds with the real cmake and compiler."""
+    import tarfile
+
+    top = tmp_path / "mini-1.0"
+    for name, text in MINI_FILES.items():
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_text(text)
+    archive = tmp_path / "mini-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(top, arcname="mini-1.0")
+    return str(archive)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_host, tmp_path, settings):
+    from deployments.build_job import file_sha256
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    tarball = _mini_tarball(tmp_path)
+    sha = file_sha256(tarball)
+    node = lab_node(lab, lab_host)
+    params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
+
+    first = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    assert first.state == JobState.SUCCEEDED, (first.result, log_text(first)[-3000:])
+    text = log_text(first)
+    assert "uploading mini-1.0.tar.gz" in text
+    assert "$ flock " in text and "-DGGML_RPC=ON" in text
+    build = Build.objects.get(job_id=first.pk)
+    tree = tmp_path / "root" / f"src-{sha[:16]}" / "llama.cpp"
+    assert build.build_dir == str(tree / "build-cpu")
+    assert (build.rpc_binary, build.rpc_protocol, build.version) == ("ggml-rpc-server", "7.0.0", "42 (mini)")
+    assert build.tarball_sha256 == sha
+    assert (tree / "build-cpu" / "bin" / "llama-server").exists()
+    assert not list((tmp_path / "root").glob("*.tmp"))  # the unpack folder was moved into place
+
+    second = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    assert second.state == JobState.SUCCEEDED, second.result
+    text = log_text(second)
+    assert "already unpacked on the node (cached by source hash)" in text
+    assert "nothing to compile" in text
+    assert "uploading" not in text
