@@ -11,7 +11,7 @@ import shutil
 from functools import partial
 
 import pytest
-from channels.testing.live import make_application, set_database_connection
+from channels.testing.live import make_application
 from daphne.testing import DaphneProcess
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
@@ -33,6 +33,23 @@ def chromium_path() -> str | None:
         if found:
             return found
     return None
+
+
+_INHERITED_CONNECTIONS: list = []
+
+
+def _fresh_database_connections() -> None:
+    """Runs in the forked server: leave the parent's open database sockets alone, open new ones.
+
+    The settings already name the test database (pytest-django switched them before the fork). Closing an
+    inherited connection would end the parent's session too, so we only drop it, keeping a reference so
+    garbage collection never closes it either.
+    """
+    from django.db import connections
+
+    for connection in connections.all(initialized_only=True):
+        _INHERITED_CONNECTIONS.append(connection.connection)
+        connection.connection = None
 
 
 def _unavailable(reason: str):
@@ -62,7 +79,7 @@ def live_server_url(transactional_db, settings):
     """A real daphne serving the ASGI app (HTTP and websockets) against the test database."""
     settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "localhost", "127.0.0.1"]
     get_application = partial(make_application, static_wrapper=ASGIStaticFilesHandler)
-    process = DaphneProcess("127.0.0.1", get_application, setup=set_database_connection)
+    process = DaphneProcess("127.0.0.1", get_application, setup=_fresh_database_connections)
     process.start()
     if not process.ready.wait(timeout=30):
         process.terminate()

@@ -48,6 +48,8 @@ def test_check_deploy_with_production_settings_reports_no_unjustified_warning(tm
         "RAMDECK_ENCRYPTION_KEYS": "a2V5LWZvci10ZXN0cy0zMi1ieXRlcy1sb25nLi4uLi4=",
         "RAMDECK_VAR_DIR": str(tmp_path),
     }
+    # Browser tests relax async safety for their own thread; a deployment never does.
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
