@@ -24,7 +24,7 @@ from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
 from . import lifecycle, monitor
 from .lifecycle_steps import endpoint_url
-from .models import ACTIVE_STATES, Deployment, DeploymentState
+from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
 METRICS_SHOWN = (
     "llamacpp:prompt_tokens_total",
@@ -280,5 +280,39 @@ def node_build_start(request, name: str):
         created_by=request.user,
     )
     audit.record(request, "build.requested", node, changes=params)
+    enqueue(job)
+    return redirect(job.get_absolute_url())
+
+
+# --------------------------------------------------------------------------------------------------
+# Stale processes (found by the periodic scan) with a one-click reap
+# --------------------------------------------------------------------------------------------------
+
+
+@role_required(VIEWER)
+def stale_processes(request):
+    """A region for the dashboard (and a page of its own): our processes that no deployment owns."""
+    rows = StaleProcess.objects.select_related("node")
+    return render(
+        request,
+        "deployments/lifecycle/stale.html",
+        {"rows": rows, "can_operate": can_operate(request.user)},
+    )
+
+
+@require_POST
+@role_required(OPERATOR)
+def stale_reap(request, pk: int):
+    stale = get_object_or_404(StaleProcess.objects.select_related("node"), pk=pk)
+    job = Job.objects.create(
+        kind=JobKind.REAP,
+        node=stale.node,
+        title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
+        params={"ports": [stale.port]},
+        created_by=request.user,
+    )
+    audit.record(
+        request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
+    )
     enqueue(job)
     return redirect(job.get_absolute_url())

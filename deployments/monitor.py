@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from django.utils import timezone
+
+from deployments.reaper import Holder, find_holders
 from jobs.audit import record
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 
-from .models import Deployment, DeploymentState
+from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
 logger = logging.getLogger(__name__)
 
@@ -150,3 +153,74 @@ def process_status(deployment: Deployment) -> list[dict]:
 
     rows = [row for group in (asyncio.run(gather()) if groups else []) for row in group]
     return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Stale processes: ours, holding a port, owned by no active deployment
+# --------------------------------------------------------------------------------------------------
+
+
+def _ports_to_scan(node: Node) -> set[int]:
+    """The node's RPC port and every llama-server port a deployment coordinated from it has used."""
+    ports = {node.rpc_port}
+    ports.update(Deployment.objects.filter(coordinator=node).values_list("port", flat=True).distinct())
+    return ports
+
+
+def _owned_pids() -> set[tuple[str, int]]:
+    owned = set()
+    for processes in Deployment.objects.filter(state__in=ACTIVE_STATES).values_list("processes", flat=True):
+        for info in (processes or {}).values():
+            owned.add((info["node"], int(info["pid"])))
+    return owned
+
+
+async def _holders_on(opened, platform: str, ports: set[int]) -> list[tuple[int, Holder]] | TransportError:
+    try:
+        if isinstance(opened, TransportError):
+            raise opened
+        async with opened as transport:
+            found = []
+            for port in sorted(ports):
+                found += [(port, holder) for holder in await find_holders(transport, platform, port)]
+            return found
+    except TransportError as exc:
+        return exc
+
+
+def scan_stale() -> int:
+    """Record every stale process of ours on enabled nodes (and forget those gone). Returns how many."""
+    from .lifecycle_steps import node_platform
+
+    nodes = list(Node.objects.filter(enabled=True).select_related("credential"))
+    work = {n.name: (n, _transport(n), _ports_to_scan(n)) for n in nodes}
+
+    async def gather():
+        names = list(work)
+        results = await asyncio.gather(
+            *(_holders_on(work[name][1], node_platform(work[name][0]), work[name][2]) for name in names)
+        )
+        return dict(zip(names, results, strict=True))
+
+    results = asyncio.run(gather()) if work else {}
+    owned = _owned_pids()
+    now = timezone.now()
+    seen = []
+    for name, found in results.items():
+        node = work[name][0]
+        if isinstance(found, TransportError):
+            continue  # Unreachable: keep what we knew; the node page says why.
+        keep = []
+        for port, holder in found:
+            if not holder.ours or holder.pid is None or (name, holder.pid) in owned:
+                continue
+            row, _ = StaleProcess.objects.update_or_create(
+                node=node,
+                port=port,
+                pid=holder.pid,
+                defaults={"program": holder.kind, "cmdline": holder.cmdline[:2000], "last_seen_at": now},
+            )
+            keep.append(row.pk)
+        StaleProcess.objects.filter(node=node).exclude(pk__in=keep).delete()
+        seen += keep
+    return len(seen)

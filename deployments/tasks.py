@@ -30,3 +30,9 @@ def restart(deployment_id: int) -> None:
 def check_deployments() -> list[int]:
     """Beat: mark running deployments whose rpc-server or llama-server died as degraded."""
     return monitor.check_all()
+
+
+@shared_task(name="deployments.tasks.scan_stale", ignore_result=True)
+def scan_stale() -> int:
+    """Beat: find rpc-servers and llama-servers of ours that belong to no active deployment."""
+    return monitor.scan_stale()

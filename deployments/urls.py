@@ -2,15 +2,16 @@ from __future__ import annotations
 
 from django.urls import path
 
-from ramdeck_site.views import not_built_yet
-
-from . import lifecycle_views
+from . import lifecycle_views, views
 
 app_name = "deployments"
 urlpatterns = [
-    path("models/", not_built_yet, name="models"),
-    path("deployments/", not_built_yet, name="list"),
-    path("deployments/<int:pk>/", not_built_yet, name="detail"),
+    path("models/", views.model_list, name="models"),
+    path("models/register/", views.model_register, name="model_register"),
+    path("models/<int:pk>/plan/", views.plan_preview, name="plan"),
+    path("models/<int:pk>/plan/confirm/", views.plan_confirm, name="confirm"),
+    path("deployments/", views.deployment_list, name="list"),
+    path("deployments/<int:pk>/", views.deployment_detail, name="detail"),
     # The run of a deployment (deployments/lifecycle_views.py).
     path("deployments/<int:pk>/run/", lifecycle_views.deployment_run, name="run"),
     path("deployments/<int:pk>/processes/", lifecycle_views.deployment_processes, name="processes"),
@@ -21,4 +22,6 @@ urlpatterns = [
     path("deployments/<int:pk>/redeploy/", lifecycle_views.deployment_redeploy, name="redeploy"),
     path("builds/<slug:name>/", lifecycle_views.node_builds, name="node_builds"),
     path("builds/<slug:name>/start/", lifecycle_views.node_build_start, name="node_build_start"),
+    path("stale-processes/", lifecycle_views.stale_processes, name="stale"),
+    path("stale-processes/<int:pk>/reap/", lifecycle_views.stale_reap, name="stale_reap"),
 ]

@@ -276,13 +276,22 @@ RAMDECK_PLACEMENT_MISMATCH = env_str("RAMDECK_PLACEMENT_MISMATCH", "fail")
 if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):
     raise ImproperlyConfigured("RAMDECK_PLACEMENT_MISMATCH must be fail or warn.")
 # llama-server's /health wait: a minute plus this much per GiB of model.
-RAMDECK_HEALTH_TIMEOUT_PER_GIB_S = env_float("RAMDECK_HEALTH_TIMEOUT_PER_GIB_S", 30.0, minimum=1, maximum=3600)
+RAMDECK_HEALTH_TIMEOUT_PER_GIB_S = env_float(
+    "RAMDECK_HEALTH_TIMEOUT_PER_GIB_S", 30.0, minimum=1, maximum=3600
+)
 # How often beat checks that running deployments' processes are alive (0: never).
 RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S = env_int("RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S", 60, minimum=0)
 if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:
     CELERY_BEAT_SCHEDULE["check-deployments"] = {
         "task": "deployments.tasks.check_deployments",
         "schedule": float(RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S),
+    }
+# How often beat looks for stale rpc-servers/llama-servers of ours on every node (0: never).
+RAMDECK_STALE_SCAN_INTERVAL_S = env_int("RAMDECK_STALE_SCAN_INTERVAL_S", 300, minimum=0)
+if RAMDECK_STALE_SCAN_INTERVAL_S:
+    CELERY_BEAT_SCHEDULE["scan-stale-processes"] = {
+        "task": "deployments.tasks.scan_stale",
+        "schedule": float(RAMDECK_STALE_SCAN_INTERVAL_S),
     }
 
 # ---------------------------------------------------------------------------------------------------

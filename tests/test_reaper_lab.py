@@ -79,3 +79,33 @@ def test_a_foreign_process_is_never_killed_and_the_job_fails_naming_it(host_node
         assert not AuditEvent.objects.filter(action="process.reaped").exists()
     finally:
         stop_proc(foreign)
+
+
+def test_the_periodic_scan_lists_a_stale_rpc_server_and_one_click_reaps_it(
+    host_node, tmp_path, client, monkeypatch
+):
+    from django.urls import reverse
+
+    from deployments.models import StaleProcess
+    from deployments.monitor import scan_stale
+    from tests.factories import UserFactory
+
+    host, node = host_node
+    stale = start_in(host, [str(RPC_SERVER), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
+    try:
+        wait_listening(host, PORT)
+        assert scan_stale() == 1
+        row = StaleProcess.objects.get()
+        assert (row.node, row.port, row.pid, row.program) == (node, PORT, stale.pid, "rpc-server")
+        client.force_login(UserFactory(username="oscar", role="operator"))
+        assert str(stale.pid) in client.get(reverse("deployments:stale")).content.decode()
+        monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: None)
+        response = client.post(reverse("deployments:stale_reap", args=[row.pk]))
+        job = run(Job.objects.get(kind=JobKind.REAP))
+        assert response.url == job.get_absolute_url()
+        assert job.state == JobState.SUCCEEDED, job.result
+        stale.wait(timeout=10)
+        assert scan_stale() == 0
+        assert not StaleProcess.objects.exists()
+    finally:
+        stop_proc(stale)
