@@ -31,8 +31,12 @@ class NodeForm(forms.ModelForm):
             "enabled",
         ]
         widgets = {"notes": forms.Textarea(attrs={"rows": 3})}
-        labels = {"ssh_port": "SSH port", "ssh_user": "SSH user", "rpc_port": "RPC port",
-                  "rpc_bind_address": "RPC bind address"}
+        labels = {
+            "ssh_port": "SSH port",
+            "ssh_user": "SSH user",
+            "rpc_port": "RPC port",
+            "rpc_bind_address": "RPC bind address",
+        }
 
     def clean_name(self):
         return self.cleaned_data["name"].strip().lower()
@@ -46,7 +50,8 @@ class NodeForm(forms.ModelForm):
             # ggml-rpc-server has no authentication: binding to every interface is an admin decision
             # taken per deployment with a warning, not a node default.
             raise forms.ValidationError(
-                "0.0.0.0 exposes the unauthenticated RPC server on every network; give the node's LAN address."
+                "0.0.0.0 exposes the unauthenticated RPC server on every network; "
+                "give the node's LAN address."
             )
         return value
 
@@ -139,7 +144,9 @@ class CredentialForm(forms.ModelForm):
             if "passphrase" in str(exc).lower():
                 self.add_error("passphrase", "This key is protected by a passphrase; enter it below.")
             else:
-                self.add_error("secret", "This is not a private key that can be read (OpenSSH, PEM or PKCS#8).")
+                self.add_error(
+                    "secret", "This is not a private key that can be read (OpenSSH, PEM or PKCS#8)."
+                )
             return ""
         return key.get_fingerprint("sha256")
 
@@ -158,7 +165,12 @@ class NodeFilterForm(forms.Form):
     q = forms.CharField(label="Search", required=False)
     transport = forms.ChoiceField(choices=[("", "Any transport"), *Transport.choices], required=False)
     status = forms.ChoiceField(
-        choices=[("", "Any status"), ("enabled", "Enabled"), ("disabled", "Disabled"),
-                 ("reachable", "Reachable"), ("unreachable", "Unreachable")],
+        choices=[
+            ("", "Any status"),
+            ("enabled", "Enabled"),
+            ("disabled", "Disabled"),
+            ("reachable", "Reachable"),
+            ("unreachable", "Unreachable"),
+        ],
         required=False,
     )

@@ -138,8 +138,9 @@ def _credential_form(request, credential: Credential):
             changes = audit.form_changes(form)
             if form.cleaned_data.get("new_secret") is not None:
                 changes["secret"] = ["(replaced)", "(replaced)"]
-            audit.record(request, "credential.create" if creating else "credential.update", credential,
-                         changes=changes)
+            audit.record(
+                request, "credential.create" if creating else "credential.update", credential, changes=changes
+            )
         messages.success(request, f"Credential {credential.name} saved.")
         return redirect("nodes:credentials")
     return render(request, "nodes/credential_form.html", {"form": form, "credential": credential})
@@ -154,7 +155,9 @@ def credential_delete(request, pk: int):
             audit.record(request, "credential.delete", credential)
             credential.delete()
     except ProtectedError:
-        messages.error(request, f"{credential.name} is used by a node; give those nodes another credential first.")
+        messages.error(
+            request, f"{credential.name} is used by a node; give those nodes another credential first."
+        )
         return redirect("nodes:credentials")
     messages.success(request, f"Credential {credential.name} deleted.")
     return redirect("nodes:credentials")

@@ -37,7 +37,9 @@ def redis_answers(url: str, timeout: float = 1.0) -> bool:
     """True when a Redis server answers PING at url (plain socket: no client library needed)."""
     parsed = urlparse(url)
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=timeout) as s:
+        with socket.create_connection(
+            (parsed.hostname or "127.0.0.1", parsed.port or 6379), timeout=timeout
+        ) as s:
             if parsed.password:
                 s.sendall(f"AUTH {parsed.password}\r\n".encode())
                 s.recv(64)
@@ -65,14 +67,29 @@ def redis_command(port: int, workdir: str) -> list[str]:
     binary = redis_server_binary()
     if binary is None:
         raise SystemExit("No Redis answers at REDIS_URL and no redis-server binary was found to start one.")
-    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", workdir, "--protected-mode", "yes"]
+    return [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--protected-mode",
+        "yes",
+    ]
 
 
 def start_private_redis() -> tuple[str, subprocess.Popen]:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="ramdeck-redis-")
-    process = subprocess.Popen(redis_command(port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        redis_command(port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
     url = f"redis://127.0.0.1:{port}/0"
     deadline = time.monotonic() + 10
     while not redis_answers(url, timeout=0.2):
@@ -93,7 +110,9 @@ def local_postgres_url() -> str | None:
         if not user:
             continue
         try:
-            with psycopg.connect(host="127.0.0.1", port=5432, user=user, dbname="postgres", connect_timeout=2):
+            with psycopg.connect(
+                host="127.0.0.1", port=5432, user=user, dbname="postgres", connect_timeout=2
+            ):
                 return f"postgres://{user}@127.0.0.1:5432/ramdeck"
         except Exception:  # noqa: BLE001 - any failure means "not available", which is an answer
             continue
@@ -107,13 +126,18 @@ def ensure_redis(env: dict[str, str]) -> subprocess.Popen | None:
         env["REDIS_URL"] = url
         return None
     private_url, process = start_private_redis()
-    print(f"[services] No Redis at {url}; started a private one at {private_url} (pid {process.pid}).", flush=True)
+    print(
+        f"[services] No Redis at {url}; started a private one at {private_url} (pid {process.pid}).",
+        flush=True,
+    )
     env["REDIS_URL"] = private_url
     return process
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--postgres-if-available", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)

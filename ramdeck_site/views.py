@@ -20,7 +20,9 @@ from nodes.models import Device, Node
 def dashboard(request):
     nodes = Node.objects.all()
     reachability = dict(nodes.values_list("reachability").annotate(n=Count("pk")))
-    memory = Device.objects.filter(node__enabled=True).aggregate(total=Sum("total_bytes"), free=Sum("free_bytes"))
+    memory = Device.objects.filter(node__enabled=True).aggregate(
+        total=Sum("total_bytes"), free=Sum("free_bytes")
+    )
     context = {
         "node_count": nodes.count(),
         "enabled_count": nodes.filter(enabled=True).count(),
@@ -51,7 +53,11 @@ class RamdeckLoginView(auth_views.LoginView):
     def form_invalid(self, form):
         attempted = (self.request.POST.get("username") or "")[:150]
         audit.record(
-            self.request, "login.failed", object_type="user", object_repr=attempted, changes={"username": attempted}
+            self.request,
+            "login.failed",
+            object_type="user",
+            object_repr=attempted,
+            changes={"username": attempted},
         )
         return super().form_invalid(form)
 

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.django_db
 
 def test_login_and_logout_are_audited_with_the_source_address(client):
     UserFactory(username="oscar", role="operator")
-    response = client.post(reverse("login"), {"username": "oscar", "password": PASSWORD}, REMOTE_ADDR="192.0.2.7")
+    response = client.post(
+        reverse("login"), {"username": "oscar", "password": PASSWORD}, REMOTE_ADDR="192.0.2.7"
+    )
     assert response.status_code == 302 and response.url == reverse("dashboard")
     client.post(reverse("logout"), REMOTE_ADDR="192.0.2.7")
     login, logout = AuditEvent.objects.order_by("pk")
@@ -54,10 +56,16 @@ def test_password_change_is_audited(client, operator_user):
     client.force_login(operator_user)
     response = client.post(
         reverse("password_change"),
-        {"old_password": PASSWORD, "new_password1": "a-new-long-passphrase-9", "new_password2": "a-new-long-passphrase-9"},
+        {
+            "old_password": PASSWORD,
+            "new_password1": "a-new-long-passphrase-9",
+            "new_password2": "a-new-long-passphrase-9",
+        },
     )
     assert response.status_code == 302
-    assert AuditEvent.objects.filter(action="user.password_change", actor_name=operator_user.username).exists()
+    assert AuditEvent.objects.filter(
+        action="user.password_change", actor_name=operator_user.username
+    ).exists()
 
 
 def test_audit_events_cannot_be_changed_or_deleted(admin_user):
@@ -79,20 +87,33 @@ def test_audit_admin_is_read_only(admin_client, admin_user):
     change_url = reverse("admin:jobs_auditevent_change", args=[event.pk])
     assert admin_client.get(change_url).status_code == 200  # viewable
     assert admin_client.post(change_url, {"action": "x"}).status_code == 403
-    assert admin_client.post(reverse("admin:jobs_auditevent_delete", args=[event.pk]), {"post": "yes"}).status_code == 403
+    assert (
+        admin_client.post(
+            reverse("admin:jobs_auditevent_delete", args=[event.pk]), {"post": "yes"}
+        ).status_code
+        == 403
+    )
     assert admin_client.get(reverse("admin:jobs_auditevent_add")).status_code == 403
 
 
 def test_secret_values_in_changes_are_redacted(admin_user):
-    event = audit.record(admin_user, "x.update", changes={"secret": ["a", "b"], "api_key": "k", "name": ["a", "b"]})
+    event = audit.record(
+        admin_user, "x.update", changes={"secret": ["a", "b"], "api_key": "k", "name": ["a", "b"]}
+    )
     assert event.changes == {"secret": "•••", "api_key": "•••", "name": ["a", "b"]}
 
 
 def test_audit_page_filters_by_actor_action_object_and_dates(viewer_client, admin_user, operator_user):
     audit.record(admin_user, "node.create", object_type="node", object_repr="attic")
     # Append-only rows cannot be backdated later, so this one is written with an old time.
-    backdated = AuditEvent(actor=admin_user, actor_name="alice-admin", action="node.delete", object_type="node",
-                           object_repr="cellar", at=timezone.now() - timedelta(days=10))
+    backdated = AuditEvent(
+        actor=admin_user,
+        actor_name="alice-admin",
+        action="node.delete",
+        object_type="node",
+        object_repr="cellar",
+        at=timezone.now() - timedelta(days=10),
+    )
     backdated.save()
     audit.record(operator_user, "deployment.confirm", object_type="deployment", object_repr="llama-70b")
     url = reverse("audit")

@@ -92,8 +92,14 @@ def test_viewer_sees_no_add_button_and_cannot_post_the_form(live_server_url, pag
     csrf = re.search(r'"X-CSRFToken": "([^"]+)"', token).group(1)
     response = page.request.post(
         f"{live_server_url}/nodes/new/",
-        form={"name": "sneaky", "address": "192.0.2.9", "transport": "local", "ssh_port": "22", "rpc_port": "50052",
-              "platform_hint": "auto"},
+        form={
+            "name": "sneaky",
+            "address": "192.0.2.9",
+            "transport": "local",
+            "ssh_port": "22",
+            "rpc_port": "50052",
+            "platform_hint": "auto",
+        },
         headers={"X-CSRFToken": csrf, "Referer": f"{live_server_url}/nodes/"},
     )
     assert response.status == 403

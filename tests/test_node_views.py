@@ -88,8 +88,15 @@ def test_ipv6_and_hostnames_are_accepted(admin_client):
 def test_local_node_needs_no_ssh_details(admin_client):
     response = admin_client.post(
         reverse("nodes:create"),
-        {"name": "console", "address": "127.0.0.1", "transport": "local", "ssh_port": 22, "rpc_port": 50052,
-         "platform_hint": "auto", "enabled": "on"},
+        {
+            "name": "console",
+            "address": "127.0.0.1",
+            "transport": "local",
+            "ssh_port": 22,
+            "rpc_port": 50052,
+            "platform_hint": "auto",
+            "enabled": "on",
+        },
     )
     assert response.status_code == 302
     assert Node.objects.get(name="console").is_local
@@ -98,7 +105,9 @@ def test_local_node_needs_no_ssh_details(admin_client):
 def test_edit_records_only_what_changed(admin_client):
     credential = CredentialFactory()
     node = NodeFactory(name="desk", credential=credential, address="192.0.2.10", ssh_user="ramdeck")
-    response = admin_client.post(reverse("nodes:edit", args=["desk"]), node_post(credential, address="192.0.2.20"))
+    response = admin_client.post(
+        reverse("nodes:edit", args=["desk"]), node_post(credential, address="192.0.2.20")
+    )
     assert response.status_code == 302
     node.refresh_from_db()
     assert node.address == "192.0.2.20"

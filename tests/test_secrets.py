@@ -65,7 +65,9 @@ def crawl(client, start: str, limit: int = 200) -> dict[str, str]:
     return seen
 
 
-def test_planted_key_and_password_appear_on_no_page_no_log_and_no_audit_entry(admin_client, planted_key, caplog):
+def test_planted_key_and_password_appear_on_no_page_no_log_and_no_audit_entry(
+    admin_client, planted_key, caplog
+):
     caplog.set_level(logging.DEBUG)
     admin_client.post(
         reverse("nodes:credential_create"),
@@ -101,7 +103,9 @@ def test_planted_key_and_password_appear_on_no_page_no_log_and_no_audit_entry(ad
 
 
 def test_editing_with_the_placeholder_keeps_the_stored_secret(admin_client):
-    admin_client.post(reverse("nodes:credential_create"), {"name": "pw", "kind": "password", "secret": "first-pw"})
+    admin_client.post(
+        reverse("nodes:credential_create"), {"name": "pw", "kind": "password", "secret": "first-pw"}
+    )
     credential = Credential.objects.get(name="pw")
     page = admin_client.get(reverse("nodes:credential_edit", args=[credential.pk])).content.decode()
     placeholder = "•••••••• (stored; leave as is to keep)"
@@ -118,8 +122,12 @@ def test_editing_with_the_placeholder_keeps_the_stored_secret(admin_client):
 @pytest.mark.parametrize(
     ("secret", "passphrase", "field", "message"),
     [
-        ("-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----", "", "secret",
-         "This is not a private key that can be read"),
+        (
+            "-----BEGIN OPENSSH PRIVATE KEY-----\nnot a key\n-----END OPENSSH PRIVATE KEY-----",
+            "",
+            "secret",
+            "This is not a private key that can be read",
+        ),
         ("ENCRYPTED", "", "passphrase", "This key is protected by a passphrase; enter it below."),
         ("ENCRYPTED", "wrong-passphrase", "passphrase", "The passphrase does not open this key."),
         ("", "", "secret", "Enter the password or paste the private key"),

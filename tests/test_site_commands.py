@@ -12,7 +12,8 @@ from django.contrib.auth import get_user_model
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 
-from ramdeck_site import services, settings as site_settings
+from ramdeck_site import services
+from ramdeck_site import settings as site_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,20 +53,37 @@ def test_check_deploy_with_production_settings_reports_no_unjustified_warning(tm
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
     result = subprocess.run(
         [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "System check identified no issues" in result.stdout
 
 
 def test_behind_tls_every_https_protection_is_on(tmp_path):
-    env = {**os.environ, "DEBUG": "0", "RAMDECK_HTTPS": "1", "RAMDECK_VAR_DIR": str(tmp_path),
-           "RAMDECK_SECRET_KEY": "y" * 60}
-    code = ("from django.conf import settings as s; "
-            "print(s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_SSL_REDIRECT, s.SECURE_HSTS_SECONDS, "
-            "sorted(s.SILENCED_SYSTEM_CHECKS))")
-    result = subprocess.run([sys.executable, "manage.py", "shell", "-c", code], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "DEBUG": "0",
+        "RAMDECK_HTTPS": "1",
+        "RAMDECK_VAR_DIR": str(tmp_path),
+        "RAMDECK_SECRET_KEY": "y" * 60,
+    }
+    code = (
+        "from django.conf import settings as s; "
+        "print(s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_SSL_REDIRECT, s.SECURE_HSTS_SECONDS, "
+        "sorted(s.SILENCED_SYSTEM_CHECKS))"
+    )
+    result = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.stdout.strip().splitlines()[-1] == "True True True 31536000 ['security.W021']"
 
 
@@ -74,7 +92,11 @@ def test_behind_tls_every_https_protection_is_on(tmp_path):
     [
         (lambda: site_settings.env_bool("X_FLAG", False), "perhaps", "X_FLAG must be a boolean"),
         (lambda: site_settings.env_int("X_NUM", 1, minimum=1), "zero", "X_NUM must be a whole number"),
-        (lambda: site_settings.env_int("X_NUM", 1, minimum=1, maximum=9), "10", "X_NUM must be between 1 and 9"),
+        (
+            lambda: site_settings.env_int("X_NUM", 1, minimum=1, maximum=9),
+            "10",
+            "X_NUM must be between 1 and 9",
+        ),
     ],
 )
 def test_bad_environment_values_stop_start_up_naming_the_variable(monkeypatch, helper, value, message):
@@ -86,14 +108,15 @@ def test_bad_environment_values_stop_start_up_naming_the_variable(monkeypatch, h
 
 def test_services_wrapper_starts_a_private_redis_when_none_answers():
     unused = f"redis://127.0.0.1:{services.free_port()}/0"
-    probe = (
-        "import os, redis; url = os.environ['REDIS_URL']; "
-        "print(url, redis.Redis.from_url(url).ping())"
-    )
+    probe = "import os, redis; url = os.environ['REDIS_URL']; print(url, redis.Redis.from_url(url).ping())"
     env = {**os.environ, "REDIS_URL": unused}
     result = subprocess.run(
         [sys.executable, "-m", "ramdeck_site.services", "--", sys.executable, "-c", probe],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     url_line = result.stdout.strip().splitlines()[-1]
@@ -107,16 +130,31 @@ def test_services_wrapper_uses_the_redis_that_answers():
     if not services.redis_answers(env["REDIS_URL"]):
         pytest.fail(f"The test run itself should have a Redis at {env['REDIS_URL']}")
     result = subprocess.run(
-        [sys.executable, "-m", "ramdeck_site.services", "--", sys.executable, "-c",
-         "import os; print(os.environ['REDIS_URL'])"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "ramdeck_site.services",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print(os.environ['REDIS_URL'])",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.stdout.strip().splitlines()[-1] == env["REDIS_URL"]
 
 
 def test_services_wrapper_passes_on_the_exit_status():
-    result = subprocess.run([sys.executable, "-m", "ramdeck_site.services", "--", "false"], cwd=ROOT,
-                            capture_output=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "ramdeck_site.services", "--", "false"],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=60,
+    )
     assert result.returncode == 1
 
 

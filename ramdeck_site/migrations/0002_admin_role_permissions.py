@@ -4,7 +4,9 @@ from django.apps import apps as global_apps
 from django.contrib.auth.management import create_permissions
 from django.db import migrations
 
-CODENAMES = [f"{action}_{model}" for action in ("add", "change", "delete", "view") for model in ("user", "group")]
+CODENAMES = [
+    f"{action}_{model}" for action in ("add", "change", "delete", "view") for model in ("user", "group")
+]
 
 
 def grant(apps, schema_editor):
@@ -21,6 +23,9 @@ def grant(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("ramdeck_site", "0001_roles"), ("auth", "0012_alter_user_first_name_max_length"),
-                    ("jobs", "0001_initial")]
+    dependencies = [
+        ("ramdeck_site", "0001_roles"),
+        ("auth", "0012_alter_user_first_name_max_length"),
+        ("jobs", "0001_initial"),
+    ]
     operations = [migrations.RunPython(grant, migrations.RunPython.noop)]

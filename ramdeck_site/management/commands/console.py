@@ -33,7 +33,9 @@ class Command(BaseCommand):
         call_command("collectstatic", interactive=False, verbosity=0)
         call_command("ensure_admin")
         shown_host = "localhost" if host in ("127.0.0.1", "0.0.0.0") else host
-        self.stdout.write(self.style.SUCCESS(f"\nRAMDeck console: http://{shown_host}:{port}/  (Ctrl-C stops everything)"))
+        self.stdout.write(
+            self.style.SUCCESS(f"\nRAMDeck console: http://{shown_host}:{port}/  (Ctrl-C stops everything)")
+        )
         self.stdout.write(f"Database: {settings.DATABASES['default']['NAME']} · Redis: {env['REDIS_URL']}\n")
         honcho = str(Path(sys.executable).parent / "honcho")
         os.execve(honcho, [honcho, "-f", str(procfile), "-d", str(settings.BASE_DIR), "start"], env)
@@ -53,10 +55,11 @@ class Command(BaseCommand):
             env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
             lines.append("redis: " + " ".join(_quoted(services.redis_command(redis_port, str(workdir)))))
             self.stdout.write(f"No Redis answers at {url}; starting a private one on port {redis_port}.")
+        schedule = settings.VAR_DIR / "celerybeat-schedule"
         lines += [
             f"web: {bin_dir / 'daphne'} -b {host} -p {port} ramdeck_site.asgi:application",
             f"worker: {bin_dir / 'celery'} -A ramdeck_site worker -l INFO -c {concurrency}",
-            f"beat: {bin_dir / 'celery'} -A ramdeck_site beat -l INFO -s {settings.VAR_DIR / 'celerybeat-schedule'}",
+            f"beat: {bin_dir / 'celery'} -A ramdeck_site beat -l INFO -s {schedule}",
         ]
         settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
         procfile = settings.VAR_DIR / "Procfile"

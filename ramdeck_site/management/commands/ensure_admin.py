@@ -12,7 +12,7 @@ from django.db import transaction
 
 
 class Command(BaseCommand):
-    help = "Create the first admin account (password from RAMDECK_ADMIN_PASSWORD, or generated and printed once)."
+    help = "Create the first admin (password from RAMDECK_ADMIN_PASSWORD, or generated and printed once)."
 
     def add_arguments(self, parser):
         parser.add_argument("--username", default=os.environ.get("RAMDECK_ADMIN_USER", "admin"))
@@ -28,9 +28,13 @@ class Command(BaseCommand):
             user = User.objects.create_superuser(username=username, email="", password=password)
             user.groups.add(admin_group)
         if os.environ.get("RAMDECK_ADMIN_PASSWORD"):
-            self.stdout.write(f"Created admin account {username!r} with the password from RAMDECK_ADMIN_PASSWORD.")
+            self.stdout.write(
+                f"Created admin account {username!r} with the password from RAMDECK_ADMIN_PASSWORD."
+            )
         else:
-            self.stdout.write(self.style.WARNING(
-                f"Created admin account {username!r} with password: {password}\n"
-                "It is shown this once; change it after logging in (Password, top right)."
-            ))
+            self.stdout.write(
+                self.style.WARNING(
+                    f"Created admin account {username!r} with password: {password}\n"
+                    "It is shown this once; change it after logging in (Password, top right)."
+                )
+            )

@@ -12,8 +12,8 @@ from ramdeck_site import crypto
 
 class Command(BaseCommand):
     help = (
-        "Re-encrypt all secrets with the first key of RAMDECK_ENCRYPTION_KEYS. Put a new key first, keep the old "
-        "ones after it, run this, then drop the old keys."
+        "Re-encrypt all secrets with the first key of RAMDECK_ENCRYPTION_KEYS. "
+        "Put a new key first, keep the old ones after it, run this, then drop the old keys."
     )
 
     def add_arguments(self, parser):
@@ -32,5 +32,7 @@ class Command(BaseCommand):
                 deployment.api_key_encrypted = crypto.rotate(deployment.api_key_encrypted)
                 deployment.save(update_fields=["api_key_encrypted"])
         self.stdout.write(
-            self.style.SUCCESS(f"Re-encrypted {len(credentials)} credential(s) and {len(deployments)} API key(s).")
+            self.style.SUCCESS(
+                f"Re-encrypted {len(credentials)} credential(s) and {len(deployments)} API key(s)."
+            )
         )
