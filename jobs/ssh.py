@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,8 @@ class SSHTransport:
         self.current_pid: int | None = None
         # PID of the most recent command, kept after it ends (for diagnostics and tests).
         self.last_pid: int | None = None
+        # Network round trip to the node, from the TCP handshake of this connection.
+        self.rtt_ms: float | None = None
 
     # -- connection ----------------------------------------------------------------------------------
 
@@ -130,10 +133,12 @@ class SSHTransport:
         client = _PinningClient(pinned)
         self._client = client
         try:
+            sock = await self._open_socket()
             self._conn = await asyncio.wait_for(
                 asyncssh.connect(
                     target.host,
                     target.port,
+                    sock=sock,
                     client_factory=lambda: client,
                     # No trusted keys from any file: the pinning client decides about every offered key.
                     known_hosts=lambda host, addr, port: ([], [], []),
@@ -160,6 +165,32 @@ class SSHTransport:
             )
         except (asyncssh.Error, OSError, TimeoutError, TransportError) as exc:
             raise self._connect_error(exc, client) from exc
+
+    async def _open_socket(self) -> socket.socket:
+        """The TCP connection, opened here so its handshake times the network round trip (`rtt_ms`):
+        SYN to SYN-ACK involves no process on the node, unlike timing a command."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.target.connect_timeout
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(self.target.host, self.target.port, type=socket.SOCK_STREAM),
+            self.target.connect_timeout,
+        )
+        error: Exception = OSError(f"no address for {self.target.host}")
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            started = time.perf_counter()
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, address), max(0.01, deadline - loop.time()))
+            except (OSError, TimeoutError) as exc:
+                sock.close()
+                error = exc
+                if isinstance(exc, TimeoutError):
+                    break
+                continue
+            self.rtt_ms = round((time.perf_counter() - started) * 1000, 3)
+            return sock
+        raise error
 
     def _client_keys(self) -> list | None:
         if not self.target.private_key:

@@ -23,9 +23,10 @@ _UNLIMITED = 1 << 60
 PROBE_SCRIPT = r"""
 port="$1"
 sec() { printf '\n%s%s\n' '@@@ ' "$1"; }
-sec uname; uname -srm
-sec hostname; hostname 2>/dev/null || uname -n
-case "$(uname -s)" in
+set -- $(uname -snrm)
+sec uname; echo "$1 $3 $4"
+sec hostname; echo "$2"
+case "$1" in
 Darwin)
   sec sw_vers; sw_vers 2>/dev/null
   sec sysctl
@@ -36,22 +37,20 @@ Darwin)
   sec listeners; lsof -nP -iTCP:"$port" -sTCP:LISTEN 2>/dev/null
   ;;
 *)
-  sec os-release; cat /etc/os-release 2>/dev/null
-  sec cpuinfo; cat /proc/cpuinfo 2>/dev/null
-  sec nproc; nproc 2>/dev/null
-  sec meminfo; cat /proc/meminfo 2>/dev/null
-  cg2=$(sed -n 's/^0:://p' /proc/self/cgroup 2>/dev/null)
-  cg1=$(sed -n 's/^[0-9]*:[^:]*memory[^:]*://p' /proc/self/cgroup 2>/dev/null)
-  sec cgroup-v2-max
-  cat "/sys/fs/cgroup$cg2/memory.max" 2>/dev/null || cat /sys/fs/cgroup/memory.max 2>/dev/null
-  sec cgroup-v2-current
-  cat "/sys/fs/cgroup$cg2/memory.current" 2>/dev/null || cat /sys/fs/cgroup/memory.current 2>/dev/null
-  sec cgroup-v1-limit
-  cat "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" 2>/dev/null ||
-    cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
-  sec cgroup-v1-usage
-  cat "/sys/fs/cgroup/memory$cg1/memory.usage_in_bytes" 2>/dev/null ||
-    cat /sys/fs/cgroup/memory/memory.usage_in_bytes 2>/dev/null
+  # Every file in one `head -v` (one process, "==> path <==" headers); the cgroup paths come from
+  # /proc/self/cgroup, read with shell builtins only.
+  cg1="" cg2=""
+  while IFS=: read -r id controllers path; do
+    [ "$id" = 0 ] && [ -z "$controllers" ] && cg2=$path
+    case ",$controllers," in *,memory,*) cg1=$path ;; esac
+  done < /proc/self/cgroup
+  sec files
+  head -v -n 100000 /etc/os-release /proc/cpuinfo /proc/meminfo /proc/self/status \
+    "/sys/fs/cgroup$cg2/memory.max" /sys/fs/cgroup/memory.max \
+    "/sys/fs/cgroup$cg2/memory.current" /sys/fs/cgroup/memory.current \
+    "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" /sys/fs/cgroup/memory/memory.limit_in_bytes \
+    "/sys/fs/cgroup/memory$cg1/memory.usage_in_bytes" /sys/fs/cgroup/memory/memory.usage_in_bytes \
+    2>/dev/null
   sec nvidia-smi
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits 2>&1
@@ -63,18 +62,24 @@ Darwin)
   sec listeners; ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
   ;;
 esac
+# llama.cpp: on the PATH first, else in the console's build cache under ~/.ramdeck/llama.cpp.
+sec binaries
 server=""
 for name in ggml-rpc-server rpc-server llama-server; do
-  path=$(command -v "$name" 2>/dev/null)
-  if [ -z "$path" ] && [ -d "$HOME/.ramdeck/llama.cpp" ]; then
-    path=$(find "$HOME/.ramdeck/llama.cpp" -maxdepth 6 -type f -name "$name" -perm -u+x 2>/dev/null |
-      head -n 1)
-  fi
-  sec "bin $name"; [ -n "$path" ] && echo "$path"
-  [ "$name" = llama-server ] && server="$path"
+  command -v "$name" 2>/dev/null
 done
+command -v llama-server >/dev/null 2>&1 && server=llama-server
+on_path() { command -v llama-server && { command -v ggml-rpc-server || command -v rpc-server; }; }
+if ! on_path >/dev/null 2>&1 && [ -d "$HOME/.ramdeck/llama.cpp" ]; then
+  builds=$(find "$HOME/.ramdeck/llama.cpp" -maxdepth 6 -type f -perm -u+x \
+    \( -name ggml-rpc-server -o -name rpc-server -o -name llama-server \) 2>/dev/null)
+  printf '%s\n' "$builds"
+  for path in $builds; do
+    case "$path" in */llama-server) [ -z "$server" ] && server=$path ;; esac
+  done
+fi
 sec llama-server-version
-[ -n "$server" ] && "$server" --version 2>&1 | head -n 5
+[ -n "$server" ] && "$server" --version 2>&1
 sec end
 """
 
@@ -143,7 +148,56 @@ def split_sections(text: str) -> dict[str, str]:
             current = sections.setdefault(line[len(SECTION) :].strip(), [])
         elif current is not None:
             current.append(line)
-    return {name: "\n".join(lines).strip() for name, lines in sections.items()}
+    result = {name: "\n".join(lines).strip() for name, lines in sections.items()}
+    if "files" in result:
+        for name, text in _file_sections(result.pop("files")).items():
+            result.setdefault(name, text)
+    return result
+
+
+# Which file of the Linux `head -v` block feeds which section; the first existing match wins (the
+# probe lists the process's own cgroup before the hierarchy's root).
+_FILE_SECTIONS = [
+    ("os-release", "/etc/os-release"),
+    ("cpuinfo", "/proc/cpuinfo"),
+    ("meminfo", "/proc/meminfo"),
+    ("status", "/proc/self/status"),
+    ("cgroup-v2-max", "/memory.max"),
+    ("cgroup-v2-current", "/memory.current"),
+    ("cgroup-v1-limit", "/memory.limit_in_bytes"),
+    ("cgroup-v1-usage", "/memory.usage_in_bytes"),
+]
+
+
+def _file_sections(text: str) -> dict[str, str]:
+    """`head -v a b c` output → {"cpuinfo": ..., "cgroup-v2-max": ..., "nproc": ...}."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        match = re.fullmatch(r"==> (.+) <==", line)
+        if match:
+            blocks.append((match.group(1), []))
+        elif blocks:
+            blocks[-1][1].append(line)
+    result: dict[str, str] = {}
+    for path, lines in blocks:
+        for name, suffix in _FILE_SECTIONS:
+            if path.endswith(suffix) and name not in result:
+                result[name] = "\n".join(lines).strip()
+                break
+    allowed = re.search(r"^Cpus_allowed_list:\s*(\S+)", result.pop("status", ""), flags=re.M)
+    if allowed:
+        result["nproc"] = str(count_cpu_list(allowed.group(1)))
+    return result
+
+
+def count_cpu_list(text: str) -> int:
+    """ "0-3,8,10-11" → 7 (the kernel's CPU list format)."""
+    total = 0
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit():
+            total += (int(high) - int(low) + 1) if high.isdigit() else 1
+    return total
 
 
 # -- Linux ----------------------------------------------------------------------------------------------
@@ -352,7 +406,14 @@ def parse_llama_version(text: str) -> tuple[str, str]:
 
 
 def parse_binaries(sections: dict[str, str]) -> dict[str, str]:
-    return {name: path for name in BINARIES if (path := sections.get(f"bin {name}", "").strip())}
+    """{name: path}: the first path listed for each llama.cpp binary (the PATH comes before the cache)."""
+    found = {name: path for name in BINARIES if (path := sections.get(f"bin {name}", "").strip())}
+    for line in sections.get("binaries", "").splitlines():
+        path = line.strip()
+        name = path.rsplit("/", 1)[-1]
+        if name in BINARIES and path.startswith("/"):
+            found.setdefault(name, path)
+    return found
 
 
 # -- the report ---------------------------------------------------------------------------------------------

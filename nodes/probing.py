@@ -42,7 +42,11 @@ async def collect(
             "Linux node."
         )
     local = isinstance(transport, LocalTransport)
-    rtt_ms = 0.0 if local else await measure_rtt(transport)
+    # The SSH transport times its TCP handshake (a pure network round trip); others fall back to timing a
+    # trivial command, which also counts a process start on the node.
+    rtt_ms = 0.0 if local else getattr(transport, "rtt_ms", None)
+    if rtt_ms is None:
+        rtt_ms = await measure_rtt(transport)
     result = await transport.run(["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port))], timeout=timeout)
     if result.exit_status != 0:
         tail = "; ".join(line.text for line in result.lines[-3:])

@@ -239,3 +239,39 @@ def test_cpu_bandwidth_is_a_labelled_estimate():
     assert bandwidth.cpu_bandwidth("AMD Ryzen 9 7950X 16-Core Processor")[0] == 65.0
     gbs, why = bandwidth.cpu_bandwidth("Mystery CPU")
     assert gbs == bandwidth.DEFAULT_CPU_GBS and "unknown" in why
+
+
+def test_the_current_script_format_reads_files_from_one_head_block():
+    # Recorded here with the current PROBE_SCRIPT: `head -v` blocks, cgroup v1 paths of this process.
+    report = report_of("linux_debian12_x86_64_headv.txt")
+    assert (report.cpu_model, report.cpu_cores, report.os_name) == (
+        "AMD EPYC",
+        2,
+        "Debian GNU/Linux 12 (bookworm)",
+    )
+    assert report.ram_total_bytes == 24683652 * 1024
+    assert 0 < report.ram_available_bytes <= report.ram_total_bytes
+    assert report.memory_limit_bytes is None
+    assert report.binaries["llama-server"].endswith("/build-cpu/bin/llama-server")
+    assert report.rpc_server_binary.endswith("/build-cpu/bin/ggml-rpc-server")
+    assert report.llama_version == "0.6.0-dev"
+
+
+def test_a_cgroup_limit_inside_a_head_block_is_found():
+    text = (
+        "@@@ uname\nLinux 6.1.0 x86_64\n@@@ files\n"
+        "==> /proc/meminfo <==\nMemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n\n"
+        "==> /proc/self/status <==\nName:\thead\nCpus_allowed_list:\t0-3,8,10-11\n\n"
+        "==> /sys/fs/cgroup/system.slice/docker-1.scope/memory.max <==\n2147483648\n\n"
+        "==> /sys/fs/cgroup/system.slice/docker-1.scope/memory.current <==\n1073741824\n"
+        "@@@ end\n"
+    )
+    report = probe.build_report(text, rpc_port=50052)
+    assert report.cpu_cores == 7
+    assert report.memory_limit_bytes == 2 * GIB
+    assert (report.ram_total_bytes, report.ram_available_bytes) == (2 * GIB, 1 * GIB)
+
+
+@pytest.mark.parametrize(("cpus", "count"), [("0", 1), ("0-1", 2), ("0-3,8,10-11", 7), ("", 0)])
+def test_cpu_lists(cpus, count):
+    assert probe.count_cpu_list(cpus) == count

@@ -31,6 +31,7 @@ VETH_PREFIX = "rdl"
 SUBNET = "10.77"
 LOCK_PATH = "/run/ramdeck-lab.lock"
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+NETNS_ETC = Path("/etc/netns")
 SSHD = "/usr/sbin/sshd"
 # A system user for the tests that need password authentication (namespaces share /etc/passwd).
 PASSWORD_USER = "ramdeck-lab"
@@ -261,6 +262,7 @@ class Lab:
         authorized.write_text(self.client_public_key + "\n")
         config = host.workdir / "sshd_config"
         config.write_text(_sshd_config(host, key, authorized, password_auth))
+        _write_netns_passwd(host.netns)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory.
         log = host.workdir / "sshd.log"
         host.sshd_proc = subprocess.Popen(
@@ -350,12 +352,32 @@ class Lab:
             _remove_cgroup(host.cgroup)
         _run(["ip", "link", "del", host.veth_host], check=False)
         _run(["ip", "netns", "del", host.netns], check=False)
+        shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
 
     def __enter__(self) -> Lab:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _write_netns_passwd(netns: str) -> None:
+    """Give the lab host's root the login shell of a minimal server, /bin/sh.
+
+    `ip netns exec` bind-mounts /etc/netns/<name>/* over /etc inside the namespace, so this passwd is what
+    the host's sshd sees. Without it every command would start this machine's root bash, whose .bashrc
+    (pyenv init here) costs ~0.2 s of CPU per command and would dominate every timing taken in the lab.
+    Home directories stay the same, so ~/.ramdeck build caches are shared with the host.
+    """
+    lines = []
+    for line in Path("/etc/passwd").read_text().splitlines():
+        fields = line.split(":")
+        if len(fields) == 7 and fields[0] == "root":
+            fields[6] = "/bin/sh"
+        lines.append(":".join(fields))
+    directory = NETNS_ETC / netns
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "passwd").write_text("\n".join(lines) + "\n")
 
 
 def _sshd_config(host: LabHost, key: Path, authorized: Path, password_auth: bool) -> str:
@@ -417,6 +439,11 @@ def cleanup_leftovers() -> list[str]:
             kill_pid(child, grace=1.0)
         _run(["ip", "netns", "del", netns], check=False)
         removed.append(netns)
+    for stale in NETNS_ETC.glob(f"{PREFIX}-*-*") if NETNS_ETC.is_dir() else []:
+        with contextlib.suppress(ValueError):
+            if not _pid_alive(int(stale.name.split("-")[1])):
+                shutil.rmtree(stale, ignore_errors=True)
+                removed.append(str(stale))
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
     for veth, pid in re.findall(rf"^\d+: ({VETH_PREFIX}(\d+)[hn]\d+)[@:]", links, flags=re.M):
         if not _pid_alive(int(pid)):
