@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from html import escape
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
-from django.utils.html import escape
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ def group_name(job_id: int) -> str:
 def plain_text(text: str) -> str:
     """What a person should read: ANSI codes stripped, a carriage-return progress line reduced to its
     final state (what a terminal would show), other control characters dropped."""
+    if text.isprintable():  # The common case, and a cheap test: nothing to strip.
+        return text
     if "\x1b" in text:
         text = _ANSI.sub("", text)
     if "\r" in text:
@@ -45,17 +47,25 @@ def plain_text(text: str) -> str:
 
 
 def log_line_html(seq: int, stream: str, text: str) -> str:
-    """One log line as the page shows it. No whitespace around it: the log box is `white-space: pre-wrap`."""
+    """One log line as the page shows it. No whitespace around it: the log box is `white-space: pre-wrap`.
+    (The standard library's escape: Django's adds a lazy-string wrapper that costs more than the escaping.)"""
     return f'<div class="{stream}" data-seq="{seq}">{escape(plain_text(text)) or " "}</div>'
 
 
 def lines_message(job_id: int, rows: Iterable) -> dict:
-    """The group message for freshly saved JobLogLine rows (or (seq, stream, text) tuples)."""
-    lines = []
-    for row in rows:
-        seq, stream, text = (row.seq, row.stream, row.text) if hasattr(row, "seq") else row
-        lines.append([seq, log_line_html(seq, stream, text)])
-    return {"type": "job.lines", "job_id": job_id, "lines": lines}
+    """The group message for saved lines with consecutive seqs: (seq, stream, text) tuples as
+    `JobLogLine.append_lines` returns them, or JobLogLine rows. Carries the first seq and each line's
+    markup, so a consumer drops what it already sent by slicing rather than line by line."""
+    rows = [(row.seq, row.stream, row.text) if hasattr(row, "seq") else row for row in rows]
+    first = rows[0][0]
+    if rows[-1][0] - first != len(rows) - 1:
+        raise ValueError("lines_message needs consecutive seqs")
+    return {
+        "type": "job.lines",
+        "job_id": job_id,
+        "first": first,
+        "lines": [log_line_html(seq, stream, text) for seq, stream, text in rows],
+    }
 
 
 def status_message(job_id: int, state: str) -> dict:

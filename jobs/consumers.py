@@ -62,13 +62,14 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         """Clients only listen; whatever they send is ignored."""
 
     async def job_lines(self, event: dict) -> None:
-        fresh = [(seq, html) for seq, html in event["lines"] if seq > self.last_seq]
-        if not fresh:
+        first, lines = event["first"], event["lines"]
+        last = first + len(lines) - 1
+        if last <= self.last_seq:
             return
-        if fresh[0][0] > self.last_seq + 1:
+        if first > self.last_seq + 1:
             # A message went missing on the way (channel full, expired): fill the gap from the database.
-            await self._send_from_database(before=fresh[0][0])
-        await self._send_lines(fresh)
+            await self._send_from_database(before=first)
+        await self._send_html(lines[max(0, self.last_seq + 1 - first) :], last)
 
     async def job_status(self, event: dict) -> None:
         await self._send_status()
@@ -77,9 +78,7 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         while True:
             rows = await database_sync_to_async(self._read_lines)(self.last_seq, before)
             if rows:
-                await self._send_lines(
-                    [(seq, log_line_html(seq, stream, text)) for seq, stream, text in rows]
-                )
+                await self._send_html([log_line_html(*row) for row in rows], rows[-1][0])
             if len(rows) < BACKLOG_CHUNK:
                 return
 
@@ -89,12 +88,11 @@ class JobLogConsumer(AsyncWebsocketConsumer):
             lines = lines.filter(seq__lt=before)
         return list(lines.order_by("seq").values_list("seq", "stream", "text")[:BACKLOG_CHUNK])
 
-    async def _send_lines(self, lines: list[tuple[int, str]]) -> None:
-        html = render_to_string(
-            "jobs/job_detail.html#log-append",
-            {"job_id": self.job_id, "lines_html": mark_safe("".join(h for _, h in lines))},  # noqa: S308
-        )
-        self.last_seq = lines[-1][0]
+    async def _send_html(self, lines: list[str], last_seq: int) -> None:
+        """Send rendered lines (escaped by log_line_html) ending at `last_seq`, out of band into the log."""
+        context = {"job_id": self.job_id, "lines_html": mark_safe("".join(lines))}  # noqa: S308
+        html = render_to_string("jobs/job_detail.html#log-append", context)
+        self.last_seq = last_seq
         await self.send(text_data=html)
 
     async def _send_status(self) -> None:

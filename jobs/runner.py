@@ -197,7 +197,8 @@ class JobContext:
         transport = self.transport
         try:
             async for line in transport.stream(argv, timeout=timeout, env=env):
-                await self._note_pid(getattr(transport, "current_pid", None))
+                if (pid := getattr(transport, "current_pid", None)) and pid != self._recorded_pid:
+                    await self._note_pid(pid)
                 await self._writer.write(line.stream, line.text)
                 if capture:
                     captured.append(line)

@@ -49,16 +49,17 @@ def test_lines_are_sent_to_the_job_group_after_they_are_saved(local_node, channe
     async_to_sync(channel_layer.group_add)(broadcast.group_name(job.pk), channel)
     runner.run_job(job.pk)
     messages = receive_all(channel_layer, channel)
-    sent = [seq for m in messages if m["type"] == "job.lines" for seq, _ in m["lines"]]
+    batches = [m for m in messages if m["type"] == "job.lines"]
+    sent = [m["first"] + i for m in batches for i in range(len(m["lines"]))]
     stored = list(JobLogLine.objects.filter(job=job).order_by("seq").values_list("seq", flat=True))
     assert sent == stored  # Every saved line, once, in order.
-    html = [h for m in messages if m["type"] == "job.lines" for _, h in m["lines"]]
+    html = [h for m in batches for h in m["lines"]]
     assert html[1] == '<div class="out" data-seq="1">line 0</div>'
     states = [m["state"] for m in messages if m["type"] == "job.status"]
     assert states == ["running", "succeeded"]
     # Output is sent in bounded batches, not one message per line nor all of it at the end.
-    batches = [len(m["lines"]) for m in messages if m["type"] == "job.lines"]
-    assert len(batches) >= 3 and len(batches) < 5002 and max(batches) <= runner.MAX_BATCH_LINES
+    sizes = [len(m["lines"]) for m in batches]
+    assert len(sizes) >= 3 and len(sizes) < 5002 and max(sizes) <= runner.MAX_BATCH_LINES
 
 
 def test_a_redelivered_task_does_nothing(local_node, channel_layer, tmp_path):
