@@ -784,9 +784,15 @@ def _baseline(problem: Problem) -> dict[str, Any]:
     }
 
 
-def _solve(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> tuple[bool, float | None]:
+def quick_fit(
+    profile: dict[str, Any], nodes: Sequence[Node], settings: Settings
+) -> tuple[bool, float | None]:
+    """(fits, predicted tokens/s) without the baseline and suggestions: for overviews and searches."""
     split, seconds = search(build_problem(profile, nodes, settings))
     return split is not None, _tps(seconds)
+
+
+_solve = quick_fit
 
 
 def _extra_node(nodes: Sequence[Node], capacity: int) -> list[Node]:
@@ -846,6 +852,10 @@ def suggestions(profile: dict[str, Any], nodes: Sequence[Node], settings: Settin
             new_nodes=_extra_node(nodes, extra),
         )
     return out
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
 def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> int | None:

@@ -1,0 +1,324 @@
+"""Model registry, "what runs on this pool", plan preview and confirmation, deployment list and detail.
+
+The run of a deployment (deploy, stop, its live steps) is deployments/lifecycle_views.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from asgiref.sync import async_to_sync
+from django.contrib import messages
+from django.db import transaction
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views.decorators.http import require_POST
+
+from jobs import audit
+from jobs.transport import shell_join
+from nodes.models import Node
+from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+
+from . import gguf_profile, planner
+from .forms import ModelRegisterForm, PlanForm
+from .models import Deployment, DeploymentState, ModelFile
+
+POOL_CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024)
+HEAD_FIRST_READ = 8 * 1024 * 1024
+HEAD_MAX_READ = 512 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _get_model(pk: int) -> ModelFile:
+    return get_object_or_404(ModelFile.objects.select_related("node"), pk=pk)
+
+
+def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
+    """The planner's view of Node and Device rows: the coordinator first; remote nodes by RPC address."""
+    out = []
+    for node in [coordinator, *[n for n in nodes if n.pk != coordinator.pk]]:
+        devices = tuple(
+            planner.Device(
+                node=node.name,
+                name=d.name,
+                kind=d.kind,
+                total_bytes=d.total_bytes,
+                free_bytes=min(d.free_bytes, d.total_bytes),
+                bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
+                unified=d.unified_memory,
+            )
+            for d in node.devices.all()
+        )
+        out.append(
+            planner.Node(
+                name=node.name,
+                address=node.rpc_endpoint_host,
+                devices=devices,
+                coordinator=node.pk == coordinator.pk,
+                rpc_port=node.rpc_port,
+                rtt_ms=node.rtt_ms,
+            )
+        )
+    return out
+
+
+def _pool_nodes() -> list[Node]:
+    """Enabled nodes with fresh hardware data: the default pool."""
+    nodes = Node.objects.filter(enabled=True).prefetch_related("devices")
+    return [n for n in nodes if n.hardware_is_fresh and n.devices.exists()]
+
+
+def _default_coordinator(model: ModelFile, pool: list[Node]) -> Node | None:
+    if model.node.may_coordinate and model.node.enabled:
+        return model.node
+    return next((n for n in pool if n.may_coordinate), None)
+
+
+def _read_profile(node: Node, path: str) -> dict:
+    """The GGUF profile of a file on a node, reading only its header (and its shards' headers)."""
+    if node.is_local:
+        return gguf_profile.profile_path(path)
+    return async_to_sync(_read_remote_profile)(node, path)
+
+
+async def _read_remote_profile(node: Node, path: str) -> dict:
+    from jobs.transport import open_transport
+
+    async with open_transport(node) as transport:
+
+        async def header(shard: str) -> gguf_profile.GGUFHeader:
+            size = HEAD_FIRST_READ
+            while True:
+                data = await transport.read_head(shard, size)
+                try:
+                    return gguf_profile.parse_header_bytes(data)
+                except gguf_profile.TruncatedHeader:
+                    if len(data) < size or size >= HEAD_MAX_READ:
+                        raise
+                    size *= 4
+
+        first = await header(path)
+        count = gguf_profile.split_count(first)
+        paths = gguf_profile.shard_paths(path, count)
+        headers = [first]
+        for index, shard in enumerate(paths[1:], start=1):
+            try:
+                shard_header = await header(shard)
+            except gguf_profile.NotGGUF:
+                raise gguf_profile.MissingShard(f"Shard {index + 1} of {count} is missing: {shard}") from None
+            gguf_profile.check_shard(shard_header, index, count, shard)
+            headers.append(shard_header)
+        profile = gguf_profile.build_profile(headers, shard_names=[os.path.basename(p) for p in paths])
+        result = await transport.run(["stat", "-c", "%s", *paths], timeout=30)
+        sizes = [int(x) for x in result.stdout.split() if x.isdigit()] if result.ok else []
+        profile["shard_paths"] = paths
+        profile["size_bytes"] = sum(sizes)
+        return profile
+
+
+def pool_fit(model: ModelFile, pool: list[Node]) -> dict:
+    """Whether the model fits the pool, at the longest of a few contexts, and how fast."""
+    coordinator = _default_coordinator(model, pool)
+    if coordinator is None or not model.profile:
+        return {"fits": False, "reason": "No node may coordinate." if coordinator is None else "No profile."}
+    try:
+        nodes = planner_nodes([n for n in pool if n.pk != coordinator.pk], coordinator)
+        trained = model.profile.get("context_length") or POOL_CONTEXTS[0]
+        for ctx in POOL_CONTEXTS:
+            if ctx > trained:
+                continue
+            fits, tps = planner.quick_fit(model.profile, nodes, planner.Settings(ctx=ctx))
+            if fits:
+                return {"fits": True, "ctx": ctx, "tps": tps, "coordinator": coordinator.name}
+    except planner.ClusterError as exc:
+        return {"fits": False, "reason": str(exc)}
+    return {"fits": False, "reason": f"Not even with a context of {POOL_CONTEXTS[-1]}."}
+
+
+def _commands(model: ModelFile, plan: dict) -> dict:
+    server = shell_join(["llama-server", "-m", model.path, *plan["llama_server_args"]])
+    rpc = [
+        {"node": s["node"], "command": shell_join(["ggml-rpc-server", *s["args"]])}
+        for s in plan["rpc_servers"]
+    ]
+    return {"llama_server": server, "rpc_servers": rpc}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model registry and the pool overview
+
+
+@role_required(VIEWER)
+def model_list(request):
+    pool = _pool_nodes()
+    models = list(ModelFile.objects.select_related("node"))
+    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in models]
+    form = ModelRegisterForm()
+    return render(request, "deployments/model_list.html", {"rows": rows, "form": form, "pool": pool})
+
+
+@require_POST
+@role_required(OPERATOR)
+def model_register(request):
+    form = ModelRegisterForm(request.POST)
+    if form.is_valid():
+        node, path = form.cleaned_data["node"], form.cleaned_data["path"]
+        try:
+            profile = _read_profile(node, path)
+        except gguf_profile.GGUFError as exc:
+            form.add_error("path", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a transport failure is shown to the operator, not raised
+            form.add_error("path", f"Could not read the file on {node.name}: {exc}")
+        else:
+            with transaction.atomic():
+                model = ModelFile.objects.create(
+                    name=form.cleaned_data["name"],
+                    node=node,
+                    path=path,
+                    shard_paths=profile.pop("shard_paths", [path]),
+                    size_bytes=profile.get("size_bytes", 0),
+                    profile=profile,
+                    created_by=request.user,
+                )
+                audit.record(
+                    request,
+                    "model.register",
+                    model,
+                    changes={"node": node.name, "path": path, "architecture": profile["architecture"]},
+                )
+            messages.success(request, f"Registered {model.name}.")
+            return redirect("deployments:models")
+    pool = _pool_nodes()
+    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
+    return render(
+        request, "deployments/model_list.html", {"rows": rows, "form": form, "pool": pool}, status=400
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan preview and confirmation
+
+
+def _plan_form(request, model: ModelFile, data) -> PlanForm:
+    """The plan form bound to the request's values, missing ones taken from the defaults.
+
+    The page's own form sends a `full` marker: then an absent `nodes` means "no node ticked" rather than
+    "not given", which defaults to the whole pool.
+    """
+    nodes_qs = Node.objects.filter(enabled=True).prefetch_related("devices")
+    coordinators = nodes_qs.filter(may_coordinate=True)
+    pool = _pool_nodes()
+    coordinator = _default_coordinator(model, pool)
+    bound = {
+        "ctx": min(4096, model.profile.get("context_length") or 4096),
+        "parallel": 1,
+        "cache_type": "f16",
+        "clamp": 0.70,
+        "coordinator": coordinator.pk if coordinator else "",
+        "nodes": [n.pk for n in pool],
+        "name": "",
+    }
+    data = data or {}
+    for key in bound:
+        if key == "nodes":
+            if "nodes" in data or "full" in data:
+                bound["nodes"] = data.getlist("nodes") if hasattr(data, "getlist") else data.get("nodes", [])
+        elif key in data:
+            bound[key] = data.get(key)
+    return PlanForm(bound, nodes_qs=nodes_qs, coordinators_qs=coordinators)
+
+
+def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
+    if not form.is_valid():
+        return None, ""
+    coordinator = form.cleaned_data["coordinator"] or _default_coordinator(model, _pool_nodes())
+    if coordinator is None:
+        return None, "No node may coordinate: mark one as 'may coordinate' on its node page."
+    selected = [n for n in form.cleaned_data["nodes"] if n.pk != coordinator.pk]
+    try:
+        plan = planner.plan(model.profile, planner_nodes(selected, coordinator), form.settings())
+    except planner.ClusterError as exc:
+        return None, str(exc)
+    return plan, ""
+
+
+@role_required(VIEWER)
+def plan_preview(request, pk: int):
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.GET)
+    plan, error = _compute_plan(model, form)
+    context = {
+        "model": model,
+        "form": form,
+        "plan": plan,
+        "error": error,
+        "commands": _commands(model, plan) if plan and plan["fits"] else None,
+    }
+    template = "deployments/plan_preview.html"
+    if request.htmx:
+        template += "#plan"
+    return render(request, template, context)
+
+
+@require_POST
+@role_required(OPERATOR)
+def plan_confirm(request, pk: int):
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.POST)
+    # The plan is computed again here: what is stored is what the planner says now, not what the page showed.
+    plan, error = _compute_plan(model, form)
+    if plan is None or not plan["fits"]:
+        context = {"model": model, "form": form, "plan": plan, "error": error or "This plan does not fit."}
+        return render(request, "deployments/plan_preview.html", context, status=409)
+    coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
+    with transaction.atomic():
+        deployment = Deployment.objects.create(
+            name=form.cleaned_data["name"] or f"{model.name} @ {plan['settings']['ctx']}",
+            model_file=model,
+            coordinator=coordinator,
+            plan=plan,
+            plan_settings=plan["settings"],
+            state=DeploymentState.CONFIRMED,
+            created_by=request.user,
+        )
+        audit.record(
+            request,
+            "deployment.confirm",
+            deployment,
+            changes={
+                "model": model.name,
+                "coordinator": coordinator.name,
+                "nodes": sorted({p["node"] for p in plan["placements"]}),
+                "settings": plan["settings"],
+                "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
+                "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
+            },
+        )
+    messages.success(request, f"Confirmed {deployment.name}.")
+    return redirect(deployment.get_absolute_url())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deployments
+
+
+@role_required(VIEWER)
+def deployment_list(request):
+    deployments = Deployment.objects.select_related("model_file", "coordinator")[:200]
+    return render(request, "deployments/deployment_list.html", {"deployments": deployments})
+
+
+@role_required(VIEWER)
+def deployment_detail(request, pk: int):
+    deployment = get_object_or_404(Deployment.objects.select_related("model_file", "coordinator"), pk=pk)
+    plan = deployment.plan or {}
+    context = {
+        "deployment": deployment,
+        "plan": plan,
+        "commands": _commands(deployment.model_file, plan) if plan.get("fits") else None,
+        "run_url": reverse("deployments:run", args=[pk]),
+    }
+    return render(request, "deployments/deployment_detail.html", context)

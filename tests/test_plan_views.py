@@ -1,0 +1,147 @@
+"""Model registry, pool overview, plan preview (htmx partial), confirmation with roles and audit."""
+
+from __future__ import annotations
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from deployments import views
+from deployments.models import Deployment, DeploymentState, ModelFile
+from jobs.models import AuditEvent
+from nodes.models import DeviceKind, Transport
+from tests.factories import DeviceFactory, NodeFactory
+from tests.gguf_models import TinyLlama, write_tiny_llama
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def gguf_path(tmp_path):
+    return write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama())
+
+
+@pytest.fixture
+def pool(db):
+    """A coordinator (this console's host) with a small, slow CPU, and a faster worker on the LAN."""
+    now = timezone.now()
+    desk = NodeFactory(name="desk", address="127.0.0.1", transport=Transport.LOCAL, may_coordinate=True,
+                       last_seen_at=now)  # fmt: skip
+    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=24 * MIB, free_bytes=24 * MIB,
+                  bandwidth_gbs=5)  # fmt: skip
+    pc = NodeFactory(name="pc", address="10.77.0.2", rpc_port=50052, rtt_ms=0.3, last_seen_at=now)
+    DeviceFactory(node=pc, name="CPU", kind=DeviceKind.CPU, total_bytes=14 * MIB, free_bytes=14 * MIB,
+                  bandwidth_gbs=50)  # fmt: skip
+    return {"desk": desk, "pc": pc}
+
+
+@pytest.fixture
+def model(pool, gguf_path, operator_client):
+    response = operator_client.post(
+        reverse("deployments:model_register"),
+        {"name": "tiny", "node": pool["desk"].pk, "path": str(gguf_path)},
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    return ModelFile.objects.get(name="tiny")
+
+
+def test_operator_registers_a_local_model_by_path(model, gguf_path):
+    assert model.path == str(gguf_path)
+    assert model.profile["block_count"] == 8 and model.profile["architecture"] == "llama"
+    assert model.shard_paths == [str(gguf_path)]
+    assert model.size_bytes == gguf_path.stat().st_size
+    event = AuditEvent.objects.get(action="model.register")
+    assert event.actor_name == "oscar-operator" and event.changes["path"] == str(gguf_path)
+
+
+def test_a_file_that_is_not_gguf_is_refused_with_a_clear_error(pool, tmp_path, operator_client):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("shopping list")
+    response = operator_client.post(
+        reverse("deployments:model_register"), {"name": "notes", "node": pool["desk"].pk, "path": str(notes)}
+    )
+    assert response.status_code == 400
+    assert "not a GGUF file" in response.content.decode()
+    assert not ModelFile.objects.exists()
+
+
+def test_viewer_cannot_register_a_model(pool, gguf_path, viewer_client):
+    response = viewer_client.post(
+        reverse("deployments:model_register"), {"name": "x", "node": pool["desk"].pk, "path": str(gguf_path)}
+    )
+    assert response.status_code == 403
+    assert not ModelFile.objects.exists()
+
+
+def test_models_page_says_what_runs_on_this_pool(model, viewer_client):
+    page = viewer_client.get(reverse("deployments:models")).content.decode()
+    assert "tiny" in page and "fits" in page
+    fit = views.pool_fit(model, views._pool_nodes())
+    # The longest context that fits, and the next longer one (within the trained 4096) does not.
+    assert fit["fits"] and f">{fit['ctx']}<" in page and f"{fit['tps']:.1f}" in page
+    assert fit["ctx"] < 4096
+    assert "Register a model" not in page  # viewers see no form
+
+
+def test_plan_preview_shows_each_device_with_bars_prediction_and_commands(model, viewer_client):
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    assert 'data-device="desk/CPU"' in page and 'data-device="pc/CPU"' in page
+    assert 'class="clamp"' in page and 'class="weights"' in page
+    assert 'id="predicted-tps"' in page and 'id="baseline-tps"' in page
+    assert "ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU" in page
+    assert "llama-server -m " in page and "--rpc 10.77.0.2:50052" in page and "--fit off" in page
+    assert 'id="confirm-plan"' not in page  # viewers cannot confirm
+
+
+def test_htmx_recompute_returns_only_the_plan_and_follows_the_context(model, pool, viewer_client):
+    url = reverse("deployments:plan", args=[model.pk])
+    form = {
+        "full": 1,
+        "parallel": 1,
+        "cache_type": "f16",
+        "clamp": 0.7,
+        "nodes": [pool["desk"].pk, pool["pc"].pk],
+    }
+    small = viewer_client.get(url, {**form, "ctx": 512}, HTTP_HX_REQUEST="true").content.decode()
+    assert small.lstrip().startswith('<section id="plan"') and "<html" not in small
+    big = viewer_client.get(url, {**form, "ctx": 2048}, HTTP_HX_REQUEST="true").content.decode()
+    assert "-c 2048" in big and "-c 512" in small
+    # Only the coordinator ticked: the worker leaves the plan.
+    alone = viewer_client.get(url, {**form, "ctx": 512, "nodes": [pool["desk"].pk]}, HTTP_HX_REQUEST="true")
+    assert "pc/CPU" not in alone.content.decode()
+
+
+def test_a_plan_that_does_not_fit_shows_computed_suggestions(model, viewer_client):
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 65536, "parallel": 1,
+                             "cache_type": "f16", "clamp": 0.7}).content.decode()  # fmt: skip
+    assert "It does not fit" in page
+    assert "A context of" in page
+
+
+def test_operator_confirms_a_plan_into_a_confirmed_deployment(model, operator_client):
+    data = {"ctx": 1024, "parallel": 1, "cache_type": "f16", "clamp": 0.7, "name": "tiny for the family"}
+    response = operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    deployment = Deployment.objects.get()
+    assert response.status_code == 302 and response["Location"] == deployment.get_absolute_url()
+    assert deployment.state == DeploymentState.CONFIRMED
+    assert deployment.name == "tiny for the family" and deployment.coordinator.name == "desk"
+    assert deployment.plan["fits"] and deployment.plan["settings"]["ctx"] == 1024
+    event = AuditEvent.objects.get(action="deployment.confirm")
+    assert event.object_id == str(deployment.pk) and event.changes["model"] == "tiny"
+    detail = operator_client.get(deployment.get_absolute_url()).content.decode()
+    assert "tiny for the family" in detail and "Confirmed" in detail
+    assert "tiny for the family" in operator_client.get(reverse("deployments:list")).content.decode()
+
+
+def test_viewer_cannot_confirm_a_plan(model, viewer_client):
+    data = {"ctx": 1024, "parallel": 1, "cache_type": "f16", "clamp": 0.7}
+    response = viewer_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    assert response.status_code == 403
+    assert not Deployment.objects.exists()
+
+
+def test_a_plan_that_does_not_fit_cannot_be_confirmed(model, operator_client):
+    data = {"ctx": 65536, "parallel": 1, "cache_type": "f16", "clamp": 0.7}
+    response = operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    assert response.status_code == 409
+    assert not Deployment.objects.exists()
