@@ -156,3 +156,36 @@ def test_start_probe_does_not_queue_a_second_probe_while_one_is_active(monkeypat
     node = NodeFactory(transport=Transport.LOCAL)
     assert start_probe(node) is not None
     assert start_probe(node) is None
+
+
+@pytest.mark.lab
+def test_a_changed_host_key_blocks_probes_until_an_admin_approves_it(
+    lab, lab_host, admin_client, monkeypatch
+):
+    from django.urls import reverse
+
+    monkeypatch.setattr(
+        tasks.run_job, "delay", lambda pk: None
+    )  # The approval queues a probe; we run it here.
+    node = lab_node(lab, lab_host)
+    lab.start_sshd(lab_host, new_host_key=True)  # Reinstalled, or someone in the middle.
+    blocked = probe_job(node)
+    runner.run_job(blocked.pk)
+    blocked.refresh_from_db()
+    node.refresh_from_db()
+    assert blocked.state == JobState.ERRORED and "CHANGED" in blocked.result
+    assert node.reachability == Reachability.HOST_KEY_CHANGED
+    assert node_tasks.probe_all_nodes() == []  # Beat leaves a blocked node alone.
+
+    admin_client.post(
+        reverse("nodes:approve_host_key", args=[node.name]),
+        {"fingerprint": node.pending_host_key_fingerprint},
+    )
+    node.refresh_from_db()
+    assert node.host_key == lab_host.host_public_key
+    queued = Job.objects.get(node=node, kind=JobKind.PROBE, state=JobState.QUEUED)
+    runner.run_job(queued.pk)
+    queued.refresh_from_db()
+    assert queued.state == JobState.SUCCEEDED, queued.result
+    node.refresh_from_db()
+    assert node.reachability == Reachability.REACHABLE
