@@ -848,7 +848,7 @@ def suggestions(profile: dict[str, Any], nodes: Sequence[Node], settings: Settin
         add(
             "add_node",
             extra,
-            f"Another node with at least {extra / GIB:.1f} GiB free makes it fit.",
+            f"Another node with at least {_size(extra)} free makes it fit.",
             new_nodes=_extra_node(nodes, extra),
         )
     return out

@@ -1,0 +1,82 @@
+"""The plan preview in a real browser: change the context, watch the bars and the prediction change, confirm
+as an operator; a viewer sees no Confirm button and is refused when posting anyway."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+from playwright.sync_api import expect
+
+from deployments import gguf_profile
+from deployments.models import Deployment, DeploymentState, ModelFile
+from jobs.models import AuditEvent
+from nodes.models import DeviceKind, Transport
+from tests.browser import log_in
+from tests.factories import PASSWORD, DeviceFactory, NodeFactory, UserFactory
+from tests.gguf_models import TinyLlama, write_tiny_llama
+
+pytestmark = pytest.mark.browser
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def model(transactional_db, tmp_path):
+    now = timezone.now()
+    desk = NodeFactory(name="desk", address="127.0.0.1", transport=Transport.LOCAL, may_coordinate=True,
+                       last_seen_at=now)  # fmt: skip
+    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=24 * MIB, free_bytes=24 * MIB,
+                  bandwidth_gbs=5)  # fmt: skip
+    pc = NodeFactory(name="pc", address="10.77.0.2", rtt_ms=0.3, last_seen_at=now)
+    DeviceFactory(node=pc, name="CPU", kind=DeviceKind.CPU, total_bytes=14 * MIB, free_bytes=14 * MIB,
+                  bandwidth_gbs=50)  # fmt: skip
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama())
+    profile = gguf_profile.profile_path(path)
+    return ModelFile.objects.create(name="tiny", node=desk, path=str(path), profile=profile)
+
+
+def bar_widths(page) -> list[str]:
+    return page.locator("#plan .bar .kv").evaluate_all("els => els.map(e => e.style.width)")
+
+
+def test_operator_changes_the_context_watches_the_plan_and_confirms(live_server_url, page, model):
+    UserFactory(username="oscar-operator", role="operator")
+    log_in(page, live_server_url, "oscar-operator", PASSWORD)
+    page.goto(f"{live_server_url}/models/")
+    expect(page.locator(f"#model-{model.pk}")).to_contain_text("fits")
+    page.click(f"#model-{model.pk} >> text=Plan")
+
+    page.fill("input[name=ctx]", "512")
+    expect(page.locator("#server-command")).to_contain_text("-c 512")
+    tps_small = page.locator("#predicted-tps").inner_text()
+    kv_small = bar_widths(page)
+    expect(page.locator("#baseline-tps")).to_be_visible()
+
+    page.fill("input[name=ctx]", "1024")
+    expect(page.locator("#server-command")).to_contain_text("-c 1024")
+    assert page.locator("#predicted-tps").inner_text() != tps_small
+    assert bar_widths(page) != kv_small  # the KV share of the bars grew
+    expect(page.locator('[data-device="pc/CPU"]')).to_be_visible()
+
+    page.fill("input[name=name]", "tiny for the family")
+    page.click("#confirm-plan")
+    expect(page.locator("#deployment-state")).to_have_text("Confirmed")
+    deployment = Deployment.objects.get()
+    assert deployment.state == DeploymentState.CONFIRMED and deployment.plan["settings"]["ctx"] == 1024
+
+
+def test_viewer_can_look_but_not_confirm(live_server_url, page, model):
+    UserFactory(username="vera-viewer", role="viewer")
+    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    page.goto(f"{live_server_url}/models/{model.pk}/plan/")
+    expect(page.locator("#predicted-tps")).to_be_visible()
+    expect(page.locator("#confirm-plan")).to_have_count(0)
+    token = next(c["value"] for c in page.context.cookies() if c["name"] == "csrftoken")
+    response = page.request.post(
+        f"{live_server_url}/models/{model.pk}/plan/confirm/",
+        form={"ctx": "1024", "parallel": "1", "cache_type": "f16", "clamp": "0.7"},
+        headers={"X-CSRFToken": token, "Referer": f"{live_server_url}/models/{model.pk}/plan/"},
+    )
+    assert response.status == 403
+    assert not Deployment.objects.exists()
+    # Refused for the role (audited), not for a missing CSRF token.
+    assert AuditEvent.objects.filter(action="permission_denied", actor_name="vera-viewer").exists()
