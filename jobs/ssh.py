@@ -311,7 +311,7 @@ class SSHTransport:
                 else TransportError(f"Could not start {argv[0]!r} on {self.target.host}: {exc}")
             ) from exc
         pump = LinePump({"out": process.stdout, "err": process.stderr})
-        finished = False
+        finished = ended = False
         self.current_pid = None
         try:
             while True:
@@ -319,6 +319,7 @@ class SSHTransport:
                     batch = await asyncio.wait_for(pump.next_batch(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     await self._end_overrun()
+                    ended = True
                     raise CommandTimeout(
                         f"{argv[0]!r} on {self.target.host} ran longer than {timeout:g} s and was ended."
                     ) from None
@@ -339,6 +340,7 @@ class SSHTransport:
                 await asyncio.wait_for(process.wait_closed(), max(1.0, deadline - loop.time()))
             except TimeoutError:
                 await self._end_overrun()
+                ended = True
                 raise CommandTimeout(f"{argv[0]!r} on {self.target.host} did not exit in time.") from None
             finished = True
             self._last_result = self._result_of(process, argv)
@@ -346,6 +348,10 @@ class SSHTransport:
             pump.close()
             if not finished:
                 process.close()
+                if not ended and process.exit_status is None and process.exit_signal is None:
+                    # The consumer stopped early (cancelled, or closed the stream): closing the channel
+                    # does not end a command without a terminal, so end it by PID.
+                    await self._end_overrun()
             self.current_pid = None
 
     def _result_of(self, process: asyncssh.SSHClientProcess, argv: Sequence[str]) -> CommandResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -68,6 +69,14 @@ async def test_check_turns_a_non_zero_exit_into_command_failed(local):
 async def test_an_overrun_ends_the_command_and_its_children(local, tmp_path):
     with pytest.raises(CommandTimeout, match="longer than 1 s"):
         await local.run(["sh", "-c", "sleep 300 & sleep 300; wait"], timeout=1)
+    assert not await local.pid_alive(local.last_pid)
+
+
+async def test_a_stream_closed_early_ends_the_command(local):
+    async with contextlib.aclosing(local.stream(["sh", "-c", "echo started; exec sleep 300"])) as lines:
+        async for line in lines:
+            assert line.text == "started"
+            break
     assert not await local.pid_alive(local.last_pid)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,22 @@ async def test_a_command_that_overruns_its_timeout_is_ended_on_the_node(lab, lab
             await ssh.run(["sleep", "300"], timeout=1)
         assert ssh.last_pid is not None
         assert not await ssh.pid_alive(ssh.last_pid)
+
+
+async def test_a_stream_closed_early_ends_the_command_on_the_node(lab, lab_host):
+    async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        async with contextlib.aclosing(ssh.stream(["sh", "-c", "echo started; exec sleep 300"])) as lines:
+            async for line in lines:
+                assert line.text == "started"
+                break
+        pid = ssh.last_pid
+        assert pid is not None
+        assert not await ssh.pid_alive(pid)
+
+
+async def test_the_tcp_handshake_gives_the_round_trip_time(lab, lab_host):
+    async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        assert ssh.rtt_ms is not None and ssh.rtt_ms > 0
 
 
 async def test_a_key_the_node_does_not_authorise_is_refused_with_a_clear_message(lab, lab_host):
