@@ -1,4 +1,4 @@
-"""Hardware discovery: the probe script and pure parsers of what it prints (no Django here).
+"""Hardware discovery: pure parsers of what the probe script (nodes/probe_script.py) prints (no Django).
 
 One POSIX shell script (`PROBE_SCRIPT`) runs on the node in a single round trip and prints sections
 headed `@@@ <name>`; it branches on `uname -s` itself, so Linux and macOS need no second trip. Its only
@@ -13,75 +13,15 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
+from .probe_script import PROBE_SCRIPT
+
+__all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report"]
 
 MIB = 1024**2
 SECTION = "@@@ "
 BINARIES = ("ggml-rpc-server", "rpc-server", "llama-server")
 # cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
 _UNLIMITED = 1 << 60
-
-PROBE_SCRIPT = r"""
-port="$1"
-sec() { printf '\n%s%s\n' '@@@ ' "$1"; }
-set -- $(uname -snrm)
-sec uname; echo "$1 $3 $4"
-sec hostname; echo "$2"
-case "$1" in
-Darwin)
-  sec sw_vers; sw_vers 2>/dev/null
-  sec sysctl
-  sysctl hw.memsize hw.ncpu hw.physicalcpu hw.pagesize machdep.cpu.brand_string \
-    iogpu.wired_limit_mb 2>/dev/null
-  sec vm_stat; vm_stat 2>/dev/null
-  sec displays; system_profiler SPDisplaysDataType 2>/dev/null
-  sec listeners; lsof -nP -iTCP:"$port" -sTCP:LISTEN 2>/dev/null
-  ;;
-*)
-  # Every file in one `head -v` (one process, "==> path <==" headers); the cgroup paths come from
-  # /proc/self/cgroup, read with shell builtins only.
-  cg1="" cg2=""
-  while IFS=: read -r id controllers path; do
-    [ "$id" = 0 ] && [ -z "$controllers" ] && cg2=$path
-    case ",$controllers," in *,memory,*) cg1=$path ;; esac
-  done < /proc/self/cgroup
-  sec files
-  head -v -n 100000 /etc/os-release /proc/cpuinfo /proc/meminfo /proc/self/status \
-    "/sys/fs/cgroup$cg2/memory.max" /sys/fs/cgroup/memory.max \
-    "/sys/fs/cgroup$cg2/memory.current" /sys/fs/cgroup/memory.current \
-    "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" /sys/fs/cgroup/memory/memory.limit_in_bytes \
-    "/sys/fs/cgroup/memory$cg1/memory.usage_in_bytes" /sys/fs/cgroup/memory/memory.usage_in_bytes \
-    2>/dev/null
-  sec nvidia-smi
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits 2>&1
-  fi
-  sec rocm-smi
-  if command -v rocm-smi >/dev/null 2>&1; then
-    rocm-smi --showproductname --showmeminfo vram --json 2>/dev/null
-  fi
-  sec listeners; ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
-  ;;
-esac
-# llama.cpp: on the PATH first, else in the console's build cache under ~/.ramdeck/llama.cpp.
-sec binaries
-server=""
-for name in ggml-rpc-server rpc-server llama-server; do
-  command -v "$name" 2>/dev/null
-done
-command -v llama-server >/dev/null 2>&1 && server=llama-server
-on_path() { command -v llama-server && { command -v ggml-rpc-server || command -v rpc-server; }; }
-if ! on_path >/dev/null 2>&1 && [ -d "$HOME/.ramdeck/llama.cpp" ]; then
-  builds=$(find "$HOME/.ramdeck/llama.cpp" -maxdepth 6 -type f -perm -u+x \
-    \( -name ggml-rpc-server -o -name rpc-server -o -name llama-server \) 2>/dev/null)
-  printf '%s\n' "$builds"
-  for path in $builds; do
-    case "$path" in */llama-server) [ -z "$server" ] && server=$path ;; esac
-  done
-fi
-sec llama-server-version
-[ -n "$server" ] && "$server" --version 2>&1
-sec end
-"""
 
 
 @dataclass
