@@ -1,0 +1,410 @@
+"""The planner's model of a deployment: the cluster, the settings, and what one split costs.
+
+Pure Python, no Django. Memory per device follows llama.cpp's own accounting (checked against real logs in
+tests/test_planner_vs_llamacpp.py):
+    weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
+    device; + the input embedding on the coordinator's CPU) <= capacity,
+    capacity = min(free, clamp x total) for unified-memory devices, min(free, total) otherwise,
+               minus a margin.
+Speed (single-stream decode is memory-bandwidth bound):
+    seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
+`evaluate` prices one split; deployments/waterfill.py searches for the best; deployments/planner.py turns
+it into a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+MAX_DEVICES = 15  # llama.cpp's -ts takes at most this many entries
+# Per generated token llama.cpp's RPC client does about three request/response exchanges with each server it
+# computes on (set the input activations, run the graph, read the output activations back), so a remote node
+# costs three round-trip times per token on top of its memory-bandwidth time.
+RPC_ROUND_TRIPS_PER_TOKEN = 3
+DEFAULT_RTT_MS = 1.0
+# Bytes per element, as (block bytes, block elements) of the ggml type.
+KV_TYPES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
+# ggml_backend_sched keeps this many copies of the compute graph when pipeline parallelism is on.
+PIPELINE_COPIES = 4
+DEFAULT_BANDWIDTH_GBS = {"cpu": 20.0, "cuda": 300.0, "metal": 100.0, "rocm": 300.0, "vulkan": 100.0}
+
+
+class ClusterError(ValueError):
+    """The cluster description or settings are unusable. The message names the problem."""
+
+
+@dataclass(frozen=True)
+class Device:
+    node: str
+    name: str  # llama.cpp's name on its node: CUDA0, MTL0, Vulkan0, CPU
+    kind: str
+    total_bytes: int
+    free_bytes: int
+    bandwidth_gbs: float
+    unified: bool = False
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    address: str
+    devices: tuple[Device, ...]
+    coordinator: bool = False
+    rpc_port: int = 50052
+    rtt_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    ctx: int = 4096
+    parallel: int = 1
+    cache_type: str = "f16"
+    clamp: float = 0.70
+    ubatch: int = 512
+    # Kept free on every device on top of the estimates, as a fraction of its memory limit.
+    margin_fraction: float = 0.03
+
+    def validate(self) -> None:
+        if self.ctx < 1:
+            raise ClusterError("The context size must be at least 1.")
+        if self.parallel < 1:
+            raise ClusterError("Parallel slots must be at least 1.")
+        if self.cache_type not in KV_TYPES:
+            raise ClusterError(f"Unknown KV cache type {self.cache_type!r} (use f16, q8_0 or q4_0).")
+        if not 0.1 <= self.clamp <= 1.0:
+            raise ClusterError("The unified-memory clamp must be between 0.1 and 1.0.")
+        if not 0 <= self.margin_fraction < 0.5:
+            raise ClusterError("The margin must be between 0 and 0.5.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cluster descriptions
+
+
+def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
+    """Nodes from the cluster-file format (see issue 4 / `manage.py plan --help`)."""
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
+        raise ClusterError('The cluster needs a non-empty "nodes" list.')
+    nodes = []
+    for i, raw in enumerate(data["nodes"]):
+        if not isinstance(raw, dict) or not raw.get("name"):
+            raise ClusterError(f"Node #{i + 1} needs a name.")
+        name = str(raw["name"])
+        devices = []
+        for j, dev in enumerate(raw.get("devices") or []):
+            try:
+                total = int(float(dev["total_mib"]) * MIB)
+                free = int(float(dev.get("free_mib", dev["total_mib"])) * MIB)
+                kind = str(dev.get("kind", "cpu")).lower()
+                bandwidth = float(dev.get("bandwidth_gbs") or DEFAULT_BANDWIDTH_GBS.get(kind, 20.0))
+                devices.append(
+                    Device(
+                        node=name,
+                        name=str(dev["name"]),
+                        kind=kind,
+                        total_bytes=total,
+                        free_bytes=min(free, total),
+                        bandwidth_gbs=bandwidth,
+                        unified=bool(dev.get("unified", False)),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ClusterError(f"Node {name!r}, device #{j + 1}: bad or missing {exc}.") from None
+            if bandwidth <= 0 or total < 0:
+                raise ClusterError(
+                    f"Node {name!r}, device {dev['name']!r}: bandwidth and memory must be positive."
+                )
+        rtt = raw.get("rtt_ms")
+        nodes.append(
+            Node(
+                name=name,
+                address=str(raw.get("address") or "127.0.0.1"),
+                devices=tuple(devices),
+                coordinator=bool(raw.get("coordinator", False)),
+                rpc_port=int(raw.get("rpc_port") or 50052),
+                rtt_ms=float(rtt) if rtt is not None else None,
+            )
+        )
+    validate_cluster(nodes)
+    return nodes
+
+
+def validate_cluster(nodes: Sequence[Node]) -> None:
+    coordinators = [n for n in nodes if n.coordinator]
+    if len(coordinators) != 1:
+        raise ClusterError(f"Exactly one node must be the coordinator (found {len(coordinators)}).")
+    if not any(d.name == "CPU" for d in coordinators[0].devices):
+        raise ClusterError(f"The coordinator {coordinators[0].name!r} needs a CPU device (its RAM).")
+    names = [n.name for n in nodes]
+    if len(set(names)) != len(names):
+        raise ClusterError("Node names must be unique.")
+    for node in nodes:
+        dev_names = [d.name for d in node.devices]
+        if len(set(dev_names)) != len(dev_names):
+            raise ClusterError(f"Node {node.name!r} lists a device twice.")
+    offload = sum(len(n.devices) - (1 if n.coordinator else 0) for n in nodes)
+    if offload > MAX_DEVICES:
+        raise ClusterError(
+            f"{offload} devices besides the coordinator's CPU; llama.cpp allows at most {MAX_DEVICES}."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory of one model
+
+
+def kv_cells(settings: Settings) -> tuple[int, int]:
+    """(cells per sequence, total cells) as llama.cpp sizes them for -c/-np without --kv-unified."""
+    n_ctx = -(-settings.ctx // 256) * 256
+    per_seq = -(-(n_ctx // settings.parallel) // 256) * 256
+    return per_seq, per_seq * settings.parallel
+
+
+def _row_bytes(n_elements: int, cache_type: str) -> int:
+    block_bytes, block_elems = KV_TYPES[cache_type]
+    return n_elements // block_elems * block_bytes
+
+
+def kv_bytes_per_block(profile: dict[str, Any], settings: Settings) -> list[int]:
+    """KV cache bytes of every block (sliding-window layers hold fewer cells)."""
+    per_seq, total = kv_cells(settings)
+    swa_cells = total
+    if profile.get("sliding_window"):
+        # llama_kv_cache_iswa: min(size, n_swa + n_ubatch) per stream, padded to 256.
+        swa = min(per_seq, -(-(profile["sliding_window"] + settings.ubatch) // 256) * 256)
+        swa_cells = swa * settings.parallel
+    out = []
+    swa_layers = profile.get("swa_layers") or [False] * profile["block_count"]
+    for il in range(profile["block_count"]):
+        cells = swa_cells if swa_layers[il] else total
+        n_kv = profile["head_count_kv"][il]
+        k = _row_bytes(n_kv * profile["key_length"][il], settings.cache_type)
+        v = _row_bytes(n_kv * profile["value_length"][il], settings.cache_type)
+        out.append(cells * (k + v))
+    return out
+
+
+def compute_bytes(
+    profile: dict[str, Any], settings: Settings, *, role: str, coordinator_cpu: bool, pipeline: bool = False
+) -> int:
+    """An upper estimate of one copy of a device's compute buffer (ggml_backend_sched's reservation).
+
+    No closed form exists; this is fitted to llama.cpp's own logs on its CPU and RPC backends with flash
+    attention (its default) and kept above them (tests/test_planner_vs_llamacpp.py holds it to within 2x).
+    Per ubatch token: f32 activations, plus the f16 attention mask over the cells of one sequence.
+    `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output layer and at
+    most the last block, whose feed-forward runs on the output rows only), "idle" (the coordinator's CPU
+    computing no block: input embeddings and the mask). With pipeline parallelism the graph is cut into
+    more, smaller splits, so the feed-forward share is smaller (but there are four copies).
+    """
+    per_seq, _ = kv_cells(settings)
+    ub = min(settings.ubatch, per_seq)
+    n_embd = int(profile["embedding_length"])
+    n_ff = profile.get("feed_forward_length") or 4 * n_embd
+    n_ff = max(n_ff) if isinstance(n_ff, list) else int(n_ff)
+    n_ff *= max(1, int(profile.get("expert_used_count") or 1))
+    n_vocab = int(profile.get("vocab_size") or 32000)
+    if role == "idle":
+        floats = 4 * n_embd
+    elif role == "tail":
+        floats = 5 * n_embd
+    else:
+        floats = n_ff + 4 * n_embd if pipeline else 3 * n_ff + 5 * n_embd
+    if role in ("out", "tail"):
+        # The logits replace the activations once the last block is done, so the peak is the larger one.
+        floats = max(floats, n_vocab + 2 * n_embd)
+    if coordinator_cpu:
+        floats += n_vocab if role == "idle" else n_embd + n_vocab
+    return ub * (4 * floats + 2 * per_seq)
+
+
+def capacity_bytes(device: Device, settings: Settings) -> tuple[int, int]:
+    """(limit, capacity): the memory a device may use at all, and that minus the safety margin."""
+    limit = (
+        min(device.free_bytes, int(settings.clamp * device.total_bytes))
+        if device.unified
+        else device.free_bytes
+    )
+    limit = max(0, limit)
+    return limit, max(0, int(limit * (1 - settings.margin_fraction)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The problem in numbers
+
+
+@dataclass
+class Slot:
+    """One offload device as the search sees it."""
+
+    device: Device
+    node: Node
+    remote: bool
+    limit: int
+    capacity: int
+    bandwidth: float  # bytes per second
+    overhead_s: float  # per-token RPC cost of its node
+    # Bytes of one compute-graph copy by (role, pipeline parallelism on); see `compute_bytes`.
+    compute: dict[tuple[str, bool], int] = field(default_factory=dict)
+
+    def compute_for(self, role: str, copies: int) -> int:
+        return self.compute[(role, copies > 1)] * copies
+
+
+@dataclass
+class Problem:
+    profile: dict[str, Any]
+    settings: Settings
+    nodes: list[Node]
+    coordinator: Node
+    cpu: Slot
+    slots: list[Slot]
+    block_bytes: list[int]  # weights + KV of each block
+    weights: list[int]
+    kv: list[int]
+    prefix: np.ndarray  # prefix sums of block_bytes, float64
+    cpu_base: int  # input embedding and other non-block tensors, on the coordinator's CPU
+    warnings: list[str] = field(default_factory=list)
+
+
+def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
+    return {
+        (role, pp): compute_bytes(profile, settings, role=role, coordinator_cpu=coordinator_cpu, pipeline=pp)
+        for role in ("mid", "out", "tail", "idle")
+        for pp in (False, True)
+    }
+
+
+def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> Problem:
+    settings.validate()
+    validate_cluster(nodes)
+    coordinator = next(n for n in nodes if n.coordinator)
+    warnings: list[str] = []
+    weights = [int(b) for b in profile["block_weight_bytes"]]
+    kv = kv_bytes_per_block(profile, settings)
+    block_bytes = [w + k for w, k in zip(weights, kv, strict=True)]
+    prefix = np.concatenate([[0.0], np.cumsum(np.array(block_bytes, dtype=np.float64))])
+
+    def slot(device: Device, node: Node) -> Slot:
+        limit, capacity = capacity_bytes(device, settings)
+        remote = not node.coordinator
+        rtt = node.rtt_ms
+        if remote and rtt is None:
+            rtt = DEFAULT_RTT_MS
+            msg = f"No round-trip time known for {node.name}; assumed {DEFAULT_RTT_MS} ms."
+            if msg not in warnings:
+                warnings.append(msg)
+        return Slot(
+            device=device,
+            node=node,
+            remote=remote,
+            limit=limit,
+            capacity=capacity,
+            bandwidth=device.bandwidth_gbs * 1e9,
+            overhead_s=RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0) / 1000.0 if remote else 0.0,
+            compute=_compute_table(profile, settings, coordinator_cpu=False),
+        )
+
+    cpu_device = next(d for d in coordinator.devices if d.name == "CPU")
+    cpu = slot(cpu_device, coordinator)
+    unified_gpus = [d for d in coordinator.devices if d.unified and d.name != "CPU"]
+    if unified_gpus:
+        # The CPU and a unified GPU share one pool of RAM: do not count it twice.
+        shared = sum(capacity_bytes(d, settings)[0] for d in unified_gpus)
+        cpu.limit = max(0, min(cpu.limit, cpu_device.total_bytes - shared))
+        cpu.capacity = int(cpu.limit * (1 - settings.margin_fraction))
+    cpu.compute = _compute_table(profile, settings, coordinator_cpu=True)
+    slots = [slot(d, coordinator) for d in coordinator.devices if d.name != "CPU"]
+    for node in nodes:
+        if not node.coordinator:
+            slots += [slot(d, node) for d in node.devices]
+    cpu_base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
+    return Problem(
+        profile,
+        settings,
+        list(nodes),
+        coordinator,
+        cpu,
+        slots,
+        block_bytes,
+        weights,
+        kv,
+        prefix,
+        cpu_base,
+        warnings,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluating one split (the model the search optimises; tests use it for exhaustive search)
+
+
+@dataclass
+class Split:
+    """cpu_blocks first blocks on the coordinator's CPU, then `counts[i]` blocks on `order[i]` (slot index);
+    the output layer on the last entry of `order`, or on the CPU when `order` is empty."""
+
+    cpu_blocks: int
+    order: list[int]
+    counts: list[int]
+
+
+@dataclass
+class Evaluation:
+    fits: bool
+    seconds_per_token: float
+    # Per entry: (slot or None for the CPU, first block, blocks, weights, kv, compute, output?)
+    parts: list[tuple[Slot, int, int, int, int, int, bool]]
+
+
+def pipeline_parallel(split: Split) -> bool:
+    """llama.cpp turns on pipeline parallelism (x4 compute buffers) when all layers go to >1 device."""
+    return split.cpu_blocks == 0 and len(split.order) > 1
+
+
+def _role(is_cpu: bool, start: int, count: int, output: bool, n: int) -> str:
+    if is_cpu:
+        return "out" if output else ("idle" if count == 0 else "mid")
+    if output:
+        return "tail" if count <= 1 and start + count == n else "out"
+    return "mid"
+
+
+def evaluate(problem: Problem, split: Split) -> Evaluation:
+    n = len(problem.block_bytes)
+    if split.cpu_blocks + sum(split.counts) != n or len(split.order) != len(split.counts):
+        raise ValueError("The split does not place every block exactly once.")
+    copies = PIPELINE_COPIES if pipeline_parallel(split) else 1
+    out_bytes = int(problem.profile["output_bytes"])
+    parts = []
+    seconds = 0.0
+    fits = True
+    entries = [(problem.cpu, split.cpu_blocks, not split.order)]
+    entries += [
+        (problem.slots[i], c, k == len(split.order) - 1)
+        for k, (i, c) in enumerate(zip(split.order, split.counts, strict=True))
+    ]
+    start = 0
+    used_nodes: set[str] = set()
+    for slot, count, output in entries:
+        weights = sum(problem.weights[start : start + count]) + (out_bytes if output else 0)
+        if slot is problem.cpu:
+            weights += problem.cpu_base
+        kv = sum(problem.kv[start : start + count])
+        compute = slot.compute_for(_role(slot is problem.cpu, start, count, output, n), copies)
+        fits = fits and weights + kv + compute <= slot.capacity
+        read = sum(problem.block_bytes[start : start + count]) + (out_bytes if output else 0)
+        seconds += read / slot.bandwidth
+        if slot.remote and slot.node.name not in used_nodes:
+            used_nodes.add(slot.node.name)
+            seconds += slot.overhead_s
+        parts.append((slot, start, count, weights, kv, compute, output))
+        start += count
+    return Evaluation(fits, seconds, parts)
