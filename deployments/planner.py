@@ -2,7 +2,8 @@
 
 Pure Python (numpy for the dynamic programme), no Django. Input: a model profile
 (deployments/gguf_profile.py), a cluster (nodes with devices, one coordinator) and settings. Output: a
-JSON-able plan (see `plan`).
+JSON-able plan (see `plan`). The model of a split lives in deployments/memory_model.py, the search in
+deployments/waterfill.py; this module assembles the plan, the baseline and the suggestions.
 
 The model of memory (per device, llama.cpp's own accounting, checked against real logs in
 tests/test_planner_vs_llamacpp.py):
