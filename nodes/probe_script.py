@@ -46,7 +46,13 @@ Darwin)
   if command -v rocm-smi >/dev/null 2>&1; then
     rocm-smi --showproductname --showmeminfo vram --json 2>/dev/null
   fi
-  sec listeners; ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
+  # ss -p walks every process's file descriptors: run it only when /proc/net shows a listener (state
+  # 0A) on the port.
+  sec listeners
+  hexport=$(printf '%04X' "$port")
+  if grep -q ":$hexport [0-9A-F]*:[0-9A-F]* 0A " /proc/net/tcp /proc/net/tcp6 2>/dev/null; then
+    ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
+  fi
   ;;
 esac
 # llama.cpp: on the PATH first, else in the console's build cache under ~/.ramdeck/llama.cpp.

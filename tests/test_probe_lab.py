@@ -189,3 +189,27 @@ def test_a_changed_host_key_blocks_probes_until_an_admin_approves_it(
     assert queued.state == JobState.SUCCEEDED, queued.result
     node.refresh_from_db()
     assert node.reachability == Reachability.REACHABLE
+
+
+@pytest.mark.lab
+async def test_the_probe_names_the_process_holding_the_rpc_port(lab, lab_host):
+    from jobs.ssh import SSHTarget, SSHTransport
+    from nodes.probing import collect
+
+    target = SSHTarget(
+        host=lab_host.address, private_key=lab.client_private_key, pinned_host_key=lab_host.host_public_key
+    )
+    async with SSHTransport(target) as ssh:
+        free = await collect(ssh, "auto", rpc_port=50052)
+        holder = await ssh.start_daemon(
+            ["python3", "-m", "http.server", "50052", "--bind", lab_host.address],
+            log_path=str(lab_host.workdir / "holder.log"),
+        )
+        for _ in range(100):  # Until it listens (a hang guard, not a timing assertion).
+            if (await ssh.run(["sh", "-c", "ss -ltnH | grep -q ':50052 '"])).ok:
+                break
+        busy = await collect(ssh, "auto", rpc_port=50052)
+        await ssh.kill(holder, grace=1.0)
+    assert not free.rpc_port_in_use
+    assert busy.rpc_port_in_use
+    assert (busy.rpc_port_pid, busy.rpc_port_process) == (holder, "python3")
