@@ -119,9 +119,22 @@ class LocalTransport:
         return result
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
-        result = await self.run(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)], check=True)
+        # Not through `stream`: starting a daemon must not disturb `current_pid`/`last_result` of a
+        # command that may be streaming at the same time.
+        launcher = await asyncio.create_subprocess_exec(
+            "sh",
+            "-c",
+            daemon_script(argv, log_path=log_path, cwd=cwd),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(launcher.communicate(), 60)
+        text = output.decode(errors="replace").strip()
+        if launcher.returncode != 0:
+            raise TransportError(f"Starting {argv[0]!r} failed: {text[-300:]}")
         try:
-            return int(result.stdout.strip().splitlines()[-1])
+            return int(text.splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise TransportError(f"Starting {argv[0]!r} did not report a PID.") from exc
 

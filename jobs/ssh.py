@@ -87,6 +87,14 @@ def fingerprint_of(openssh_line: str) -> str:
     return key_fingerprint(asyncssh.import_public_key(openssh_line))
 
 
+@dataclass
+class _Running:
+    """One command's bookkeeping: the PID it reported and, once it ended, its result."""
+
+    pid: int | None = None
+    result: CommandResult | None = None
+
+
 class _PinningClient(asyncssh.SSHClient):
     def __init__(self, pinned: asyncssh.SSHKey | None) -> None:
         self.pinned = pinned
@@ -111,8 +119,8 @@ class SSHTransport:
         self._conn: asyncssh.SSHClientConnection | None = None
         self._client: _PinningClient | None = None
         self._last_result: CommandResult | None = None
-        # PID of the command `stream` is running right now (so a canceller can end it).
-        self.current_pid: int | None = None
+        # The command `stream` is running right now (its PID lets a canceller end it).
+        self._running: _Running | None = None
         # PID of the most recent command, kept after it ends (for diagnostics and tests).
         self.last_pid: int | None = None
         # Network round trip to the node, from the TCP handshake of this connection.
@@ -294,8 +302,33 @@ class SSHTransport:
     async def stream(
         self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
     ) -> AsyncIterator[OutputLine]:
-        """Run argv; yield its lines as they come; `last_result` holds the status afterwards."""
+        """Run argv; yield its lines as they come; `last_result` holds the status afterwards.
+
+        `current_pid` is the command's PID while it runs (the runner ends it by PID on a cancel).
+        """
         self._last_result = None
+        running = _Running()
+        self._running = running
+        try:
+            # aclosing: when our consumer stops early, the inner generator's cleanup (ending the
+            # command by PID) runs now, not whenever it is garbage-collected.
+            async with contextlib.aclosing(self._lines(argv, timeout, env, running)) as lines:
+                async for line in lines:
+                    yield line
+        finally:
+            if self._running is running:
+                self._running = None
+        self._last_result = running.result
+
+    @property
+    def current_pid(self) -> int | None:
+        return self._running.pid if self._running else None
+
+    async def _lines(
+        self, argv: Sequence[str], timeout: float | None, env: dict[str, str] | None, running: _Running
+    ) -> AsyncIterator[OutputLine]:
+        """The command's lines; its PID and result go to `running` only, so helper commands (kill,
+        pid_alive) that run while a stream is open never disturb that stream's bookkeeping."""
         conn = self._require_conn()
         timeout = timeout or self.target.command_timeout
         loop = asyncio.get_running_loop()
@@ -312,13 +345,12 @@ class SSHTransport:
             ) from exc
         pump = LinePump({"out": process.stdout, "err": process.stderr})
         finished = ended = False
-        self.current_pid = None
         try:
             while True:
                 try:
                     batch = await asyncio.wait_for(pump.next_batch(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    await self._end_overrun()
+                    await self._end_overrun(running.pid)
                     ended = True
                     raise CommandTimeout(
                         f"{argv[0]!r} on {self.target.host} ran longer than {timeout:g} s and was ended."
@@ -328,22 +360,20 @@ class SSHTransport:
                 if batch is None:
                     break
                 for line in batch:
-                    if (
-                        self.current_pid is None
-                        and line.stream == "err"
-                        and (m := _PID_LINE.match(line.text))
-                    ):
-                        self.current_pid = self.last_pid = int(m.group(1))
+                    if running.pid is None and line.stream == "err" and (m := _PID_LINE.match(line.text)):
+                        running.pid = int(m.group(1))
+                        if running is self._running:
+                            self.last_pid = running.pid
                         continue
                     yield line
             try:
                 await asyncio.wait_for(process.wait_closed(), max(1.0, deadline - loop.time()))
             except TimeoutError:
-                await self._end_overrun()
+                await self._end_overrun(running.pid)
                 ended = True
                 raise CommandTimeout(f"{argv[0]!r} on {self.target.host} did not exit in time.") from None
             finished = True
-            self._last_result = self._result_of(process, argv)
+            running.result = self._result_of(process, argv)
         finally:
             pump.close()
             if not finished:
@@ -351,8 +381,7 @@ class SSHTransport:
                 if not ended and process.exit_status is None and process.exit_signal is None:
                     # The consumer stopped early (cancelled, or closed the stream): closing the channel
                     # does not end a command without a terminal, so end it by PID.
-                    await self._end_overrun()
-            self.current_pid = None
+                    await self._end_overrun(running.pid)
 
     def _result_of(self, process: asyncssh.SSHClientProcess, argv: Sequence[str]) -> CommandResult:
         if process.exit_status is None and process.exit_signal is None:
@@ -366,11 +395,10 @@ class SSHTransport:
             )
         return CommandResult(exit_status=status, signal=signal_name)
 
-    async def _end_overrun(self) -> None:
-        """End the command that overran (its whole process group), if it told us its PID."""
-        pid = self.current_pid
+    async def _end_overrun(self, pid: int | None) -> None:
+        """End a command that overran or was abandoned (its whole process group), if we know its PID."""
         if pid is not None and self._conn is not None and not (self._client and self._client.closed):
-            with contextlib.suppress(TransportError, TimeoutError, asyncio.TimeoutError):
+            with contextlib.suppress(TransportError, TimeoutError):
                 await asyncio.wait_for(self.kill(pid, grace=2.0), 15)
 
     async def run(
@@ -388,12 +416,22 @@ class SSHTransport:
             )
         return result
 
+    async def _helper(self, argv: Sequence[str], *, timeout: float = 60) -> CommandResult:
+        """Run a short helper command to completion without touching `current_pid` or `last_result`."""
+        running = _Running()
+        lines = [line async for line in self._lines(argv, timeout, None, running)]
+        result = running.result or CommandResult(exit_status=None)
+        result.lines = lines
+        return result
+
     async def _sh(self, script: str, *args: str | int, timeout: float = 60) -> CommandResult:
-        return await self.run(["sh", "-c", script, "sh", *(str(a) for a in args)], timeout=timeout)
+        return await self._helper(["sh", "-c", script, "sh", *(str(a) for a in args)], timeout=timeout)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
-        script = daemon_script(argv, log_path=log_path, cwd=cwd)
-        result = await self.run(["sh", "-c", script], timeout=60, check=True)
+        result = await self._helper(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)])
+        if not result.ok:
+            tail = "; ".join(line.text for line in result.lines[-3:])
+            raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
         try:
             return int(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
@@ -430,71 +468,3 @@ class SSHTransport:
             raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc.reason}") from exc
         except (asyncssh.Error, OSError) as exc:
             raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc}") from exc
-
-
-class NodeSSHTransport(SSHTransport):
-    """An SSHTransport for a Node row: a refused host key is stored on the node as pending, and a failed
-    connection marks the node unreachable with the reason (a person reads it on the node page)."""
-
-    def __init__(self, target: SSHTarget, node_pk: int) -> None:
-        super().__init__(target)
-        self.node_pk = node_pk
-
-    async def connect(self) -> None:
-        from asgiref.sync import sync_to_async
-
-        try:
-            await super().connect()
-        except (HostKeyUnknown, HostKeyChanged) as exc:
-            await sync_to_async(_record_offered_key)(self.node_pk, exc)
-            raise
-        except TransportError as exc:
-            await sync_to_async(_record_unreachable)(self.node_pk, str(exc))
-            raise
-
-
-def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
-    from nodes.models import Node, Reachability
-
-    state = (
-        Reachability.HOST_KEY_CHANGED if isinstance(exc, HostKeyChanged) else Reachability.HOST_KEY_PENDING
-    )
-    Node.objects.filter(pk=node_pk).update(
-        pending_host_key=exc.offered_key,
-        pending_host_key_fingerprint=exc.fingerprint,
-        reachability=state,
-        last_error=str(exc),
-    )
-
-
-def _record_unreachable(node_pk: int, message: str) -> None:
-    from nodes.models import Node, Reachability
-
-    Node.objects.filter(pk=node_pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
-
-
-def target_for_node(node) -> SSHTarget:
-    """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
-    from django.conf import settings
-
-    from nodes.models import CredentialKind
-
-    target = SSHTarget(
-        host=node.address,
-        port=node.ssh_port,
-        username=node.ssh_user or "root",
-        pinned_host_key=node.host_key,
-        connect_timeout=settings.RAMDECK_SSH_CONNECT_TIMEOUT_S,
-        keepalive_interval=settings.RAMDECK_SSH_KEEPALIVE_S,
-        command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
-    )
-    credential = node.credential
-    if credential is None:
-        raise TransportError(
-            f"Node {node.name} has no credential: add a password or private key to reach it."
-        )
-    if credential.kind == CredentialKind.PRIVATE_KEY:
-        target.private_key, target.passphrase = credential.secret(), credential.passphrase() or None
-    else:
-        target.password = credential.secret()
-    return target

@@ -212,6 +212,6 @@ def open_transport(node) -> Transport:
         from .local import LocalTransport
 
         return LocalTransport()
-    from .ssh import NodeSSHTransport, target_for_node
+    from .ssh_node import NodeSSHTransport, target_for_node
 
     return NodeSSHTransport(target_for_node(node), node.pk)

@@ -80,6 +80,19 @@ async def test_a_stream_closed_early_ends_the_command(local):
     assert not await local.pid_alive(local.last_pid)
 
 
+async def test_starting_a_daemon_during_a_stream_leaves_its_bookkeeping_alone(local, tmp_path):
+    gate = tmp_path / "gate"
+    script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; exit 5'
+    async for line in local.stream(["sh", "-c", script]):
+        assert line.text == "ready"
+        pid = local.current_pid
+        daemon = await local.start_daemon(["sleep", "600"], log_path=str(tmp_path / "d.log"))
+        assert local.current_pid == pid
+        assert await local.kill(daemon, grace=1.0)
+        gate.touch()
+    assert local.last_result.exit_status == 5 and local.last_pid == pid
+
+
 async def test_a_signal_is_reported_as_such(local):
     result = await local.run(["sh", "-c", "kill -TERM $$"])
     assert result.exit_status is None

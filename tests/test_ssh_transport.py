@@ -118,6 +118,30 @@ async def test_a_stream_closed_early_ends_the_command_on_the_node(lab, lab_host)
         assert not await ssh.pid_alive(pid)
 
 
+async def test_helper_commands_during_a_stream_leave_its_bookkeeping_alone(lab, lab_host, tmp_path):
+    gate = tmp_path / "gate"
+    script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; exit 5'
+    async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        async for line in ssh.stream(["sh", "-c", script]):
+            assert line.text == "ready"
+            pid = ssh.current_pid
+            assert pid is not None and await ssh.pid_alive(pid)
+            assert ssh.current_pid == pid  # The helper command did not replace it.
+            gate.touch()
+        assert ssh.last_result.exit_status == 5
+        assert ssh.last_pid == pid and ssh.current_pid is None
+
+
+async def test_killing_the_streaming_command_by_pid_ends_it_with_term(lab, lab_host):
+    # What the runner does when an operator cancels a job.
+    async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        async for line in ssh.stream(["sh", "-c", "echo ready; exec sleep 300"]):
+            assert line.text == "ready"
+            assert await ssh.kill(ssh.current_pid, grace=2.0)
+        assert ssh.last_result.signal == "TERM"
+        assert ssh.last_result.exit_status is None
+
+
 async def test_the_tcp_handshake_gives_the_round_trip_time(lab, lab_host):
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
         assert ssh.rtt_ms is not None and ssh.rtt_ms > 0

@@ -1,0 +1,75 @@
+"""The SSH transport bound to a Node row: credentials decrypted at connect time, refused host keys and
+connection failures recorded on the node for the node page."""
+
+from __future__ import annotations
+
+from .ssh import SSHTarget, SSHTransport
+from .transport import HostKeyChanged, HostKeyUnknown, TransportError
+
+
+class NodeSSHTransport(SSHTransport):
+    """An SSHTransport for a Node row: a refused host key is stored on the node as pending, and a failed
+    connection marks the node unreachable with the reason (a person reads it on the node page)."""
+
+    def __init__(self, target: SSHTarget, node_pk: int) -> None:
+        super().__init__(target)
+        self.node_pk = node_pk
+
+    async def connect(self) -> None:
+        from asgiref.sync import sync_to_async
+
+        try:
+            await super().connect()
+        except (HostKeyUnknown, HostKeyChanged) as exc:
+            await sync_to_async(_record_offered_key)(self.node_pk, exc)
+            raise
+        except TransportError as exc:
+            await sync_to_async(_record_unreachable)(self.node_pk, str(exc))
+            raise
+
+
+def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
+    from nodes.models import Node, Reachability
+
+    state = (
+        Reachability.HOST_KEY_CHANGED if isinstance(exc, HostKeyChanged) else Reachability.HOST_KEY_PENDING
+    )
+    Node.objects.filter(pk=node_pk).update(
+        pending_host_key=exc.offered_key,
+        pending_host_key_fingerprint=exc.fingerprint,
+        reachability=state,
+        last_error=str(exc),
+    )
+
+
+def _record_unreachable(node_pk: int, message: str) -> None:
+    from nodes.models import Node, Reachability
+
+    Node.objects.filter(pk=node_pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
+
+
+def target_for_node(node) -> SSHTarget:
+    """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
+    from django.conf import settings
+
+    from nodes.models import CredentialKind
+
+    target = SSHTarget(
+        host=node.address,
+        port=node.ssh_port,
+        username=node.ssh_user or "root",
+        pinned_host_key=node.host_key,
+        connect_timeout=settings.RAMDECK_SSH_CONNECT_TIMEOUT_S,
+        keepalive_interval=settings.RAMDECK_SSH_KEEPALIVE_S,
+        command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
+    )
+    credential = node.credential
+    if credential is None:
+        raise TransportError(
+            f"Node {node.name} has no credential: add a password or private key to reach it."
+        )
+    if credential.kind == CredentialKind.PRIVATE_KEY:
+        target.private_key, target.passphrase = credential.secret(), credential.passphrase() or None
+    else:
+        target.password = credential.secret()
+    return target
