@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import posixpath
+import re
+from urllib.parse import unquote, urlsplit
+
 from django import forms
 
+from jobs.models import Job, JobKind
 from nodes.models import Node
 
 from . import planner
@@ -33,6 +38,69 @@ class ModelRegisterForm(forms.Form):
             elif ModelFile.objects.filter(node=data["node"], path=data["path"]).exists():
                 self.add_error("path", "This file is already registered on that node.")
         return data
+
+
+class ModelDownloadForm(forms.Form):
+    """A GGUF file from a URL onto a node, as a job (deployments/download_job.py)."""
+
+    url = forms.URLField(
+        label="URL", max_length=2000, assume_scheme="https", help_text="http or https; the node downloads it."
+    )
+    node = forms.ModelChoiceField(queryset=Node.objects.filter(enabled=True), help_text="Where it goes.")
+    dest = forms.CharField(
+        label="Destination path",
+        max_length=1000,
+        help_text="Absolute path of the file on that node; ending in / puts the URL's file name there.",
+    )
+    sha256 = forms.CharField(
+        label="SHA-256", max_length=64, required=False, help_text="Optional: checked before registering."
+    )
+    name = forms.CharField(
+        max_length=200, required=False, help_text="How the console calls this model (default: the file name)."
+    )
+
+    def clean_url(self) -> str:
+        url = self.cleaned_data["url"]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise forms.ValidationError("Only http and https URLs can be downloaded.")
+        if parts.username or parts.password:
+            # Job parameters, logs and the audit history are not places for a password.
+            raise forms.ValidationError("A URL with a user name or password is not accepted.")
+        return url
+
+    def clean_sha256(self) -> str:
+        value = self.cleaned_data["sha256"].strip().lower()
+        if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise forms.ValidationError("A SHA-256 is 64 hexadecimal characters.")
+        return value
+
+    def clean(self) -> dict:
+        data = super().clean()
+        dest, url, node = data.get("dest", "").strip(), data.get("url"), data.get("node")
+        if not dest or not url or not node:
+            return data
+        if not dest.startswith("/"):
+            self.add_error("dest", "Give an absolute path.")
+            return data
+        if dest.endswith("/"):
+            dest += posixpath.basename(unquote(urlsplit(url).path))
+            if dest.endswith("/"):
+                self.add_error("dest", "The URL has no file name; give the whole destination path.")
+                return data
+        data["dest"] = dest = posixpath.normpath(dest)
+        data["name"] = name = data.get("name", "").strip() or posixpath.basename(dest)
+        if ModelFile.objects.filter(name=name).exists():
+            self.add_error("name", "A model with this name is already registered.")
+        if ModelFile.objects.filter(node=node, path=dest).exists():
+            self.add_error("dest", "A model with this path is already registered on that node.")
+        elif Job.objects.active().filter(kind=JobKind.DOWNLOAD, node=node, params__dest=dest).exists():
+            self.add_error("dest", "A download to this path on that node is already queued or running.")
+        return data
+
+    def params(self) -> dict:
+        data = self.cleaned_data
+        return {"url": data["url"], "dest": data["dest"], "sha256": data["sha256"], "name": data["name"]}
 
 
 class PlanForm(forms.Form):

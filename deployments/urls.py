@@ -8,6 +8,7 @@ app_name = "deployments"
 urlpatterns = [
     path("models/", views.model_list, name="models"),
     path("models/register/", views.model_register, name="model_register"),
+    path("models/download/", views.model_download, name="model_download"),
     path("models/<int:pk>/plan/", views.plan_preview, name="plan"),
     path("models/<int:pk>/plan/confirm/", views.plan_confirm, name="confirm"),
     path("deployments/", views.deployment_list, name="list"),

@@ -5,7 +5,7 @@ The run of a deployment (deploy, stop, its live steps) is deployments/lifecycle_
 
 from __future__ import annotations
 
-import os
+import asyncio
 
 from asgiref.sync import async_to_sync
 from django.contrib import messages
@@ -15,17 +15,20 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from jobs import audit
-from jobs.transport import shell_join
+from jobs.models import Job, JobKind
+from jobs.runner import enqueue
+from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
 from . import gguf_profile, planner
-from .forms import ModelRegisterForm, PlanForm
+from .download_job import read_model_profile
+from .forms import ModelDownloadForm, ModelRegisterForm, PlanForm
 from .models import Deployment, DeploymentState, ModelFile
 
 POOL_CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024)
-HEAD_FIRST_READ = 8 * 1024 * 1024
-HEAD_MAX_READ = 512 * 1024 * 1024
+# A register request waits at most this long for a remote node (connect, header reads, sizes).
+REMOTE_READ_TIMEOUT_S = 60.0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,42 +84,20 @@ def _read_profile(node: Node, path: str) -> dict:
     """The GGUF profile of a file on a node, reading only its header (and its shards' headers)."""
     if node.is_local:
         return gguf_profile.profile_path(path)
-    return async_to_sync(_read_remote_profile)(node, path)
+    # Built here, in the request's thread: it reads the node's credential from the database.
+    transport = open_transport(node)
+    try:
+        return async_to_sync(_read_remote_profile)(transport, path)
+    except TimeoutError:
+        raise TransportError(
+            f"{node.name} did not answer within {REMOTE_READ_TIMEOUT_S:g} s while its header was read."
+        ) from None
 
 
-async def _read_remote_profile(node: Node, path: str) -> dict:
-    from jobs.transport import open_transport
-
-    async with open_transport(node) as transport:
-
-        async def header(shard: str) -> gguf_profile.GGUFHeader:
-            size = HEAD_FIRST_READ
-            while True:
-                data = await transport.read_head(shard, size)
-                try:
-                    return gguf_profile.parse_header_bytes(data)
-                except gguf_profile.TruncatedHeader:
-                    if len(data) < size or size >= HEAD_MAX_READ:
-                        raise
-                    size *= 4
-
-        first = await header(path)
-        count = gguf_profile.split_count(first)
-        paths = gguf_profile.shard_paths(path, count)
-        headers = [first]
-        for index, shard in enumerate(paths[1:], start=1):
-            try:
-                shard_header = await header(shard)
-            except gguf_profile.NotGGUF:
-                raise gguf_profile.MissingShard(f"Shard {index + 1} of {count} is missing: {shard}") from None
-            gguf_profile.check_shard(shard_header, index, count, shard)
-            headers.append(shard_header)
-        profile = gguf_profile.build_profile(headers, shard_names=[os.path.basename(p) for p in paths])
-        result = await transport.run(["stat", "-c", "%s", *paths], timeout=30)
-        sizes = [int(x) for x in result.stdout.split() if x.isdigit()] if result.ok else []
-        profile["shard_paths"] = paths
-        profile["size_bytes"] = sum(sizes)
-        return profile
+async def _read_remote_profile(transport, path: str) -> dict:
+    """Connect, read the header(s) over SFTP and the sizes with one command, all within one bound."""
+    async with asyncio.timeout(REMOTE_READ_TIMEOUT_S), transport:
+        return await read_model_profile(transport, path)
 
 
 def pool_fit(model: ModelFile, pool: list[Node]) -> dict:
@@ -151,13 +132,21 @@ def _commands(model: ModelFile, plan: dict) -> dict:
 # Model registry and the pool overview
 
 
+def _models_page(request, *, form=None, download_form=None, status: int = 200):
+    pool = _pool_nodes()
+    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
+    context = {
+        "rows": rows,
+        "form": form or ModelRegisterForm(),
+        "download_form": download_form or ModelDownloadForm(prefix="download"),
+        "pool": pool,
+    }
+    return render(request, "deployments/model_list.html", context, status=status)
+
+
 @role_required(VIEWER)
 def model_list(request):
-    pool = _pool_nodes()
-    models = list(ModelFile.objects.select_related("node"))
-    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in models]
-    form = ModelRegisterForm()
-    return render(request, "deployments/model_list.html", {"rows": rows, "form": form, "pool": pool})
+    return _models_page(request)
 
 
 @require_POST
@@ -191,11 +180,28 @@ def model_register(request):
                 )
             messages.success(request, f"Registered {model.name}.")
             return redirect("deployments:models")
-    pool = _pool_nodes()
-    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
-    return render(
-        request, "deployments/model_list.html", {"rows": rows, "form": form, "pool": pool}, status=400
-    )
+    return _models_page(request, form=form, status=400)
+
+
+@require_POST
+@role_required(OPERATOR)
+def model_download(request):
+    """Start a download job; its page shows the live log, and the model appears once its header is read."""
+    form = ModelDownloadForm(request.POST, prefix="download")
+    if not form.is_valid():
+        return _models_page(request, download_form=form, status=400)
+    node, params = form.cleaned_data["node"], form.params()
+    with transaction.atomic():
+        job = Job.objects.create(
+            kind=JobKind.DOWNLOAD,
+            node=node,
+            title=f"Download {params['name']} onto {node.name}"[:200],
+            params=params,
+            created_by=request.user,
+        )
+        audit.record(request, "model.download", job, changes={"node": node.name, **params})
+        enqueue(job)
+    return redirect(job.get_absolute_url())
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ BODIES: dict[str, str] = {
     "reap": "deployments.lifecycle_steps.reap_body",
     "launch": "deployments.lifecycle_steps.launch_body",
     "stop": "deployments.lifecycle_steps.stop_body",
+    "download": "deployments.download_job.download_body",
 }
 
 

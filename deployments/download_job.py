@@ -1,0 +1,341 @@
+"""The `download` job (a GGUF model from a URL onto a node), and reading a model's profile on a node.
+
+Reading a profile on a node (`read_model_profile`) is shared by the register view (a remote node, over SFTP)
+and by the download job (any node): only the GGUF header of each shard is read, never the weights, through
+`transport.read_head`; file sizes and the presence of the other shards come from one small shell command.
+
+The download runs on the node: `curl --continue-at -` into `DEST.part` (so a failed or cancelled download
+resumes where it stopped the next time), with a progress line in the job log every few seconds; then the
+optional SHA-256 check, `mv DEST.part DEST`, and the model is registered from its header. A file that is not
+a usable model fails the job with the reason and registers nothing.
+
+Job params (no secrets): {"url", "dest", "sha256" (may be ""), "name", "progress_every" (seconds, optional)}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import re
+from typing import TYPE_CHECKING, Any
+
+from asgiref.sync import sync_to_async
+
+from jobs.runner import JobFailed
+from jobs.transport import shell_join
+
+from . import gguf_profile
+
+if TYPE_CHECKING:
+    from jobs.runner import JobContext
+
+# The first read of a header; it grows (×4) only for headers larger than that (big vocabularies).
+HEAD_FIRST_READ = 256 * 1024
+HEAD_MAX_READ = 256 * 1024 * 1024
+# Bounds the whole profile read of a job (the register view has its own, shorter bound).
+PROFILE_TIMEOUT_S = 300.0
+PROGRESS_EVERY_S = 5
+# curl's exit statuses that mean "the server cannot resume": start over without the part file.
+CURL_CANNOT_RESUME = 33
+CURL_HTTP_ERROR = 22
+
+# One line per path: its size in bytes, or "missing", "other" (not a regular file), "unreadable".
+# Constant text; the paths arrive as positional arguments. `wc -c <` on a regular file asks the file
+# system for the size (GNU and BSD), it does not read the file.
+_SIZES_SCRIPT = (
+    'for f in "$@"; do '
+    'if [ -f "$f" ]; then s=$(wc -c < "$f" 2>/dev/null) && echo $s || echo unreadable; '
+    'elif [ -e "$f" ]; then echo other; else echo missing; fi; done'
+)
+
+# curl in the background, the size of the part file every `every` seconds while it runs, curl's status.
+# $1 part file, $2 interval, $3 expected total bytes (or empty), then curl's argument list.
+_DOWNLOAD_SCRIPT = r"""
+part=$1; every=$2; total=$3; shift 3
+mib() { echo "$(($1 / 1048576)).$(($1 % 1048576 * 10 / 1048576))"; }
+size() { if [ -f "$part" ]; then s=$(wc -c < "$part") && echo $s || echo 0; else echo 0; fi; }
+report() {
+  now=$(size)
+  if [ -n "$total" ] && [ "$total" -gt 0 ]; then
+    line="Downloaded $(mib "$now") MiB of $(mib "$total") MiB ($((now * 100 / total))%)"
+  else
+    line="Downloaded $(mib "$now") MiB"
+  fi
+  echo "$line$1"
+}
+start=$(size)
+"$@" &
+pid=$!
+n=0; last=$start
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 1; n=$((n + 1))
+  if [ $((n % every)) -eq 0 ]; then
+    now=$(size); report ", $(mib $(((now - last) / every))) MiB/s"; last=$now
+  fi
+done
+wait "$pid"; status=$?
+report " (curl exit status $status)"
+exit $status
+"""
+
+_SHA_RE = re.compile(r"^([0-9a-fA-F]{64})\b")
+_CONTENT_LENGTH_RE = re.compile(r"^content-length:\s*(\d+)\s*$", re.I | re.M)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a model's profile through a transport
+# --------------------------------------------------------------------------------------------------
+
+
+async def file_sizes(transport, paths: list[str]) -> list[int | str]:
+    """For each path: its size, or "missing", "other" (not a regular file) or "unreadable"."""
+    if not paths:
+        return []
+    result = await transport.run(["sh", "-c", _SIZES_SCRIPT, "sh", *paths], timeout=60)
+    answers = result.stdout.split()
+    if not result.ok or len(answers) != len(paths):
+        raise gguf_profile.GGUFError(
+            f"Could not look up the files on the node (exit status {result.exit_status})."
+        )
+    return [int(a) if a.isdigit() else a for a in answers]
+
+
+def _refuse(path: str, state: int | str) -> None:
+    if state == "missing":
+        raise gguf_profile.GGUFError(f"No such file: {path}")
+    if state == "other":
+        raise gguf_profile.GGUFError(f"{path} is not a regular file (a directory?).")
+    if state == "unreadable":
+        raise gguf_profile.GGUFError(f"{path} cannot be read by the console's user on the node.")
+
+
+async def read_header(transport, path: str) -> gguf_profile.GGUFHeader:
+    """Parse one GGUF header from the first bytes of the file; reads more only when the header needs it."""
+    size = HEAD_FIRST_READ
+    while True:
+        data = await transport.read_head(path, size)
+        try:
+            return gguf_profile.parse_header_bytes(data)
+        except gguf_profile.TruncatedHeader as exc:
+            if len(data) < size:
+                raise  # The file itself ends inside its header.
+            if size >= HEAD_MAX_READ:
+                raise gguf_profile.GGUFError(
+                    f"The GGUF header of {path} is larger than {HEAD_MAX_READ // 2**20} MiB; "
+                    "the header is corrupt or the file is not a model."
+                ) from None
+            size = min(max(size * 4, exc.needed), HEAD_MAX_READ)
+
+
+async def read_model_profile(transport, path: str) -> dict[str, Any]:
+    """The planner's profile of a GGUF model on the node behind `transport` (an open one).
+
+    For a split model `path` is the first shard and the others are looked for beside it. Raises a
+    `gguf_profile.GGUFError` subclass whose message names the problem.
+    """
+    [first_state] = await file_sizes(transport, [path])
+    _refuse(path, first_state)
+    first = await read_header(transport, path)
+    count = gguf_profile.split_count(first)
+    paths = gguf_profile.shard_paths(path, count)
+    states = [first_state, *await file_sizes(transport, paths[1:])]
+    missing = [posixpath.basename(p) for p, state in zip(paths, states, strict=True) if state == "missing"]
+    if missing:
+        raise gguf_profile.MissingShard(
+            f"{posixpath.basename(path)} is shard 1 of {count}, but {len(missing)} shard"
+            f"{'s are' if len(missing) > 1 else ' is'} missing beside it: {', '.join(missing)}"
+        )
+    headers = [first]
+    for index, (shard, state) in enumerate(zip(paths[1:], states[1:], strict=True), start=1):
+        _refuse(shard, state)
+        header = await read_header(transport, shard)
+        gguf_profile.check_shard(header, index, count, shard)
+        headers.append(header)
+    profile = gguf_profile.build_profile(headers, shard_names=[posixpath.basename(p) for p in paths])
+    profile["shard_paths"] = paths
+    profile["size_bytes"] = sum(states)
+    return profile
+
+
+# --------------------------------------------------------------------------------------------------
+# The download job
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_sha256(text: str) -> str | None:
+    """The hash from `sha256sum` / `shasum -a 256` output (its first line)."""
+    match = _SHA_RE.match(text.strip())
+    return match[1].lower() if match else None
+
+
+def content_length(headers: str) -> int | None:
+    """The size announced by the last response of `curl -sIL` (redirects print several header blocks)."""
+    found = _CONTENT_LENGTH_RE.findall(headers.replace("\r", ""))
+    return int(found[-1]) if found and int(found[-1]) > 0 else None
+
+
+def curl_argv(url: str, part: str) -> list[str]:
+    return [
+        "curl",
+        "--fail",
+        "--location",
+        "--no-progress-meter",
+        "--continue-at",
+        "-",
+        # Only web URLs, also after redirects (never file:// on the node).
+        "--proto",
+        "=http,https",
+        "--proto-redir",
+        "=http,https",
+        "--retry",
+        "3",
+        "--connect-timeout",
+        "30",
+        # A transfer that stalls (under 1 byte/s for two minutes) fails rather than hangs.
+        "--speed-limit",
+        "1",
+        "--speed-time",
+        "120",
+        "--output",
+        part,
+        "--url",
+        url,
+    ]
+
+
+async def _announced_size(ctx: JobContext, url: str) -> int | None:
+    """Content-Length from a HEAD request, for the percentages; servers that refuse HEAD just get none."""
+    head = ["curl", "-sSIL", "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30"]
+    try:
+        result = await ctx.transport.run([*head, "--url", url], timeout=60)
+    except Exception:  # noqa: BLE001 - the size is a nicety; the download itself reports real errors
+        return None
+    return content_length(result.stdout) if result.ok else None
+
+
+async def _download(ctx: JobContext, url: str, part: str, total: int | None, every: int) -> None:
+    argv = curl_argv(url, part)
+    for attempt in (1, 2):
+        await ctx.log("$ " + shell_join(argv))
+        result = await ctx.run(
+            ["sh", "-c", _DOWNLOAD_SCRIPT, "sh", part, str(every), str(total or ""), *argv],
+            check=False,
+            echo=False,
+        )
+        status = result.exit_status
+        if status == 0:
+            return
+        if status == CURL_CANNOT_RESUME and attempt == 1:
+            await ctx.log("The server cannot resume a download; starting over.")
+            await ctx.run(["rm", "-f", "--", part])
+            continue
+        if status == CURL_HTTP_ERROR and "error: 416" in result.stdout + _err_text(result):
+            # 416 on a resume: the part file already holds the whole file (checked below like any other).
+            await ctx.log("The server says the part file is already complete.")
+            return
+        tail = _err_text(result).strip().splitlines()
+        reason = tail[-1] if tail else f"exit status {status}"
+        raise JobFailed(
+            f"Download failed: {reason}. The part file is kept; run the download again to resume.",
+            exit_code=status,
+        )
+
+
+def _err_text(result) -> str:
+    return "\n".join(line.text for line in result.lines if line.stream == "err")
+
+
+async def _sha256_argv(ctx: JobContext, path: str) -> list[str]:
+    probe = await ctx.transport.run(["sh", "-c", "command -v sha256sum"], timeout=30)
+    return ["sha256sum", "--", path] if probe.ok else ["shasum", "-a", "256", "--", path]
+
+
+async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
+    await ctx.log("Checking the SHA-256 of the download.")
+    result = await ctx.run(await _sha256_argv(ctx, part), check=False)
+    actual = parse_sha256(result.stdout)
+    if not result.ok or actual is None:
+        raise JobFailed(f"Could not compute the SHA-256 of {part} (exit status {result.exit_status}).")
+    if actual != expected:
+        await ctx.run(["rm", "-f", "--", part])
+        raise JobFailed(
+            f"SHA-256 mismatch: expected {expected}, got {actual}. The downloaded file was removed."
+        )
+    await ctx.log(f"SHA-256 matches: {actual}")
+    return actual
+
+
+def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
+    from django.db import IntegrityError, transaction
+
+    from jobs import audit
+
+    from .models import ModelFile
+
+    try:
+        with transaction.atomic():
+            model = ModelFile.objects.create(
+                name=name,
+                node=job.node,
+                path=dest,
+                shard_paths=profile.pop("shard_paths", [dest]),
+                size_bytes=profile.get("size_bytes", 0),
+                sha256=sha256,
+                profile=profile,
+                created_by=job.created_by,
+            )
+            audit.record(
+                job.created_by,
+                "model.register",
+                model,
+                changes={
+                    "node": job.node.name,
+                    "path": dest,
+                    "architecture": profile["architecture"],
+                    "job": job.pk,
+                },
+            )
+    except IntegrityError:
+        raise JobFailed(
+            f"The file is downloaded to {dest}, but a model named {name!r} or with this path was registered "
+            "meanwhile; register the file by path under another name."
+        ) from None
+    return model
+
+
+async def download_body(ctx: JobContext) -> str:
+    params = ctx.job.params
+    url, dest = params.get("url", ""), params.get("dest", "")
+    name, expected = params.get("name", "") or posixpath.basename(dest), (params.get("sha256") or "").lower()
+    if not url or not dest.startswith("/"):
+        raise JobFailed("This job has no URL or no absolute destination path.")
+    every = max(1, int(params.get("progress_every") or PROGRESS_EVERY_S))
+    part = dest + ".part"
+
+    exists = await ctx.transport.run(["test", "-e", dest], timeout=30)
+    if exists.ok:
+        raise JobFailed(f"{dest} already exists on {ctx.node.name}; register it by path instead.")
+    await ctx.run(["mkdir", "-p", "--", posixpath.dirname(dest)])
+    total = await _announced_size(ctx, url)
+    if total:
+        await ctx.log(f"The server announces {total} bytes ({total / 2**20:.1f} MiB).")
+    await _download(ctx, url, part, total, every)
+    sha256 = await _check_sha256(ctx, part, expected) if expected else ""
+    await ctx.run(["mv", "-f", "--", part, dest])
+
+    await ctx.log(f"Reading the GGUF header of {dest}.")
+    try:
+        profile = await asyncio.wait_for(read_model_profile(ctx.transport, dest), PROFILE_TIMEOUT_S)
+    except gguf_profile.MissingShard as exc:
+        # The file is fine, only its siblings are not there (yet): keep it for a later registration.
+        raise JobFailed(f"Downloaded, not registered: {exc}") from None
+    except gguf_profile.GGUFError as exc:
+        await ctx.run(["rm", "-f", "--", dest])
+        raise JobFailed(f"The download is not a usable model, so it was removed: {exc}") from None
+    except TimeoutError:
+        raise JobFailed(f"Reading the header of {dest} took longer than {PROFILE_TIMEOUT_S:g} s.") from None
+    model = await sync_to_async(_create_model)(ctx.job, name, dest, profile, sha256)
+    return (
+        f"Downloaded and registered {model.name}: {profile['architecture']}, "
+        f"{profile['block_count']} blocks, {profile['size_bytes'] / 2**20:.1f} MiB."
+    )
