@@ -38,6 +38,8 @@ from .transport import (
 
 PID_MARKER = "__ramdeck_pid__"
 _PID_LINE = re.compile(rf"^{PID_MARKER} (\d+)$")
+# Output lines kept back while waiting for the PID marker, at most (then they flow without it).
+_HOLD_LINES = 1000
 
 # Fixed shell scripts; their inputs arrive as positional arguments ("$1", ...), never as formatted text.
 _ALIVE = 'st=$(ps -o stat= -p "$1" 2>/dev/null) || exit 1; case "$st" in *Z*) exit 1;; esac; exit 0'
@@ -345,6 +347,7 @@ class SSHTransport:
             ) from exc
         pump = LinePump({"out": process.stdout, "err": process.stderr})
         finished = ended = False
+        held: list[OutputLine] = []
         try:
             while True:
                 try:
@@ -364,8 +367,19 @@ class SSHTransport:
                         running.pid = int(m.group(1))
                         if running is self._running:
                             self.last_pid = running.pid
+                        # stdout and stderr travel separately: stdout that overtook the marker waits for it,
+                        # so whoever reads a line can already end the command by PID.
+                        for early in held:
+                            yield early
+                        held.clear()
+                        continue
+                    if running.pid is None and len(held) < _HOLD_LINES:
+                        held.append(line)
                         continue
                     yield line
+            for early in held:  # No marker came (an odd login shell): deliver what waited for it.
+                yield early
+            held.clear()
             try:
                 await asyncio.wait_for(process.wait_closed(), max(1.0, deadline - loop.time()))
             except TimeoutError:
