@@ -15,6 +15,7 @@ from ramdeck_site.roles import ADMIN, VIEWER, role_required
 
 from .forms import CredentialForm, NodeFilterForm, NodeForm
 from .models import Credential, Node, Reachability
+from .views_hardware import hardware_context
 
 
 def _get_node(name: str) -> Node:
@@ -55,8 +56,7 @@ def node_list(request):
 def node_detail(request, name: str):
     node = _get_node(name)
     context = {
-        "node": node,
-        "devices": node.devices.all(),
+        **hardware_context(node),
         "jobs": Job.objects.filter(node=node)[:10],
         "deployments": node.coordinated_deployments.all()[:10],
         "model_files": node.model_files.all(),
