@@ -90,20 +90,6 @@ async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
     return [line.text for line in result.lines if line.stream == "out"]
 
 
-def reach_host(deployment) -> str:
-    """Where the console reaches llama-server: its bind address, or the coordinator's for a wildcard."""
-    host = deployment.host
-    if host in ("0.0.0.0", "::", ""):
-        return deployment.coordinator.address
-    return host
-
-
-def endpoint_url(deployment) -> str:
-    host = reach_host(deployment)
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{deployment.port}"
-
-
 def bind_host(deployment) -> str:
     """llama-server's --host. A loopback address on a remote coordinator could not be reached by the
     console (or anyone else), so it binds to the coordinator's own address instead."""
@@ -111,6 +97,19 @@ def bind_host(deployment) -> str:
     if host in ("127.0.0.1", "localhost", "::1") and not deployment.coordinator.is_local:
         return deployment.coordinator.address
     return host
+
+
+def reach_host(deployment) -> str:
+    """Where clients (and the console) reach llama-server: where it binds, or the coordinator's address
+    when it binds to every interface."""
+    host = bind_host(deployment)
+    return deployment.coordinator.address if host in ("0.0.0.0", "::") else host
+
+
+def endpoint_url(deployment) -> str:
+    host = reach_host(deployment)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{deployment.port}"
 
 
 def health_timeout_s(model_bytes: int) -> float:
@@ -304,7 +303,7 @@ async def llama_server_body(ctx) -> str:
         },
     )
     await ctx.log(f"PID {pid}; log {log_path}")
-    url = endpoint_url(deployment) if host == deployment.host else f"http://{host}:{port}"
+    url = endpoint_url(deployment)
     timeout = float(
         ctx.job.params.get("health_timeout") or health_timeout_s(deployment.model_file.size_bytes)
     )
@@ -351,8 +350,7 @@ async def verify_body(ctx) -> str:
 async def measure_body(ctx) -> str:
     deployment = await load_deployment(ctx)
     key = await sync_to_async(deployment.api_key)()
-    url = endpoint_url(deployment) if deployment.host == bind_host(deployment) else None
-    url = url or f"http://{bind_host(deployment)}:{deployment.port}"
+    url = endpoint_url(deployment)
     body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "cache_prompt": False}
     async with httpx.AsyncClient(timeout=600.0) as client:
         response = await client.post(

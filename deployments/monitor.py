@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import httpx
 from django.utils import timezone
 
 from deployments.reaper import Holder, find_holders
@@ -21,6 +22,7 @@ from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 logger = logging.getLogger(__name__)
 
 LOG_LINES = 15
+HEALTH_TIMEOUT_S = 10.0
 
 
 def _transport(node: Node):
@@ -77,14 +79,29 @@ def check_deployment(deployment: Deployment) -> str:
             groups.setdefault(nodes[info["node"]], []).append(info)
     transports = {node.name: _transport(node) for node in groups}
     dead = asyncio.run(_check(groups, transports)) if groups else {}
-    if not dead:
+    problems = list(dead.values()) or _unhealthy(deployment)
+    if not problems:
         return ""
-    reason = "\n\n".join(dead.values())
+    reason = "\n\n".join(problems)
     if deployment.mark_degraded(reason):
         record(
             None, "deployment.degraded", deployment, changes={"reason": reason[:1000]}, actor_name="monitor"
         )
     return reason
+
+
+def _unhealthy(deployment: Deployment) -> list[str]:
+    """llama-server is alive: does it still answer /health? (A wedged server is as bad as a dead one.)"""
+    from .lifecycle_steps import endpoint_url
+
+    url = f"{endpoint_url(deployment)}/health"
+    try:
+        response = httpx.get(url, timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return [f"llama-server does not answer {url}: {exc}"]
+    if response.status_code != 200:
+        return [f"llama-server answers {url} with {response.status_code}: {response.text[:200]}"]
+    return []
 
 
 def check_all() -> list[int]:

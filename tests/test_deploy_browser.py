@@ -110,6 +110,9 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     page.goto(run_url)
     expect(page.locator("#processes")).to_contain_text("alive")
 
+    # The plan was confirmed with llama-server's default host (loopback); a remote coordinator binds to
+    # its own address instead, and that is the endpoint people are given.
+    expect(page.locator("#endpoint-url")).to_have_text(f"http://{cluster['hosts'][0].address}:8080")
     page.click("text=Show API key and example")
     deployment.refresh_from_db()
     expect(page.locator("#api-key")).to_have_value(deployment.api_key())

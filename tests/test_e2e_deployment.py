@@ -146,7 +146,6 @@ class Cluster:
             coordinator=self.coordinator,
             plan=plan,
             plan_settings=plan["settings"],
-            host=self.coordinator.address,
             port=LLAMA_PORT,
             created_by=self.operator,
         )
