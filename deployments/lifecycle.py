@@ -203,10 +203,15 @@ def _skip_rest(steps, reason: str) -> None:
 def run_deployment(pk: int) -> None:
     """Run the queued steps of a deployment in order (the body of the `deploy` task)."""
     deployment = Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
+    steps = list(deployment.steps.select_related("job", "job__node").order_by("order"))
+    untouched = all(step.job.state == JobState.QUEUED for step in steps)
+    if deployment.state == DeploymentState.STOPPING and untouched:
+        # Stopped before the run began: nothing started, but the stop is this run's to finish.
+        _skip_rest(steps, "Skipped: the deployment was stopped.")
+        return finish_stop(deployment)
     if deployment.state != DeploymentState.PREPARING:
         logger.info("Deployment %s is %s, not preparing: nothing to run.", pk, deployment.state)
-        return
-    steps = list(deployment.steps.select_related("job", "job__node").order_by("order"))
+        return None
     for index, step in enumerate(steps):
         deployment.refresh_from_db()
         if deployment.state == DeploymentState.STOPPING:

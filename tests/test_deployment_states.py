@@ -226,3 +226,23 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
     rpc = deployment.steps.get(name="rpc-server").job
     assert rpc.params["args"][-1] == "-c"  # the tensor cache is on by default
     assert no_enqueue == [("deploy", deployment.pk)]
+
+
+def test_stop_pressed_before_the_first_step_skips_every_step_and_stops(
+    cluster, no_enqueue, django_capture_on_commit_callbacks
+):
+    from deployments.lifecycle import run_deployment, start_deploy, stop_deployment
+    from jobs.models import JobState
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    with django_capture_on_commit_callbacks(execute=True):
+        assert start_deploy(deployment)[0]
+        assert stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
+    assert no_enqueue == [("deploy", deployment.pk)]  # the run itself finishes the stop
+    run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.STOPPED
+    assert set(deployment.steps.values_list("job__state", flat=True)) == {JobState.CANCELLED}
+    assert not deployment.claims.exists()
