@@ -302,8 +302,8 @@ def finish_stop(deployment: Deployment) -> None:
     if failures:
         deployment.fail("stop", "; ".join(failures))
         record(deployment.created_by, "deployment.stop_failed", deployment, changes={"reason": failures})
-    else:
-        deployment.mark_stopped()
+    elif deployment.mark_stopped():
+        record(deployment.created_by, "deployment.stopped", deployment, changes={"ports_free": True})
 
 
 def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool = False) -> tuple[bool, str]:

@@ -109,6 +109,7 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     expect(page.locator("body")).to_contain_text("Starting RPC server v7.0.0")
     page.goto(run_url)
     expect(page.locator("#processes")).to_contain_text("alive")
+    expect(page.locator("#processes")).to_contain_text("tokens_predicted_total")  # live /metrics
 
     # The plan was confirmed with llama-server's default host (loopback); a remote coordinator binds to
     # its own address instead, and that is the endpoint people are given.

@@ -248,6 +248,8 @@ def test_build_plan_deploy_complete_verify_stop(cluster, monkeypatch):
     assert answer.json()["tokens_predicted"] > 0
     refused = httpx.post(f"{url}/completion", json={"prompt": "hello", "n_predict": 8}, timeout=30)
     assert refused.status_code == 401
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
 
     t0 = time.monotonic()
     deployment = cluster.stop(deployment, monkeypatch)
