@@ -162,6 +162,11 @@ async def read_model_profile(transport, path: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
+def mib(size: int) -> str:
+    """MiB with one decimal, cut rather than rounded: the same figure the shell's progress lines show."""
+    return f"{size // 2**20}.{size % 2**20 * 10 // 2**20}"
+
+
 def parse_sha256(text: str) -> str | None:
     """The hash from `sha256sum` / `shasum -a 256` output (its first line)."""
     match = _SHA_RE.match(text.strip())
@@ -318,7 +323,7 @@ async def download_body(ctx: JobContext) -> str:
     await ctx.run(["mkdir", "-p", "--", posixpath.dirname(dest)])
     total = await _announced_size(ctx, url)
     if total:
-        await ctx.log(f"The server announces {total} bytes ({total / 2**20:.1f} MiB).")
+        await ctx.log(f"The server announces {total} bytes ({mib(total)} MiB).")
     await _download(ctx, url, part, total, every)
     sha256 = await _check_sha256(ctx, part, expected) if expected else ""
     await ctx.run(["mv", "-f", "--", part, dest])
@@ -337,5 +342,5 @@ async def download_body(ctx: JobContext) -> str:
     model = await sync_to_async(_create_model)(ctx.job, name, dest, profile, sha256)
     return (
         f"Downloaded and registered {model.name}: {profile['architecture']}, "
-        f"{profile['block_count']} blocks, {profile['size_bytes'] / 2**20:.1f} MiB."
+        f"{profile['block_count']} blocks, {mib(profile['size_bytes'])} MiB."
     )
