@@ -25,6 +25,7 @@ from nodes.models import Build, Node
 logger = logging.getLogger(__name__)
 
 MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, DeploymentState.VERIFYING)
+LAUNCH_STEPS = ("reap", "rpc-server", "llama-server", "verify", "measure")
 
 
 @dataclass
@@ -201,18 +202,32 @@ def _skip_rest(steps, reason: str) -> None:
 
 
 def run_deployment(pk: int) -> None:
-    """Run the queued steps of a deployment in order (the body of the `deploy` task)."""
+    """Run the steps of a deployment in order (the body of the `deploy` task).
+
+    A second delivery of the task resumes where the first left off: succeeded steps are skipped, a step
+    still running belongs to the other delivery (nothing to do), and a step that ended badly while no
+    one watched (its worker died: the sweeper made it `errored`) fails the deployment and rolls it back.
+    """
     deployment = Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
-    steps = list(deployment.steps.select_related("job", "job__node").order_by("order"))
-    untouched = all(step.job.state == JobState.QUEUED for step in steps)
-    if deployment.state == DeploymentState.STOPPING and untouched:
+    steps = [
+        s
+        for s in deployment.steps.select_related("job", "job__node").order_by("order")
+        if s.name in LAUNCH_STEPS
+    ]
+    if deployment.state == DeploymentState.STOPPING and all(s.job.state == JobState.QUEUED for s in steps):
         # Stopped before the run began: nothing started, but the stop is this run's to finish.
         _skip_rest(steps, "Skipped: the deployment was stopped.")
         return finish_stop(deployment)
-    if deployment.state != DeploymentState.PREPARING:
-        logger.info("Deployment %s is %s, not preparing: nothing to run.", pk, deployment.state)
+    if deployment.state not in MID_DEPLOY_STATES:
+        logger.info("Deployment %s is %s: nothing to run.", pk, deployment.state)
         return None
     for index, step in enumerate(steps):
+        job = step.job
+        if job.state == JobState.SUCCEEDED:
+            continue
+        if job.state == JobState.RUNNING:
+            logger.info("Deployment %s: step %s is running under another delivery.", pk, step.name)
+            return None
         deployment.refresh_from_db()
         if deployment.state == DeploymentState.STOPPING:
             _skip_rest(steps[index:], "Skipped: the deployment was stopped.")
@@ -223,7 +238,8 @@ def run_deployment(pk: int) -> None:
             deployment.mark_launching()
         if step.name == "verify":
             deployment.mark_verifying()
-        job = _run(step.job)
+        if job.state == JobState.QUEUED:
+            job = _run(job)
         if job.state == JobState.SUCCEEDED:
             continue
         deployment.refresh_from_db()

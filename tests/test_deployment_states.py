@@ -246,3 +246,51 @@ def test_stop_pressed_before_the_first_step_skips_every_step_and_stops(
     assert deployment.state == DeploymentState.STOPPED
     assert set(deployment.steps.values_list("job__state", flat=True)) == {JobState.CANCELLED}
     assert not deployment.claims.exists()
+
+
+def test_a_redelivered_run_after_a_lost_worker_fails_the_deployment_with_the_step(cluster, no_enqueue):
+    """The worker running the deploy task died during the rpc-server step; the sweeper made that job
+    errored; the task's second delivery must not leave the deployment launching forever."""
+    from deployments.lifecycle import run_deployment, start_deploy
+    from jobs.models import AuditEvent, JobState
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    assert start_deploy(deployment)[0]
+    steps = {s.name: s.job for s in deployment.steps.select_related("job")}
+    for name in ("reap",):
+        for step in deployment.steps.filter(name=name).select_related("job"):
+            step.job.mark_running()
+            step.job.finish(JobState.SUCCEEDED, result="port 50052 was free")
+    deployment.mark_launching()
+    steps["rpc-server"].mark_running()
+    steps["rpc-server"].finish(JobState.ERRORED, result="Worker lost: worker w1 stopped answering.")
+
+    run_deployment(deployment.pk)
+
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.FAILED
+    assert deployment.failed_step == "rpc-server"
+    assert "Worker lost" in deployment.state_reason
+    later = deployment.steps.filter(name__in=["llama-server", "verify", "measure"]).values_list(
+        "job__state", flat=True
+    )
+    assert set(later) == {JobState.CANCELLED}
+    assert AuditEvent.objects.filter(action="deployment.failed").exists()
+    assert not deployment.claims.exists()
+
+
+def test_a_duplicate_delivery_leaves_a_running_step_to_the_first(cluster, no_enqueue):
+    from deployments.lifecycle import run_deployment, start_deploy
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    assert start_deploy(deployment)[0]
+    first = deployment.steps.order_by("order").first().job
+    first.mark_running()
+    run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.PREPARING
+    assert deployment.steps.filter(job__state="queued").count() == 5
