@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 
 from jobs.runner import JobFailed
-from jobs.transport import shell_join
+from jobs.transport import TransportError, shell_join
 
 from . import gguf_profile
 
@@ -147,8 +147,12 @@ async def read_model_profile(transport, path: str) -> dict[str, Any]:
         )
     headers = [first]
     for index, (shard, state) in enumerate(zip(paths[1:], states[1:], strict=True), start=1):
-        _refuse(shard, state)
-        header = await read_header(transport, shard)
+        try:
+            _refuse(shard, state)
+            header = await read_header(transport, shard)
+        except gguf_profile.GGUFError as exc:
+            # Same kind of error, but saying which shard: the operator registered the first one.
+            raise type(exc)(f"Shard {index + 1} of {count} ({posixpath.basename(shard)}): {exc}") from None
         gguf_profile.check_shard(header, index, count, shard)
         headers.append(header)
     profile = gguf_profile.build_profile(headers, shard_names=[posixpath.basename(p) for p in paths])
@@ -213,7 +217,7 @@ async def _announced_size(ctx: JobContext, url: str) -> int | None:
     head = ["curl", "-sSIL", "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30"]
     try:
         result = await ctx.transport.run([*head, "--url", url], timeout=60)
-    except Exception:  # noqa: BLE001 - the size is a nicety; the download itself reports real errors
+    except TransportError:  # The size is a nicety; the download itself reports real errors.
         return None
     return content_length(result.stdout) if result.ok else None
 
@@ -250,9 +254,17 @@ def _err_text(result) -> str:
     return "\n".join(line.text for line in result.lines if line.stream == "err")
 
 
+async def _has(ctx: JobContext, tool: str) -> bool:
+    # Exit 1, not the shell's 127 for "not found", which the transports report as an error of their own.
+    script = 'command -v "$1" >/dev/null 2>&1 || exit 1'
+    probe = await ctx.transport.run(["sh", "-c", script, "sh", tool], timeout=30)
+    return probe.ok
+
+
 async def _sha256_argv(ctx: JobContext, path: str) -> list[str]:
-    probe = await ctx.transport.run(["sh", "-c", "command -v sha256sum"], timeout=30)
-    return ["sha256sum", "--", path] if probe.ok else ["shasum", "-a", "256", "--", path]
+    if await _has(ctx, "sha256sum"):
+        return ["sha256sum", "--", path]
+    return ["shasum", "-a", "256", "--", path]  # macOS
 
 
 async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
@@ -320,6 +332,8 @@ async def download_body(ctx: JobContext) -> str:
     exists = await ctx.transport.run(["test", "-e", dest], timeout=30)
     if exists.ok:
         raise JobFailed(f"{dest} already exists on {ctx.node.name}; register it by path instead.")
+    if not await _has(ctx, "curl"):
+        raise JobFailed(f"curl is not installed on {ctx.node.name}; install it and start the download again.")
     await ctx.run(["mkdir", "-p", "--", posixpath.dirname(dest)])
     total = await _announced_size(ctx, url)
     if total:

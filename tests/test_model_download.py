@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -244,6 +245,20 @@ def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
     assert "hunter2" not in str(list(AuditEvent.objects.values_list("changes", flat=True)))
 
 
+def test_the_models_page_offers_the_download_form_to_operators_only(
+    local_node,  # noqa: F811
+    operator_client,
+    client,
+    viewer_user,
+):
+    page = operator_client.get(reverse("deployments:models")).content.decode()
+    assert 'id="download-model"' in page
+    assert 'name="download-url"' in page and 'name="download-sha256"' in page
+    client.force_login(viewer_user)
+    page = client.get(reverse("deployments:models")).content.decode()
+    assert 'id="download-model"' not in page
+
+
 def test_a_viewer_cannot_start_a_download(local_node, viewer_client, sent):  # noqa: F811
     response = post_download(
         viewer_client, url="http://127.0.0.1:9/x.gguf", node=local_node.pk, dest="/tmp/x"
@@ -382,6 +397,18 @@ def test_an_existing_destination_is_not_overwritten(local_node, server, tmp_path
     assert job.state == JobState.FAILED and "already exists" in job.result
     assert dest.read_bytes() == b"precious"
     assert not [r for r in server.requests if r[0] == "GET"]
+
+
+def test_a_node_without_curl_fails_saying_so(local_node, server, tmp_path, monkeypatch):  # noqa: F811
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "test", "mkdir", "rm", "mv", "wc"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(bin_dir))
+    job = run(download(local_node, server.url("/models/tiny.gguf"), tmp_path / "tiny.gguf"))
+    assert job.state == JobState.FAILED, (job.result, log_text(job))
+    assert job.result == "curl is not installed on console-host; install it and start the download again."
+    assert not server.requests
 
 
 def test_a_complete_part_file_is_accepted_when_the_server_answers_416(

@@ -110,11 +110,14 @@ def _bad_files(tmp_path: Path) -> list[tuple[str, Path, str]]:
     future.write_bytes(data[:4] + struct.pack("<I", 7) + data[8:])
     split = write_tiny_llama(tmp_path / "half.gguf", TinyLlama(shards=2))
     split.with_name("half-00002-of-00002.gguf").unlink()
+    odd = write_tiny_llama(tmp_path / "odd.gguf", TinyLlama(shards=2))
+    odd.with_name("odd-00002-of-00002.gguf").write_text("not a shard at all")
     return [
         ("not GGUF", notes, "This is not a GGUF file (it starts with b'shop', not b'GGUF')."),
         ("truncated", cut, "The GGUF header is cut short at byte 3000"),
         ("version", future, "GGUF version 7 is not supported (supported: 2 and 3)."),
         ("missing shard", split, "1 shard is missing beside it: half-00002-of-00002.gguf"),
+        ("bad shard", odd, "Shard 2 of 2 (odd-00002-of-00002.gguf): This is not a GGUF file"),
         ("absent", tmp_path / "absent.gguf", f"No such file: {tmp_path / 'absent.gguf'}"),
         ("directory", tmp_path, f"{tmp_path} is not a regular file"),
     ]
