@@ -61,9 +61,14 @@ def workers_of(deployment: Deployment) -> list[Worker]:
         needed = sum(int(item.get(k) or 0) for k in ("weights_bytes", "kv_bytes", "compute_bytes"))
         worker.needs[item["device"]] = worker.needs.get(item["device"], 0) + needed
     for worker in workers.values():
-        args = explicit.get(worker.node.name) or llamacpp.rpc_server_args(
-            worker.node.rpc_endpoint_host, worker.port, worker.devices
+        args = list(
+            explicit.get(worker.node.name) or llamacpp.rpc_server_args("", worker.port, worker.devices)
         )
+        # The plan names where to connect; the server binds where the node says (an admin may widen it).
+        if "-H" in args:
+            args[args.index("-H") + 1] = worker.node.rpc_bind_host
+        else:
+            args = ["-H", worker.node.rpc_bind_host, *args]
         # The local tensor cache makes a second load of the same model send almost nothing: on by default.
         worker.args = [*args, *([] if "-c" in args or "--cache" in args else ["-c"])]
     return list(workers.values())
@@ -134,6 +139,13 @@ def create_launch_steps(deployment: Deployment) -> None:
         ports=[deployment.port],
     )
     for worker in workers:
+        if worker.node.rpc_binds_everywhere:
+            record(
+                deployment.created_by,
+                "deployment.rpc_exposed",
+                deployment,
+                changes={"node": worker.node.name, "bind": worker.node.rpc_bind_host, "port": worker.port},
+            )
         order += 1
         _add_step(
             deployment,
@@ -145,7 +157,8 @@ def create_launch_steps(deployment: Deployment) -> None:
             step="rpc-server",
             args=worker.args,
             port=worker.port,
-            bind=worker.node.rpc_endpoint_host,
+            bind=worker.node.rpc_bind_host,
+            exposed=worker.node.rpc_binds_everywhere,
             needs=worker.needs,
         )
     for step, title in (

@@ -186,6 +186,11 @@ async def rpc_server_body(ctx) -> str:
     directory = await run_dir(ctx)
     log_path = posixpath.join(directory, f"rpc-server-{port}.log")
     argv = [build.rpc_server_path, *params["args"]]
+    if params.get("exposed"):
+        await ctx.log(
+            f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "
+            f"set for {ctx.node.name}. It has no authentication: anyone who reaches port {port} can use it."
+        )
     await ctx.log("starting: " + " ".join(argv))
     pid = await ctx.start_daemon(argv, log_path=log_path)
     await sync_to_async(_add_process)(

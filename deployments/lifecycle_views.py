@@ -54,9 +54,16 @@ def _context(request, deployment: Deployment) -> dict:
     plan = deployment.plan or {}
     predicted = plan.get("predicted_tokens_per_s")
     measured = deployment.measured_decode_tps
+    steps = _steps(deployment)
     return {
         "deployment": deployment,
-        "steps": _steps(deployment),
+        "steps": steps,
+        # rpc-servers an admin let listen on every interface: they have no authentication.
+        "exposed": [
+            f"{row['job'].node_name} ({row['job'].params.get('bind')}:{row['job'].params.get('port')})"
+            for row in steps
+            if row["step"].name == "rpc-server" and row["job"].params.get("exposed")
+        ],
         "endpoint": endpoint_url(deployment),
         "predicted_tps": predicted,
         "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),

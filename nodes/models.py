@@ -134,7 +134,18 @@ class Node(models.Model):
 
     @property
     def rpc_endpoint_host(self) -> str:
+        """Where a coordinator connects to its ggml-rpc-server (a wildcard bind is reached by address)."""
+        return self.address if self.rpc_binds_everywhere else (self.rpc_bind_address or self.address)
+
+    @property
+    def rpc_bind_host(self) -> str:
+        """ggml-rpc-server's -H: the bind address an admin set, else the node's own address."""
         return self.rpc_bind_address or self.address
+
+    @property
+    def rpc_binds_everywhere(self) -> bool:
+        """An admin let ggml-rpc-server listen on every interface: it has no authentication, so say so."""
+        return self.rpc_bind_address in ("0.0.0.0", "::")
 
     @property
     def is_local(self) -> bool:

@@ -294,3 +294,26 @@ def test_a_duplicate_delivery_leaves_a_running_step_to_the_first(cluster, no_enq
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.PREPARING
     assert deployment.steps.filter(job__state="queued").count() == 5
+
+
+def test_a_wildcard_rpc_bind_is_used_audited_and_warned_about(cluster, no_enqueue, client, operator_user):
+    from django.urls import reverse
+
+    from deployments.lifecycle import start_deploy
+    from jobs.models import AuditEvent
+
+    worker = cluster[1]
+    worker.rpc_bind_address = "0.0.0.0"
+    worker.save()
+    assert worker.rpc_endpoint_host == worker.address  # coordinators still connect to its address
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    assert start_deploy(deployment, operator_user)[0]
+    args = deployment.steps.get(name="rpc-server").job.params["args"]
+    assert args[args.index("-H") + 1] == "0.0.0.0"
+    event = AuditEvent.objects.get(action="deployment.rpc_exposed")
+    assert event.changes == {"node": "old-pc", "bind": "0.0.0.0", "port": 50052}
+    client.force_login(operator_user)
+    page = client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert "ggml-rpc-server listens on every interface on old-pc (0.0.0.0:50052)" in page

@@ -310,9 +310,15 @@ def test_a_stale_rpc_server_is_reaped_and_a_foreign_port_holder_fails_the_launch
 
 def test_a_dead_rpc_server_makes_the_deployment_degraded(cluster, monkeypatch):
     cluster.build_all()
+    # An admin let one worker's rpc-server listen on every interface: it still works, with a warning.
+    exposed = cluster.workers[1]
+    exposed.rpc_bind_address = "0.0.0.0"
+    exposed.save()
     deployment = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
     assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
     assert monitor.check_all() == []
+    assert "0.0.0.0:50052" in listeners_in(cluster.hosts[2], RPC_PORT)
+    assert AuditEvent.objects.filter(action="deployment.rpc_exposed").count() == 1
     victim = deployment.processes[f"rpc-server@{cluster.workers[0].name}"]
     subprocess.run(["kill", "-KILL", str(victim["pid"])], check=True)
     deadline = time.monotonic() + 10
