@@ -226,3 +226,29 @@ def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_hos
     assert "already unpacked on the node (cached by source hash)" in text
     assert "nothing to compile" in text
     assert "uploading" not in text
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_two_nodes_building_into_one_shared_folder_at_once_do_not_clash(lab, lab_hosts, tmp_path, settings):
+    """The lab hosts share this file system, as NFS-mounted homes would: the unpack and the compile are
+    serialised by flock, and the second build finds the first one's result."""
+    import threading
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    tarball = _mini_tarball(tmp_path)
+    nodes = [lab_node(lab, host) for host in lab_hosts(2)]
+    params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
+    jobs = [Job.objects.create(kind=JobKind.BUILD, node=node, params=params) for node in nodes]
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    for job in jobs:
+        job.refresh_from_db()
+        assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-2000:])
+    assert len({b.build_dir for b in Build.objects.all()}) == 1
+    assert len(list((tmp_path / "root").glob("src-*/llama.cpp"))) == 1
+    assert not list((tmp_path / "root").glob("*.tmp"))
