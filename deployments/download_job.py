@@ -5,7 +5,8 @@ and by the download job (any node): only the GGUF header of each shard is read, 
 `transport.read_head`; file sizes and the presence of the other shards come from one small shell command.
 
 The download runs on the node: `curl --continue-at -` into `DEST.part` (so a failed or cancelled download
-resumes where it stopped the next time), with a progress line in the job log every few seconds; then the
+resumes where it stopped the next time; `DEST.part.url` records which URL the part belongs to, and a part
+of another URL is discarded), with a progress line in the job log every few seconds; then the
 optional SHA-256 check, `mv DEST.part DEST`, and the model is registered from its header. A file that is not
 a usable model fails the job with the reason and registers nothing.
 
@@ -244,10 +245,28 @@ async def _download(ctx: JobContext, url: str, part: str, total: int | None, eve
             return
         tail = _err_text(result).strip().splitlines()
         reason = tail[-1] if tail else f"exit status {status}"
-        raise JobFailed(
-            f"Download failed: {reason}. The part file is kept; run the download again to resume.",
-            exit_code=status,
-        )
+        [kept] = await file_sizes(ctx.transport, [part])
+        if isinstance(kept, int) and kept > 0:
+            reason += f". {mib(kept)} MiB are kept in {posixpath.basename(part)}; start it again to resume"
+        raise JobFailed(f"Download failed: {reason}.", exit_code=status)
+
+
+async def _claim_part(ctx: JobContext, url: str, part: str) -> None:
+    """Resume only a part file of the same URL: its URL is kept beside it (`DEST.part.url`). A part of
+    another URL is removed, so two files are never spliced together."""
+    origin = part + ".url"
+    [state] = await file_sizes(ctx.transport, [part])
+    if state != "missing":
+        try:
+            previous = (await ctx.transport.read_head(origin, 65536)).decode("utf-8", "replace")
+        except TransportError:
+            previous = None  # No record: a part file someone put there; curl resumes it.
+        if previous is not None and previous != url:
+            await ctx.log(f"{part} holds a download of another URL ({previous}); starting over.")
+            await ctx.run(["rm", "-f", "--", part])
+        elif isinstance(state, int) and state > 0:
+            await ctx.log(f"Resuming after the {mib(state)} MiB already in {posixpath.basename(part)}.")
+    await ctx.run(["sh", "-c", 'printf %s "$1" > "$2"', "sh", url, origin], echo=False)
 
 
 def _err_text(result) -> str:
@@ -274,7 +293,7 @@ async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
     if not result.ok or actual is None:
         raise JobFailed(f"Could not compute the SHA-256 of {part} (exit status {result.exit_status}).")
     if actual != expected:
-        await ctx.run(["rm", "-f", "--", part])
+        await ctx.run(["rm", "-f", "--", part, part + ".url"])
         raise JobFailed(
             f"SHA-256 mismatch: expected {expected}, got {actual}. The downloaded file was removed."
         )
@@ -338,9 +357,11 @@ async def download_body(ctx: JobContext) -> str:
     total = await _announced_size(ctx, url)
     if total:
         await ctx.log(f"The server announces {total} bytes ({mib(total)} MiB).")
+    await _claim_part(ctx, url, part)
     await _download(ctx, url, part, total, every)
     sha256 = await _check_sha256(ctx, part, expected) if expected else ""
     await ctx.run(["mv", "-f", "--", part, dest])
+    await ctx.run(["rm", "-f", "--", part + ".url"], echo=False)
 
     await ctx.log(f"Reading the GGUF header of {dest}.")
     try:

@@ -29,12 +29,15 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 class RangeServer:
     """A small HTTP/1.1 file server: HEAD and GET, `Range: bytes=N-[M]` (206, or 416 past the end) unless
-    `ranges` is off, optional pacing (`chunk` bytes every `pause` seconds). It records every request."""
+    `ranges` is off, optional pacing (`chunk` bytes every `pause` seconds), and a dropped connection on
+    demand (`drop_after`). It records every request."""
 
     def __init__(
         self, files: dict[str, bytes], *, host: str = "127.0.0.1", ranges: bool = True, pause: float = 0.0
     ) -> None:
         self.files, self.ranges, self.pause, self.chunk = files, ranges, pause, 256 * 1024
+        # When set, the next GET sends only this many bytes of its body and drops the connection.
+        self.drop_after: int | None = None
         self.requests: list[tuple[str, str, str | None]] = []
         self.server = ThreadingHTTPServer((host, 0), self._handler())
         self.server.daemon_threads = True
@@ -87,6 +90,12 @@ class RangeServer:
                     self._send_body(data[start : end + 1])
 
             def _send_body(self, payload: bytes) -> None:
+                if owner.drop_after is not None:
+                    payload, owner.drop_after = payload[: owner.drop_after], None
+                    self.wfile.write(payload)
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 if not owner.pause:
                     self.wfile.write(payload)
                     return
@@ -195,7 +204,8 @@ def test_an_operator_downloads_a_model_onto_a_node_and_it_is_registered_with_its
     assert model.sha256 == sha256_of(model_bytes) and model.size_bytes == len(model_bytes)
     assert model.profile["architecture"] == "llama" and model.profile["block_count"] == 8
     assert model.created_by == operator_user
-    assert dest.read_bytes() == model_bytes and not Path(f"{dest}.part").exists()
+    assert dest.read_bytes() == model_bytes
+    assert not Path(f"{dest}.part").exists() and not Path(f"{dest}.part.url").exists()
     log = log_text(job)
     assert "$ curl --fail --location" in log and f"--output {dest}.part" in log
     assert re.search(r"^Downloaded (\d+\.\d) MiB of \1 MiB \(100%\) \(curl exit status 0\)$", log, re.M), log
@@ -287,6 +297,44 @@ def test_a_partial_download_is_resumed_with_a_range_request(
     assert gets == [("GET", "/models/tiny.gguf", f"bytes={kept}-")]
     assert dest.read_bytes() == model_bytes
     assert ModelFile.objects.get().path == str(dest)
+
+
+def test_a_dropped_connection_fails_keeping_the_part_and_the_next_run_fetches_only_the_rest(
+    local_node,  # noqa: F811
+    server,
+    model_bytes,
+    tmp_path,
+):
+    dest = tmp_path / "tiny.gguf"
+    server.drop_after = 3 * 2**20
+    job = run(download(local_node, server.url("/models/tiny.gguf"), dest))
+    assert job.state == JobState.FAILED
+    assert job.result.startswith("Download failed: curl: (18)")
+    assert job.result.endswith("3.0 MiB are kept in tiny.gguf.part; start it again to resume.")
+    assert Path(f"{dest}.part").stat().st_size == 3 * 2**20
+
+    again = run(download(local_node, server.url("/models/tiny.gguf"), dest, sha256=sha256_of(model_bytes)))
+    assert again.state == JobState.SUCCEEDED, log_text(again)
+    assert "Resuming after the 3.0 MiB already in tiny.gguf.part." in log_text(again)
+    assert [r for r in server.requests if r[0] == "GET"][-1][2] == f"bytes={3 * 2**20}-"
+    assert dest.read_bytes() == model_bytes
+
+
+def test_a_part_file_of_another_url_is_discarded_not_spliced(
+    local_node,  # noqa: F811
+    server,
+    model_bytes,
+    tmp_path,
+):
+    dest = tmp_path / "tiny.gguf"
+    Path(f"{dest}.part").write_bytes(b"GGUF and the first bytes of some other model")
+    Path(f"{dest}.part.url").write_text("http://127.0.0.1:9/other.gguf")
+    job = run(download(local_node, server.url("/models/tiny.gguf"), dest))
+    assert job.state == JobState.SUCCEEDED, log_text(job)
+    assert "holds a download of another URL (http://127.0.0.1:9/other.gguf); starting over." in log_text(job)
+    assert [r[2] for r in server.requests if r[0] == "GET"] == [None]
+    assert dest.read_bytes() == model_bytes
+    assert not Path(f"{dest}.part.url").exists()
 
 
 def test_a_server_that_cannot_resume_gets_a_fresh_download(local_node, model_bytes, tmp_path):  # noqa: F811
@@ -386,7 +434,7 @@ def test_a_download_that_is_not_a_model_fails_with_the_reason_and_registers_noth
 def test_an_http_error_fails_the_job_with_curls_message(local_node, server, tmp_path):  # noqa: F811
     job = run(download(local_node, server.url("/gone.gguf"), tmp_path / "gone.gguf"))
     assert job.state == JobState.FAILED
-    assert "The requested URL returned error: 404" in job.result
+    assert job.result == "Download failed: curl: (22) The requested URL returned error: 404."
     assert not ModelFile.objects.exists()
 
 
