@@ -255,6 +255,21 @@ def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
     assert "hunter2" not in str(list(AuditEvent.objects.values_list("changes", flat=True)))
 
 
+def test_a_second_download_to_the_same_path_is_refused_while_the_first_is_active(
+    local_node,  # noqa: F811
+    operator_client,
+    sent,
+    tmp_path,
+):
+    dest = str(tmp_path / "tiny.gguf")
+    fields = {"url": "http://127.0.0.1:9/tiny.gguf", "node": local_node.pk, "dest": dest}
+    assert post_download(operator_client, **fields).status_code == 302
+    response = post_download(operator_client, **fields, name="another name")
+    assert response.status_code == 400
+    assert "A download to this path on that node is already queued or running." in response.content.decode()
+    assert Job.objects.count() == 1 and len(sent) == 1
+
+
 def test_the_models_page_offers_the_download_form_to_operators_only(
     local_node,  # noqa: F811
     operator_client,
