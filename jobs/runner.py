@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
@@ -297,6 +297,19 @@ async def open_transport_for(node):
     raise TransportError(f"No transport can reach {node.name} ({node.get_transport_display()}).")
 
 
+async def with_own_db_thread(awaitable: Awaitable[Any]) -> Any:
+    """Await with a database thread of this run's own (for `db` and for bodies' own sync_to_async
+    calls), ended and its connection closed afterwards. Without the context, asgiref would use one
+    process-wide thread that outlives the run: its connection would linger, and a process forked
+    later (a test's live server) would inherit a thread pool whose thread does not exist."""
+    async with ThreadSensitiveContext():
+        try:
+            return await awaitable
+        finally:
+            # Celery closes the main thread's connection after each task; this thread's is ours.
+            await db(connections.close_all)()
+
+
 def body_for(kind: str) -> Callable[[JobContext], Awaitable[str]]:
     try:
         return import_string(BODIES[kind])
@@ -347,11 +360,7 @@ async def _execute(job: Job) -> None:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-    try:
-        await _finish(job, writer, state, exit_code, result, extra)
-    finally:
-        # Celery closes the main thread's connection after each task; the database thread's is ours.
-        await db(connections.close_all)()
+    await _finish(job, writer, state, exit_code, result, extra)
 
 
 async def _finish(job: Job, writer: LogWriter, state: str, exit_code, result: str, extra: list[str]) -> None:
@@ -379,7 +388,7 @@ def run_job(job_id: int, *, worker: str = "") -> None:
         logger.info("Job %s is %s, not queued: this delivery does nothing.", job_id, job.state)
         return
     broadcast.send_status_sync(job.pk, job.state)
-    asyncio.run(_execute(job))
+    asyncio.run(with_own_db_thread(_execute(job)))
 
 
 def enqueue(job: Job) -> None:

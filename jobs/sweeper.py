@@ -39,7 +39,11 @@ def alive_workers(timeout: float = 1.0) -> set[str] | None:
     from ramdeck_site.celery import app
 
     try:
-        replies = app.control.ping(timeout=timeout) or []
+        # A connection of its own, closed afterwards: a pooled one would keep the reply queue's pending
+        # read, and a process forked later (Celery's prefork children, a test's live server) would wait
+        # on it when kombu closes inherited connections after the fork.
+        with app.connection_for_write() as connection:
+            replies = app.control.ping(timeout=timeout, connection=connection) or []
     except Exception as exc:  # noqa: BLE001 - an unreachable broker must not stop the sweep.
         logger.warning("Could not ping Celery workers: %s", exc)
         return None
@@ -108,10 +112,12 @@ def wants_adoption(job: Job) -> bool:
 
 
 def _deal_with_remote_process(job: Job) -> list[str]:
+    from .runner import with_own_db_thread
+
     pid = job.remote_pid
     where = job.node_name or "the console's host"
     try:
-        alive, ended = asyncio.run(_check_and_end(job, pid, end=not wants_adoption(job)))
+        alive, ended = asyncio.run(with_own_db_thread(_check_and_end(job, pid, end=not wants_adoption(job))))
     except TransportError as exc:
         return [f"Could not reach {where} to end process {pid}: {exc}"]
     except Exception as exc:  # noqa: BLE001 - the job is already marked; report, do not crash the sweep.
