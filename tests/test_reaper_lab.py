@@ -6,11 +6,11 @@ import pytest
 
 from jobs.models import AuditEvent, Job, JobKind, JobState
 from tests.deploy_fixtures import (
-    RPC_SERVER,
     lab_node,
     listeners_in,
     log_text,
     pid_alive,
+    rpc_server_binary,
     run,
     start_in,
     stop_proc,
@@ -29,14 +29,12 @@ PORT = 50052
 
 @pytest.fixture
 def host_node(lab, lab_host):
-    if not RPC_SERVER.exists():
-        pytest.skip(f"the cached llama.cpp build is missing ({RPC_SERVER})")
-    return lab_host, lab_node(lab, lab_host)
+    return lab_host, lab_node(lab, lab_host), rpc_server_binary()
 
 
 def test_a_stale_rpc_server_holding_the_port_is_reaped_by_pid(host_node, tmp_path):
-    host, node = host_node
-    stale = start_in(host, [str(RPC_SERVER), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
+    host, node, rpc_server = host_node
+    stale = start_in(host, [str(rpc_server), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
     try:
         assert f"pid={stale.pid}" in wait_listening(host, PORT)
         job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
@@ -55,7 +53,7 @@ def test_a_stale_rpc_server_holding_the_port_is_reaped_by_pid(host_node, tmp_pat
 
 
 def test_a_free_port_is_reported_free_and_nothing_is_killed(host_node):
-    host, node = host_node
+    host, node, _ = host_node
     job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
     assert job.state == JobState.SUCCEEDED, job.result
     assert "was free" in job.result
@@ -63,7 +61,7 @@ def test_a_free_port_is_reported_free_and_nothing_is_killed(host_node):
 
 
 def test_a_foreign_process_is_never_killed_and_the_job_fails_naming_it(host_node, tmp_path):
-    host, node = host_node
+    host, node, _ = host_node
     foreign = start_in(
         host, ["python3", "-m", "http.server", str(PORT), "--bind", host.address], tmp_path / "foreign.log"
     )
@@ -90,8 +88,8 @@ def test_the_periodic_scan_lists_a_stale_rpc_server_and_one_click_reaps_it(
     from deployments.monitor import scan_stale
     from tests.factories import UserFactory
 
-    host, node = host_node
-    stale = start_in(host, [str(RPC_SERVER), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
+    host, node, rpc_server = host_node
+    stale = start_in(host, [str(rpc_server), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
     try:
         wait_listening(host, PORT)
         assert scan_stale() == 1
