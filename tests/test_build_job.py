@@ -251,3 +251,31 @@ def test_two_nodes_building_into_one_shared_folder_at_once_do_not_clash(lab, lab
     assert len({b.build_dir for b in Build.objects.all()}) == 1
     assert len(list((tmp_path / "root").glob("src-*/llama.cpp"))) == 1
     assert not list((tmp_path / "root").glob("*.tmp"))
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_a_git_source_is_cloned_at_its_ref_and_built(lab, lab_host, tmp_path, settings):
+    """No machine here reaches GitHub; a repository on the shared file system stands in for the URL."""
+    import subprocess
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    repo = tmp_path / "llama.cpp.git"
+    for name, text in MINI_FILES.items():
+        target = repo / name.removeprefix("llama.cpp/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.test"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "mini"], check=True)
+    subprocess.run([*git, "tag", "b9999"], check=True)
+    node = lab_node(lab, lab_host)
+    params = {"source": "git", "git_url": str(repo), "git_ref": "b9999", "backend": "cpu"}
+    job = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    build = Build.objects.get(node=node)
+    assert (build.source_kind, build.source, build.ref) == (BuildSource.GIT, str(repo), "b9999")
+    assert build.build_dir == str(tmp_path / "root" / "git" / "llama.cpp" / "build-cpu")
+    assert build.rpc_protocol == "7.0.0"
