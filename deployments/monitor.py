@@ -81,9 +81,14 @@ def check_deployment(deployment: Deployment) -> str:
     dead = asyncio.run(_check(groups, transports)) if groups else {}
     problems = list(dead.values()) or _unhealthy(deployment)
     if not problems:
+        # Everything answers again (a node that was unreachable for a while is back): running again.
+        if deployment.state == DeploymentState.DEGRADED and deployment.mark_recovered():
+            record(None, "deployment.recovered", deployment, actor_name="monitor")
         return ""
     reason = "\n\n".join(problems)
-    if deployment.mark_degraded(reason):
+    if deployment.state == DeploymentState.DEGRADED:
+        deployment.record(state_reason=reason)  # still degraded; keep the reason current
+    elif deployment.mark_degraded(reason):
         record(
             None, "deployment.degraded", deployment, changes={"reason": reason[:1000]}, actor_name="monitor"
         )
@@ -105,9 +110,10 @@ def _unhealthy(deployment: Deployment) -> list[str]:
 
 
 def check_all() -> list[int]:
-    """Check every running deployment; the ids of those that became degraded."""
+    """Check every running or degraded deployment; the ids of those that are degraded now."""
     degraded = []
-    for deployment in Deployment.objects.filter(state=DeploymentState.RUNNING).select_related("coordinator"):
+    watched = (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+    for deployment in Deployment.objects.filter(state__in=watched).select_related("coordinator"):
         try:
             if check_deployment(deployment):
                 degraded.append(deployment.pk)

@@ -403,3 +403,25 @@ def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
     assert second.plan == first.plan
     second = cluster.stop(second, monkeypatch)
     cluster.assert_clean(second)
+
+
+def test_a_worker_out_of_reach_for_a_while_degrades_then_recovers(cluster, monkeypatch, settings):
+    settings.RAMDECK_SSH_CONNECT_TIMEOUT_S = 2.0
+    cluster.build_all()
+    deployment = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
+    assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+    worker_host = cluster.hosts[1]
+    cluster.lab.link_down(worker_host)
+    try:
+        assert monitor.check_all() == [deployment.pk]
+        deployment.refresh_from_db()
+        assert deployment.state == DeploymentState.DEGRADED
+        assert f"{cluster.workers[0].name} cannot be reached" in deployment.state_reason
+    finally:
+        cluster.lab.link_up(worker_host)
+    assert monitor.check_all() == []
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING
+    assert AuditEvent.objects.filter(action="deployment.recovered").count() == 1
+    deployment = cluster.stop(deployment, monkeypatch)
+    cluster.assert_clean(deployment)
