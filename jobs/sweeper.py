@@ -24,8 +24,9 @@ from .transport import TransportError
 
 logger = logging.getLogger(__name__)
 
-# A heartbeat older than this (seconds) makes a job a suspect; the runner beats every 5 s.
-STALE_AFTER_S = 30.0
+# A heartbeat older than this (seconds) makes a job a suspect; the runner beats every 5 s, and a
+# SQLite database busy with another writer can hold a beat back for its 20 s timeout.
+STALE_AFTER_S = 60.0
 # Older than this, the job is lost even if its worker still answers pings (its runner is wedged).
 HOPELESS_AFTER_S = 600.0
 # Kinds whose recorded process is a daemon meant to outlive the job (ggml-rpc-server, llama-server):
