@@ -128,6 +128,21 @@ def route_between(hosts) -> None:
         )
 
 
+def database_url_for_workers(connection) -> str:
+    """DATABASE_URL of the test database, for a worker process that must see what the test wrote."""
+    from urllib.parse import quote
+
+    conf = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{conf['NAME']}"
+    auth = quote(conf.get("USER") or "")
+    if conf.get("PASSWORD"):
+        auth += ":" + quote(conf["PASSWORD"])
+    host = conf.get("HOST") or "127.0.0.1"
+    port = conf.get("PORT") or 5432
+    return f"postgres://{auth}@{host}:{port}/{conf['NAME']}"
+
+
 class CeleryWorker:
     """A real Celery worker process on the file-based test database, consuming a queue of this test's own
     (set as the default queue before the live server forks, so its `.delay()` calls land here)."""
@@ -151,7 +166,7 @@ class CeleryWorker:
         celery = str(Path(sys.executable).with_name("celery"))
         env = {
             **os.environ,
-            "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+            "DATABASE_URL": database_url_for_workers(connection),
             "PYTHONUNBUFFERED": "1",
         }
         argv = [
