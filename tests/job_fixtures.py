@@ -50,6 +50,19 @@ def python_job(node, code: str, **params) -> Job:
     return make_command_job(node, [PYTHON, "-c", code], **params)
 
 
+def database_url() -> str:
+    """A DATABASE_URL for a subprocess (a Celery worker) that must see this test's database."""
+    from urllib.parse import quote
+
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    auth = quote(db["USER"] or "") + (f":{quote(db['PASSWORD'])}" if db.get("PASSWORD") else "")
+    return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
 def log_of(job: Job) -> list[tuple[int, str, str]]:
     return list(JobLogLine.objects.filter(job=job).order_by("seq").values_list("seq", "stream", "text"))
 

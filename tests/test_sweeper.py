@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import redis
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 
 from jobs import sweeper, tasks
 from jobs.models import Job, JobState
-from tests.job_fixtures import log_of, pid_running, python_job, wait_for
+from tests.job_fixtures import database_url, log_of, pid_running, python_job, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -39,7 +38,7 @@ class Worker:
     def start(self) -> Worker:
         env = {
             **os.environ,
-            "DATABASE_URL": f"sqlite:///{connection.settings_dict['NAME']}",
+            "DATABASE_URL": database_url(),
             "PYTHONUNBUFFERED": "1",
         }
         argv = [CELERY, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", self.queue, "-n", self.name]
