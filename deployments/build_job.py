@@ -254,13 +254,13 @@ async def _git_tree(ctx, found: dict[str, str], root: str, params: dict) -> tupl
 
 async def _compile(ctx, found: dict[str, str], layout: Layout, backend: str, rebuild: bool) -> str:
     flags = cmake_flags(backend)
-    rpc_target = rpc_target_of(
-        await _read(ctx, posixpath.join(layout.tree, "tools", "rpc", "CMakeLists.txt"))
-    )
-    if not await _exists(ctx, posixpath.join(layout.tree, "tools", "rpc")):
-        rpc_target = rpc_target_of(
-            await _read(ctx, posixpath.join(layout.tree, "examples", "rpc", "CMakeLists.txt"))
-        )
+    # Current trees keep the RPC server in tools/rpc, older ones in examples/rpc (as `rpc-server`).
+    rpc_target = "ggml-rpc-server"
+    for folder in ("tools", "examples"):
+        cmakelists = posixpath.join(layout.tree, folder, "rpc", "CMakeLists.txt")
+        if await _exists(ctx, cmakelists):
+            rpc_target = rpc_target_of(await _read(ctx, cmakelists))
+            break
     bins = [posixpath.join(layout.bin_dir, rpc_target), posixpath.join(layout.bin_dir, "llama-server")]
     cache_path = posixpath.join(layout.build_dir, "CMakeCache.txt")
     cached = all([await _exists(ctx, b) for b in bins]) and await _exists(ctx, cache_path)
