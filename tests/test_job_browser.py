@@ -6,6 +6,7 @@ is served by the live daphne, which hears the runner through the real Redis chan
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -87,3 +88,33 @@ def test_the_job_list_badge_turns_to_succeeded_without_a_reload(
         go.touch()
         thread.join(timeout=60)
     assert page.evaluate("window.__notReloaded") is True
+
+
+def test_without_a_websocket_the_page_polls_until_the_job_ends(
+    channel_layer, local_node, live_server_url, page, tmp_path
+):
+    """A proxy that refuses websockets: the log and the badge still arrive, by polling, which then stops."""
+    UserFactory(username="vera-viewer", role="viewer")
+    go = tmp_path / "go"
+    job = _job_waiting_for(local_node, go)
+    page.route_web_socket("**/ws/**", lambda ws: ws.close(code=1008))
+    polls: list[str] = []
+    page.on("request", lambda request: polls.append(request.url) if "after=" in request.url else None)
+    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    page.goto(f"{live_server_url}/jobs/{job.pk}/")
+    page.evaluate("window.__notReloaded = true")
+    thread = _run_in_background(job)
+    try:
+        log = page.locator(f"#job-log-{job.pk}")
+        expect(log).to_contain_text("first line from the node")
+        go.touch()
+        expect(log).to_contain_text("second line <done>")
+        expect(page.locator(f"#job-badge-{job.pk}")).to_have_text("Succeeded")
+    finally:
+        go.touch()
+        thread.join(timeout=60)
+    assert polls and page.evaluate("window.__notReloaded") is True
+    seqs = page.eval_on_selector_all(f"#job-log-{job.pk} [data-seq]", "els => els.map(e => e.dataset.seq)")
+    assert seqs == [str(i) for i in range(len(seqs))]
+    # The finished summary carries no trigger: polling has stopped.
+    expect(page.locator(f"#job-summary-{job.pk}")).not_to_have_attribute("hx-trigger", re.compile(".*"))
