@@ -191,7 +191,6 @@ async def rpc_server_body(ctx) -> str:
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "
             f"set for {ctx.node.name}. It has no authentication: anyone who reaches port {port} can use it."
         )
-    await ctx.log("starting: " + " ".join(argv))
     pid = await ctx.start_daemon(argv, log_path=log_path)
     await sync_to_async(_add_process)(
         deployment.pk,
@@ -205,7 +204,6 @@ async def rpc_server_body(ctx) -> str:
             "started_at": timezone.now().isoformat(),
         },
     )
-    await ctx.log(f"PID {pid}; log {log_path}")
     await wait_listening(ctx, pid, port, log_path, timeout=float(params.get("listen_timeout", 30)))
     banner_text = "\n".join(await tail_lines(ctx, log_path, 40))
     for line in banner_text.splitlines():
@@ -292,7 +290,6 @@ async def llama_server_body(ctx) -> str:
         "-lv",
         "4",
     ]
-    await ctx.log("starting: " + " ".join(argv))
     pid = await ctx.start_daemon(argv, log_path=log_path)
     await sync_to_async(_add_process)(
         deployment.pk,
@@ -307,7 +304,6 @@ async def llama_server_body(ctx) -> str:
             "started_at": timezone.now().isoformat(),
         },
     )
-    await ctx.log(f"PID {pid}; log {log_path}")
     url = endpoint_url(deployment)
     timeout = float(
         ctx.job.params.get("health_timeout") or health_timeout_s(deployment.model_file.size_bytes)
