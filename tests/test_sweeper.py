@@ -186,3 +186,34 @@ def test_a_lost_launch_keeps_its_daemon_running_as_adopted(local_node, orphans):
     assert pid_running(daemon.pid)
     texts = [text for _, _, text in log_of(job)]
     assert any("adopted" in text for text in texts)
+
+
+def test_the_beat_schedule_names_the_sweep_task_that_exists():
+    from ramdeck_site.celery import app
+
+    app.loader.import_default_modules()
+    assert app.conf.beat_schedule["sweep-lost-jobs"]["task"] == "jobs.tasks.sweep_lost_jobs"
+    assert "jobs.tasks.sweep_lost_jobs" in app.tasks and "jobs.tasks.run_job" in app.tasks
+
+
+def test_a_job_past_the_soft_time_limit_is_errored_and_its_process_ended(local_node, monkeypatch, orphans):
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from jobs import runner
+
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    orphans.append(sleeper.pid)
+    job = python_job(local_node, "print(1)")
+
+    def overrun(job_id: int, *, worker: str = "") -> None:
+        claimed = Job.objects.get(pk=job_id)
+        claimed.mark_running(worker)
+        claimed.record_remote_pid(sleeper.pid)
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(runner, "run_job", overrun)
+    tasks.run_job.apply(args=[job.pk])
+    job.refresh_from_db()
+    assert job.state == JobState.ERRORED
+    assert job.result == "The job ran past the time limit for jobs and was stopped."
+    assert sleeper.wait(timeout=30) is not None
