@@ -184,7 +184,8 @@ async def rpc_server_body(ctx) -> str:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     port = int(params["port"])
     directory = await run_dir(ctx)
-    log_path = posixpath.join(directory, f"rpc-server-{port}.log")
+    # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
+    log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     argv = [build.rpc_server_path, *params["args"]]
     if params.get("exposed"):
         await ctx.log(
@@ -269,8 +270,8 @@ async def llama_server_body(ctx) -> str:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     directory = await run_dir(ctx)
     port = deployment.port
-    log_path = posixpath.join(directory, f"llama-server-{port}.log")
-    key_path = posixpath.join(directory, f"llama-server-{port}.key")
+    log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.log")
+    key_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.key")
     key = secrets.token_urlsafe(32)
     await sync_to_async(_store_key)(deployment.pk, key)
     await _write_key_file(ctx, key_path, key)
