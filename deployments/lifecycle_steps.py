@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import posixpath
+import re
 import secrets
 import tempfile
 
@@ -234,6 +235,11 @@ async def _write_key_file(ctx, path: str, key: str) -> None:
             os.unlink(local)
 
 
+def _without_key(text: str) -> str:
+    """llama-server prints the API key's last characters at start; even those stay out of the job log."""
+    return re.sub(r"(api_keys?:\s*)\S+", r"\1(hidden)", text)
+
+
 async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeout: float) -> None:
     """Copy llama-server's log into the job log as it grows and wait for GET /health = 200."""
     shown = 0
@@ -244,7 +250,7 @@ async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeou
             fresh = [line.text for line in result.lines if line.stream == "out"]
             shown += len(fresh)
             for text in fresh:
-                await ctx.log(f"[llama-server] {text}")
+                await ctx.log(f"[llama-server] {_without_key(text)}")
             with contextlib.suppress(httpx.HTTPError):
                 response = await client.get(f"{url}/health")
                 if response.status_code == 200:

@@ -24,7 +24,7 @@ from deployments import lifecycle, monitor, planner
 from deployments.build_job import file_sha256
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
-from jobs.models import AuditEvent, Job, JobKind, JobState
+from jobs.models import AuditEvent, Job, JobKind, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
     TARBALL,
@@ -241,6 +241,9 @@ def test_build_plan_deploy_complete_verify_stop(cluster, monkeypatch):
 
     url = f"http://{cluster.coordinator.address}:{LLAMA_PORT}"
     key = deployment.api_key()
+    assert not JobLogLine.objects.filter(text__contains=key).exists()
+    assert not JobLogLine.objects.filter(text__contains="****" + key[-4:]).exists()
+    assert JobLogLine.objects.filter(text__contains="api_keys: (hidden)").exists()
     assert key and key not in json.dumps(list(Job.objects.values_list("params", flat=True)))
     assert not any(
         key in text
