@@ -6,39 +6,78 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0001_initial'),
-        ('jobs', '0001_initial'),
-        ('nodes', '0002_build'),
+        ("deployments", "0001_initial"),
+        ("jobs", "0001_initial"),
+        ("nodes", "0002_build"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='DeploymentStep',
+            name="DeploymentStep",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=40)),
-                ('order', models.PositiveIntegerField()),
-                ('deployment', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='steps', to='deployments.deployment')),
-                ('job', models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, related_name='deployment_step', to='jobs.job')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=40)),
+                ("order", models.PositiveIntegerField()),
+                (
+                    "deployment",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="steps",
+                        to="deployments.deployment",
+                    ),
+                ),
+                (
+                    "job",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="deployment_step",
+                        to="jobs.job",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['deployment', 'order', 'pk'],
+                "ordering": ["deployment", "order", "pk"],
             },
         ),
         migrations.CreateModel(
-            name='ResourceClaim',
+            name="ResourceClaim",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('resource', models.CharField(max_length=60)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('deployment', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='claims', to='deployments.deployment')),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='claims', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("resource", models.CharField(max_length=60)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "deployment",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="claims",
+                        to="deployments.deployment",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="claims", to="nodes.node"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['node__name', 'resource'],
-                'constraints': [models.UniqueConstraint(fields=('node', 'resource'), name='unique_claim_per_node_resource')],
+                "ordering": ["node__name", "resource"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("node", "resource"), name="unique_claim_per_node_resource"
+                    )
+                ],
             },
         ),
     ]

@@ -6,28 +6,41 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0002_deploymentstep_resourceclaim'),
-        ('nodes', '0002_build'),
+        ("deployments", "0002_deploymentstep_resourceclaim"),
+        ("nodes", "0002_build"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='StaleProcess',
+            name="StaleProcess",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('port', models.PositiveIntegerField()),
-                ('pid', models.PositiveIntegerField()),
-                ('program', models.CharField(max_length=40)),
-                ('cmdline', models.TextField(blank=True)),
-                ('first_seen_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('last_seen_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='stale_processes', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("port", models.PositiveIntegerField()),
+                ("pid", models.PositiveIntegerField()),
+                ("program", models.CharField(max_length=40)),
+                ("cmdline", models.TextField(blank=True)),
+                ("first_seen_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("last_seen_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="stale_processes",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['node__name', 'port'],
-                'constraints': [models.UniqueConstraint(fields=('node', 'port', 'pid'), name='unique_stale_process')],
+                "ordering": ["node__name", "port"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("node", "port", "pid"), name="unique_stale_process")
+                ],
             },
         ),
     ]
