@@ -159,3 +159,16 @@ def test_a_viewer_sees_builds_but_cannot_start_one(viewer_client):
     )
     assert response.status_code == 403
     assert not Job.objects.exists()
+
+
+def test_the_dashboard_loads_the_stale_process_region(viewer_client):
+    from deployments.models import StaleProcess
+
+    node = NodeFactory(name="old-pc")
+    StaleProcess.objects.create(
+        node=node, port=50052, pid=4242, program="rpc-server", cmdline="ggml-rpc-server -p 50052"
+    )
+    dashboard = viewer_client.get(reverse("dashboard")).content.decode()
+    assert f'hx-get="{reverse("deployments:stale")}"' in dashboard
+    region = viewer_client.get(reverse("deployments:stale")).content.decode()
+    assert "4242" in region and "Reap" not in region  # viewers see it, operators reap it
