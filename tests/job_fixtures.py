@@ -29,7 +29,13 @@ def channel_layer(settings):
     settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [settings.REDIS_URL], "prefix": f"t{uuid.uuid4().hex[:12]}", "expiry": 60},
+            "CONFIG": {
+                "hosts": [settings.REDIS_URL],
+                "prefix": f"t{uuid.uuid4().hex[:12]}",
+                "expiry": 60,
+                # Tests read a channel only after the job ended: room for every batch of a long log.
+                "capacity": 100_000,
+            },
         }
     }
     return get_channel_layer()
