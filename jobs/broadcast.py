@@ -9,9 +9,11 @@ consumers render the parts of the page that depend on the viewer (the cancel but
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from html import escape
 
 from asgiref.sync import async_to_sync
@@ -84,12 +86,23 @@ async def send_status(job_id: int, state: str) -> None:
 
 
 def send_lines_sync(job_id: int, rows: list) -> None:
-    """For callers without an event loop (views, the sweeper)."""
-    async_to_sync(send_lines)(job_id, rows)
+    """For synchronous callers (views, the sweeper)."""
+    call_sync(send_lines, job_id, rows)
 
 
 def send_status_sync(job_id: int, state: str) -> None:
-    async_to_sync(send_status)(job_id, state)
+    call_sync(send_status, job_id, state)
+
+
+def call_sync(func, *args):
+    """`async_to_sync(func)(*args)`; from a thread whose own event loop is running (Playwright's sync
+    API keeps one on the test thread), which async_to_sync refuses, in a short-lived thread instead."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return async_to_sync(func)(*args)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(async_to_sync(func), *args).result()
 
 
 async def _group_send(group: str, message: dict) -> None:

@@ -23,6 +23,7 @@ import os
 import socket
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
@@ -380,6 +381,12 @@ async def _finish(job: Job, writer: LogWriter, state: str, exit_code, result: st
 def run_job(job_id: int, *, worker: str = "") -> None:
     """Claim and run one job to its end. A job that is not queued (already run, or running under a
     redelivered task) is left alone."""
+    if _event_loop_running():
+        # asyncio.run cannot start inside a running loop (a caller on Playwright's test thread, say):
+        # run on a thread of our own, with its own database connection, closed afterwards.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(_run_job_and_close, job_id, worker).result()
+        return
     job = Job.objects.select_related("node", "node__credential").filter(pk=job_id).first()
     if job is None:
         logger.warning("Job %s does not exist; nothing to run.", job_id)
@@ -389,6 +396,30 @@ def run_job(job_id: int, *, worker: str = "") -> None:
         return
     broadcast.send_status_sync(job.pk, job.state)
     asyncio.run(with_own_db_thread(_execute(job)))
+
+
+def run_to_completion(make: Callable[[], Awaitable[Any]]) -> Any:
+    """`asyncio.run(make())` for synchronous callers; on a short-lived thread when this thread's own
+    event loop is already running (asyncio.run refuses to nest)."""
+    if not _event_loop_running():
+        return asyncio.run(make())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+def _event_loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _run_job_and_close(job_id: int, worker: str) -> None:
+    try:
+        run_job(job_id, worker=worker)
+    finally:
+        connections.close_all()
 
 
 def enqueue(job: Job) -> None:

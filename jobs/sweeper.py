@@ -10,7 +10,6 @@ started running on purpose (adoption), in which case the process is left alone a
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from datetime import datetime, timedelta
 
@@ -113,12 +112,13 @@ def wants_adoption(job: Job) -> bool:
 
 
 def _deal_with_remote_process(job: Job) -> list[str]:
-    from .runner import with_own_db_thread
+    from .runner import run_to_completion, with_own_db_thread
 
     pid = job.remote_pid
     where = job.node_name or "the console's host"
     try:
-        alive, ended = asyncio.run(with_own_db_thread(_check_and_end(job, pid, end=not wants_adoption(job))))
+        end = not wants_adoption(job)
+        alive, ended = run_to_completion(lambda: with_own_db_thread(_check_and_end(job, pid, end=end)))
     except TransportError as exc:
         return [f"Could not reach {where} to end process {pid}: {exc}"]
     except Exception as exc:  # noqa: BLE001 - the job is already marked; report, do not crash the sweep.

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import psutil
 import pytest
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from jobs.broadcast import call_sync
 from jobs.models import Job, JobKind, JobLogLine
 from nodes.models import Transport
 from tests.factories import NodeFactory
@@ -106,4 +106,4 @@ def receive_all(layer, channel: str, *, quiet: float = 1.0) -> list[dict]:
             except TimeoutError:
                 return messages
 
-    return async_to_sync(drain)()
+    return call_sync(drain)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from asgiref.sync import async_to_sync
 
 from jobs import bodies, broadcast, runner
+from jobs.broadcast import call_sync
 from jobs.models import Job, JobKind, JobLogLine, JobState
 from tests.job_fixtures import (
     log_of,
@@ -45,8 +45,8 @@ def test_a_local_command_runs_and_its_output_is_stored_in_order(local_node, chan
 
 def test_lines_are_sent_to_the_job_group_after_they_are_saved(local_node, channel_layer):
     job = python_job(local_node, "for i in range(5000): print('line', i)")
-    channel = async_to_sync(channel_layer.new_channel)()
-    async_to_sync(channel_layer.group_add)(broadcast.group_name(job.pk), channel)
+    channel = call_sync(channel_layer.new_channel)
+    call_sync(channel_layer.group_add, broadcast.group_name(job.pk), channel)
     runner.run_job(job.pk)
     messages = receive_all(channel_layer, channel)
     batches = [m for m in messages if m["type"] == "job.lines"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-from asgiref.sync import async_to_sync
 
 from jobs import broadcast, runner
+from jobs.broadcast import call_sync
 from jobs.models import Job, JobLogLine, JobState
 from nodes.models import CredentialKind
 from tests.factories import CredentialFactory, NodeFactory
@@ -44,8 +44,8 @@ def out_texts(job: Job) -> list[str]:
 
 def test_two_hundred_thousand_lines_over_ssh_are_stored_and_sent_in_order(lab, lab_host, channel_layer):
     job = make_command_job(ssh_node(lab, lab_host), ["seq", "0", "199999"])
-    channel = async_to_sync(channel_layer.new_channel)()
-    async_to_sync(channel_layer.group_add)(broadcast.group_name(job.pk), channel)
+    channel = call_sync(channel_layer.new_channel)
+    call_sync(channel_layer.group_add, broadcast.group_name(job.pk), channel)
     runner.run_job(job.pk)
     job.refresh_from_db()
     assert job.state == JobState.SUCCEEDED, job.result
