@@ -373,9 +373,14 @@ class SSHTransport:
                             yield early
                         held.clear()
                         continue
-                    if running.pid is None and len(held) < _HOLD_LINES:
-                        held.append(line)
-                        continue
+                    if running.pid is None:
+                        if len(held) < _HOLD_LINES:
+                            held.append(line)
+                            continue
+                        # The marker is unusually late: stop waiting for it, but never reorder output.
+                        for early in held:
+                            yield early
+                        held.clear()
                     yield line
             for early in held:  # No marker came (an odd login shell): deliver what waited for it.
                 yield early

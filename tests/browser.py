@@ -38,15 +38,20 @@ def chromium_path() -> str | None:
 _INHERITED_CONNECTIONS: list = []
 
 
-def _fresh_database_connections() -> None:
-    """Runs in the forked server: leave the parent's open database sockets alone, open new ones.
+def _prepare_forked_server() -> None:
+    """Runs in the forked server before it serves: give it its own database connections and threads.
 
     The settings already name the test database (pytest-django switched them before the fork). Closing an
     inherited connection would end the parent's session too, so we only drop it, keeping a reference so
-    garbage collection never closes it either.
+    garbage collection never closes it either. asgiref's process-wide database thread does not survive a
+    fork: an inherited executor whose only thread is missing would make every database call wait forever.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asgiref.sync import SyncToAsync
     from django.db import connections
 
+    SyncToAsync.single_thread_executor = ThreadPoolExecutor(max_workers=1)
     for connection in connections.all(initialized_only=True):
         _INHERITED_CONNECTIONS.append(connection.connection)
         connection.connection = None
@@ -79,7 +84,7 @@ def live_server_url(transactional_db, settings):
     """A real daphne serving the ASGI app (HTTP and websockets) against the test database."""
     settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "localhost", "127.0.0.1"]
     get_application = partial(make_application, static_wrapper=ASGIStaticFilesHandler)
-    process = DaphneProcess("127.0.0.1", get_application, setup=_fresh_database_connections)
+    process = DaphneProcess("127.0.0.1", get_application, setup=_prepare_forked_server)
     process.start()
     if not process.ready.wait(timeout=30):
         process.terminate()

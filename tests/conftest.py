@@ -12,6 +12,12 @@ from tests.factories import PASSWORD, UserFactory
 pytest_plugins: list[str] = ["tests.lab.fixtures", "tests.browser", "tests.job_fixtures"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Browser tests last: Playwright's sync API keeps an event loop on the main thread for the rest of the
+    session, which would break later tests that start their own (asyncio.run, async_to_sync)."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
+
+
 @pytest.fixture
 def password() -> str:
     return PASSWORD

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from asgiref.sync import SyncToAsync
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
@@ -21,18 +19,6 @@ from tests.factories import UserFactory
 from tests.job_fixtures import log_of, make_command_job, python_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _no_lingering_database_thread():
-    """End asgiref's process-wide database thread after each test. The consumers' database calls start
-    it; left running, a process forked later by another test (the live daphne of the browser tests)
-    would inherit a thread pool whose only thread does not exist there, and every websocket's first
-    database call would wait forever."""
-    yield
-    spent = SyncToAsync.single_thread_executor
-    SyncToAsync.single_thread_executor = ThreadPoolExecutor(max_workers=1)
-    spent.shutdown(wait=True)
 
 
 SEQ = re.compile(r'data-seq="(\d+)"')
