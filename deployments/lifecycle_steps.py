@@ -366,9 +366,15 @@ async def measure_body(ctx) -> str:
         )
     if response.status_code != 200:
         raise JobFailed(f"POST /completion answered {response.status_code}: {response.text[:300]}")
-    timings = response.json().get("timings", {})
+    timings = response.json().get("timings") or {}
     decode = timings.get("predicted_per_second")
     prompt = timings.get("prompt_per_second")
+    if not isinstance(decode, int | float) or not isinstance(prompt, int | float):
+        # An older or differently built llama-server may answer without timings: say so, not a TypeError.
+        raise JobFailed(
+            "llama-server answered /completion without speed timings "
+            f"(predicted_per_second={decode!r}, prompt_per_second={prompt!r}); cannot measure"
+        )
     predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
     await sync_to_async(_set_fields)(deployment.pk, measured_decode_tps=decode, measured_prompt_tps=prompt)
     await ctx.log(

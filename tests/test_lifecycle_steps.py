@@ -1,0 +1,95 @@
+"""Step bodies of a deployment (deployments/lifecycle_steps.py) against real local processes and a small
+HTTP server standing in for llama-server's answers. The full path over SSH and real llama.cpp is
+tests/test_e2e_deployment.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from deployments import lifecycle_steps
+from deployments.models import Deployment, ModelFile
+from jobs.runner import JobFailed
+from tests.job_fixtures import local_node  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Ctx:
+    """The part of jobs.runner.JobContext a step body uses, with the log kept in a list."""
+
+    def __init__(self, job_params: dict, node=None, transport=None):
+        self.job = type("J", (), {"params": job_params, "created_by": None, "created_by_id": None})()
+        self.node = node
+        self.transport = transport
+        self.lines: list[str] = []
+
+    async def log(self, text: str, stream: str = "system") -> None:
+        self.lines.append(text)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _serve(answer: dict) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _deployment(node, port: int = 8080, **fields) -> Deployment:
+    model = ModelFile.objects.create(name=f"m{port}", node=node, path="/m/tiny.gguf")
+    deployment = Deployment.objects.create(
+        name="tiny",
+        model_file=model,
+        coordinator=node,
+        plan={"llama_server_args": [], "placements": [], "predicted_tokens_per_s": 10.0},
+        port=port,
+        **fields,
+    )
+    deployment.set_api_key("k")
+    deployment.save(update_fields=["api_key_encrypted"])
+    return deployment
+
+
+def test_measure_without_timings_fails_with_a_readable_reason(local_node):  # noqa: F811
+    server = _serve({"content": "once upon a time"})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        with pytest.raises(JobFailed, match="without speed timings"):
+            asyncio.run(lifecycle_steps.measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_measure_records_the_speed_llama_server_reports(local_node):  # noqa: F811
+    server = _serve({"timings": {"predicted_per_second": 12.5, "prompt_per_second": 80.0}})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        result = asyncio.run(
+            lifecycle_steps.measure_body(Ctx({"deployment": deployment.pk}, node=local_node))
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
