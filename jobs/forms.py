@@ -6,7 +6,8 @@ import shlex
 
 from django import forms
 
-from nodes.models import Node
+from nodes.models import Node, Transport
+from ramdeck_site.roles import can_administer
 
 from .models import JobKind, JobState
 
@@ -35,6 +36,13 @@ class CommandForm(forms.Form):
         required=False,
         help_text="Seconds before the command is ended. Empty: the console's default.",
     )
+
+    def __init__(self, *args, user=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A command on the console's own host runs as the console's user and can read its secrets
+        # (the encryption key, the database): only admins get those nodes. The view checks it too.
+        if not can_administer(user):
+            self.fields["node"].queryset = self.fields["node"].queryset.filter(transport=Transport.SSH)
 
     def clean_command(self) -> list[str]:
         line = self.cleaned_data["command"]

@@ -15,7 +15,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_POST
 
-from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+from nodes.models import Node, Transport
+from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, require_role, role_required
 
 from . import audit, broadcast, runner
 from .broadcast import log_line_html, plain_text
@@ -155,9 +156,16 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
 
 @role_required(OPERATOR)
 def job_create(request: HttpRequest) -> HttpResponse:
-    """Run one command on a node, as a job with a live log."""
+    """Run one command on a node, as a job with a live log.
+
+    A command on a local-transport node runs as the console's own user, next to its encryption key
+    and database, so it needs the admin role; the form hides those nodes from operators, and this
+    check refuses them even when posted by hand.
+    """
     if request.method == "POST":
-        form = CommandForm(request.POST)
+        if Node.objects.filter(name=request.POST.get("node", ""), transport=Transport.LOCAL).exists():
+            require_role(request, ADMIN)
+        form = CommandForm(request.POST, user=request.user)
         if form.is_valid():
             node, argv = form.cleaned_data["node"], form.cleaned_data["command"]
             params = {"argv": argv}
@@ -178,5 +186,5 @@ def job_create(request: HttpRequest) -> HttpResponse:
             messages.success(request, f"{job} queued.")
             return redirect(job)
     else:
-        form = CommandForm(initial={"node": request.GET.get("node")})
+        form = CommandForm(initial={"node": request.GET.get("node")}, user=request.user)
     return render(request, "jobs/job_form.html", {"form": form})

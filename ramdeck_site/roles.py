@@ -47,21 +47,30 @@ def can_administer(user) -> bool:
     return has_role(user, ADMIN)
 
 
+def require_role(request, needed: str) -> None:
+    """Raise PermissionDenied (after an audit entry) when the user's role is below `needed`.
+
+    For checks that depend on what is asked for, not only on which view is asked (e.g. a command on
+    the console's own host needs more than a command on a remote node).
+    """
+    if not has_role(request.user, needed):
+        from jobs import audit
+
+        audit.record(
+            request,
+            "permission_denied",
+            changes={"path": request.path, "method": request.method, "needed": needed},
+        )
+        raise PermissionDenied(f"This needs the {needed} role.")
+
+
 def role_required(needed: str):
     """View decorator: 403 (and an audit entry) when the user's role is below `needed`."""
 
     def decorator(view):
         @wraps(view)
         def wrapper(request, *args, **kwargs):
-            if not has_role(request.user, needed):
-                from jobs import audit
-
-                audit.record(
-                    request,
-                    "permission_denied",
-                    changes={"path": request.path, "method": request.method, "needed": needed},
-                )
-                raise PermissionDenied(f"This needs the {needed} role.")
+            require_role(request, needed)
             return view(request, *args, **kwargs)
 
         return wrapper

@@ -18,6 +18,11 @@ def node(db):
     return NodeFactory(name="attic", address="127.0.0.1", transport="local")
 
 
+@pytest.fixture
+def ssh_node(db):
+    return NodeFactory(name="cellar", address="10.77.0.2", transport="ssh")
+
+
 def add_lines(job: Job, count: int, *, stream: str = "out", text: str = "line {i}") -> None:
     for start in range(0, count, 5000):
         job.append_lines([(stream, text.format(i=i)) for i in range(start, min(count, start + 5000))])
@@ -179,26 +184,53 @@ def test_operators_see_the_cancel_button_on_an_active_job(operator_client, node)
 
 
 def test_an_operator_runs_a_command_line_split_like_a_shell(
-    operator_client, operator_user, node, monkeypatch, django_capture_on_commit_callbacks
+    operator_client, operator_user, ssh_node, monkeypatch, django_capture_on_commit_callbacks
 ):
     sent = []
     monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(
-            reverse("jobs:create"), {"node": "attic", "command": "ls -la '/var/log/my dir'", "timeout": "60"}
+            reverse("jobs:create"), {"node": "cellar", "command": "ls -la '/var/log/my dir'", "timeout": "60"}
         )
     job = Job.objects.get()
     assert response.status_code == 302 and response["Location"] == job.get_absolute_url()
-    assert job.kind == JobKind.COMMAND and job.node == node and job.created_by == operator_user
+    assert job.kind == JobKind.COMMAND and job.node == ssh_node and job.created_by == operator_user
     assert job.params == {"argv": ["ls", "-la", "/var/log/my dir"], "timeout": 60}
     assert sent == [job.pk]
     event = AuditEvent.objects.get(action="job.create")
-    assert event.changes["argv"] == ["ls", "-la", "/var/log/my dir"] and event.changes["node"] == "attic"
+    assert event.changes["argv"] == ["ls", "-la", "/var/log/my dir"] and event.changes["node"] == "cellar"
 
 
-def test_an_unbalanced_quote_is_a_form_error_and_runs_nothing(operator_client, node, monkeypatch):
+def test_an_operator_cannot_run_a_command_on_the_consoles_own_host(
+    operator_client, node, ssh_node, monkeypatch
+):
     monkeypatch.setattr(tasks.run_job, "delay", lambda pk: pytest.fail("nothing should be enqueued"))
-    response = operator_client.post(reverse("jobs:create"), {"node": "attic", "command": "echo 'oops"})
+    form_html = operator_client.get(reverse("jobs:create")).content.decode()
+    assert '<option value="cellar">' in form_html and 'value="attic"' not in form_html
+    response = operator_client.post(
+        reverse("jobs:create"), {"node": "attic", "command": "cat var/encryption_key"}
+    )
+    assert response.status_code == 403
+    assert not Job.objects.exists()
+    event = AuditEvent.objects.get(action="permission_denied")
+    assert event.changes["needed"] == "admin" and event.changes["method"] == "POST"
+
+
+def test_an_admin_may_run_a_command_on_the_consoles_own_host(
+    admin_client, node, monkeypatch, django_capture_on_commit_callbacks
+):
+    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: None)
+    assert 'value="attic"' in admin_client.get(reverse("jobs:create")).content.decode()
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(reverse("jobs:create"), {"node": "attic", "command": "id"})
+    job = Job.objects.get()
+    assert response.status_code == 302 and job.node == node and job.params == {"argv": ["id"]}
+    assert not AuditEvent.objects.filter(action="permission_denied").exists()
+
+
+def test_an_unbalanced_quote_is_a_form_error_and_runs_nothing(operator_client, ssh_node, monkeypatch):
+    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: pytest.fail("nothing should be enqueued"))
+    response = operator_client.post(reverse("jobs:create"), {"node": "cellar", "command": "echo 'oops"})
     assert response.status_code == 200
     assert "cannot be split into arguments" in response.content.decode()
     assert not Job.objects.exists()
@@ -210,9 +242,9 @@ def test_viewers_cannot_run_commands(viewer_client, node):
     assert not Job.objects.exists()
 
 
-def test_the_run_form_preselects_the_node_from_the_query(operator_client, node):
-    html = operator_client.get(reverse("jobs:create"), {"node": "attic"}).content.decode()
-    assert '<option value="attic" selected>' in html
+def test_the_run_form_preselects_the_node_from_the_query(operator_client, ssh_node):
+    html = operator_client.get(reverse("jobs:create"), {"node": "cellar"}).content.decode()
+    assert '<option value="cellar" selected>' in html
 
 
 def test_job_pages_link_the_node_and_the_starter(admin_client, node):
