@@ -46,11 +46,11 @@ class NodeForm(forms.ModelForm):
 
     def clean_rpc_bind_address(self):
         value = self.cleaned_data["rpc_bind_address"].strip()
-        if value == "0.0.0.0":
+        if value in ("0.0.0.0", "::", "[::]"):
             # ggml-rpc-server has no authentication: binding to every interface is an admin decision
             # taken per deployment with a warning, not a node default.
             raise forms.ValidationError(
-                "0.0.0.0 exposes the unauthenticated RPC server on every network; "
+                f"{value} exposes the unauthenticated RPC server on every network; "
                 "give the node's LAN address."
             )
         return value
@@ -91,9 +91,20 @@ class CredentialForm(forms.ModelForm):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.has_stored_secret = bool(self.instance.pk and self.instance.secret_encrypted)
+        self.secret_was_cleared = False
         if self.has_stored_secret:
             self.fields["secret"].initial = SECRET_PLACEHOLDER
             self.fields["secret"].help_text += " The stored value is kept unless you replace it."
+
+    def full_clean(self):
+        super().full_clean()
+        if self.is_bound and self._errors:
+            # A form with errors re-renders; a secret that was typed or pasted must not travel back to the
+            # browser inside it. The person pastes it again (the message above the form says so).
+            self.data = self.data.copy()
+            self.data["secret"] = SECRET_PLACEHOLDER if self.has_stored_secret else ""
+            self.data.pop("passphrase", None)
+            self.secret_was_cleared = True
 
     def clean_key_file(self):
         upload = self.cleaned_data.get("key_file")

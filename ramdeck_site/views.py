@@ -15,9 +15,13 @@ from deployments.models import Deployment
 from jobs import audit
 from jobs.models import AuditEvent, Job
 from nodes.models import Device, Node
+from .roles import can_view
 
 
 def dashboard(request):
+    if not can_view(request.user):
+        # Logged in but in no role: a page that says so, and no inventory queries at all.
+        return render(request, "ramdeck_site/dashboard.html", {})
     nodes = Node.objects.all()
     reachability = dict(nodes.values_list("reachability").annotate(n=Count("pk")))
     memory = Device.objects.filter(node__enabled=True).aggregate(
@@ -35,7 +39,7 @@ def dashboard(request):
         "active_deployments": Deployment.objects.filter(state__in=DEPLOYMENT_ACTIVE_STATES).select_related(
             "model_file", "coordinator"
         ),
-        "recent_events": AuditEvent.objects.all()[:8] if request.user.is_authenticated else [],
+        "recent_events": AuditEvent.objects.all()[:8],
     }
     return render(request, "ramdeck_site/dashboard.html", context)
 
@@ -83,8 +87,3 @@ class RamdeckPasswordChangeView(auth_views.PasswordChangeView):
 def password_change_done(request):
     messages.success(request, "Your password has been changed.")
     return redirect("dashboard")
-
-
-def not_built_yet(request, *args, **kwargs):
-    """Placeholder for pages another area of the console has not wired yet."""
-    return render(request, "ramdeck_site/not_built_yet.html", status=200)

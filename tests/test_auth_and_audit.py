@@ -143,3 +143,13 @@ def test_admin_role_opens_user_management_and_operator_does_not(admin_client, cl
     assert admin_client.get(reverse("admin:auth_user_changelist")).status_code == 200
     client.force_login(operator_user)
     assert client.get(reverse("admin:auth_user_changelist")).status_code == 302  # to the admin login
+
+
+def test_a_user_without_a_role_gets_a_dashboard_that_says_so_and_shows_nothing(
+    client, stranger_user, admin_user
+):
+    audit.record(admin_user, "node.create", object_type="node", object_repr="secret-attic")
+    client.force_login(stranger_user)
+    body = client.get(reverse("dashboard")).content.decode()
+    assert "Your account has no role yet" in body
+    assert "secret-attic" not in body

@@ -58,6 +58,7 @@ def test_admin_adds_a_node_and_the_audit_history_records_it(admin_client):
         ("name", "has spaces", "letters, numbers, underscores or hyphens"),
         ("ssh_user", "", "needs the user to log in as"),
         ("rpc_bind_address", "0.0.0.0", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "::", "exposes the unauthenticated RPC server"),
     ],
 )
 def test_bad_node_input_re_renders_the_form_naming_the_problem(admin_client, field, value, message):

@@ -142,8 +142,13 @@ def test_bad_keys_re_render_the_form_and_save_nothing(admin_client, secret, pass
         {"name": "k", "kind": "private_key", "secret": secret, "passphrase": passphrase},
     )
     assert response.status_code == 200
-    assert message in response.content.decode()
+    body = response.content.decode()
+    assert message in body
     assert not Credential.objects.exists()
+    if secret:
+        # The submitted key is not echoed back into the re-rendered form.
+        assert _key_body(secret) not in body
+        assert "paste it again" in body
 
 
 def test_passphrase_protected_key_with_its_passphrase_is_accepted(admin_client):
