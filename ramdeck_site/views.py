@@ -15,6 +15,7 @@ from deployments.models import Deployment
 from jobs import audit
 from jobs.models import AuditEvent, Job
 from nodes.models import Device, Node
+
 from .roles import can_view
 
 
