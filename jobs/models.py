@@ -124,9 +124,18 @@ class Job(models.Model):
         return bool(changed)
 
     def request_cancel(self) -> bool:
-        """Cancel a queued job at once; ask the runner to end a running one."""
-        if Job.objects.filter(pk=self.pk, state=JobState.QUEUED).exists():
-            return self.finish(JobState.CANCELLED, result="Cancelled before it started.")
+        """Cancel a queued job at once; ask the runner to end a running one.
+
+        The queued case is one conditional UPDATE: a check followed by `finish()` (which accepts a
+        running job too) would mark a job the runner claimed in between as cancelled while its
+        process runs on, without ever asking the runner to stop it.
+        """
+        now, result = timezone.now(), "Cancelled before it started."
+        if Job.objects.filter(pk=self.pk, state=JobState.QUEUED).update(
+            state=JobState.CANCELLED, finished_at=now, result=result
+        ):
+            self.state, self.finished_at, self.result = JobState.CANCELLED, now, result
+            return True
         changed = Job.objects.filter(pk=self.pk, state=JobState.RUNNING).update(cancel_requested=True)
         self.cancel_requested = self.cancel_requested or bool(changed)
         return bool(changed)

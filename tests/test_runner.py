@@ -184,6 +184,36 @@ def test_cancelling_a_queued_job_ends_it_before_it_starts(local_node, channel_la
     assert not JobLogLine.objects.filter(job=job).exists()
 
 
+def test_cancelling_a_running_job_asks_its_runner_and_leaves_its_state(local_node):
+    job = make_command_job(local_node, ["sleep", "300"])
+    assert job.mark_running("w1")
+    assert Job.objects.get(pk=job.pk).request_cancel()
+    job.refresh_from_db()
+    assert job.state == JobState.RUNNING and job.cancel_requested and job.finished_at is None
+
+
+def test_a_job_claimed_by_its_runner_during_cancel_is_never_marked_cancelled_while_running(
+    local_node, monkeypatch
+):
+    """The runner claims the job right after the canceller looked at it; the job must not end up
+    cancelled while its process runs (the old check-then-finish did exactly that)."""
+    job = make_command_job(local_node, ["sleep", "300"])
+    original_finish = Job.finish
+
+    def runner_claims_first(self, state, **kwargs):
+        Job.objects.get(pk=self.pk).mark_running("w1")
+        return original_finish(self, state, **kwargs)
+
+    monkeypatch.setattr(Job, "finish", runner_claims_first)
+    canceller = Job.objects.get(pk=job.pk)
+    assert canceller.request_cancel()
+    job.refresh_from_db()
+    # One conditional UPDATE: the queued job is cancelled before any runner could start it.
+    assert job.state == JobState.CANCELLED and job.started_at is None and job.worker == ""
+    assert canceller.state == JobState.CANCELLED and canceller.finished_at == job.finished_at
+    assert not job.mark_running("w2")  # A later claim finds nothing to run.
+
+
 def test_a_command_past_its_timeout_fails_and_is_ended(local_node, channel_layer):
     job = python_job(local_node, "import time; print('working', flush=True); time.sleep(300)", timeout=1)
     runner.run_job(job.pk)
