@@ -115,6 +115,34 @@ def cache_has_flags(cmake_cache: str, flags: list[str]) -> bool:
     return True
 
 
+TARBALL_SUFFIXES = (".tar.gz", ".tgz")
+
+
+def tarball_dir() -> str:
+    return os.path.realpath(os.path.expanduser(settings.RAMDECK_TARBALL_DIR))
+
+
+def allowed_tarball(path: str) -> str | None:
+    """The real path of `path` when it is a tarball file inside RAMDECK_TARBALL_DIR, else None. Only those
+    files may be uploaded to a node: an operator must not be able to copy any file of the console host."""
+    if not path:
+        return None
+    real = os.path.realpath(os.path.expanduser(path))
+    inside = os.path.commonpath([real, tarball_dir()]) == tarball_dir()
+    if not inside or not os.path.isfile(real) or not real.endswith(TARBALL_SUFFIXES):
+        return None
+    return real
+
+
+def offered_tarballs() -> list[str]:
+    """Names of the tarballs in RAMDECK_TARBALL_DIR (symlinks leading outside it are not offered)."""
+    try:
+        names = sorted(os.listdir(tarball_dir()))
+    except OSError:
+        return []
+    return [name for name in names if allowed_tarball(os.path.join(tarball_dir(), name))]
+
+
 def parse_rpc_protocol_header(text: str) -> str:
     """ "7.0.0" from ggml-rpc.h's RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION defines; "" when absent."""
     parts = []
@@ -212,7 +240,12 @@ def _locked(found: dict[str, str], lock_path: str, argv: list[str]) -> list[str]
 
 
 async def _tarball_tree(ctx, found: dict[str, str], root: str, params: dict) -> tuple[str, str, str]:
-    local = params["tarball"]
+    local = allowed_tarball(params.get("tarball") or "")
+    if local is None:
+        raise JobFailed(
+            f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
+            "the only folder builds may upload from"
+        )
     sha = params.get("tarball_sha256") or await sync_to_async(file_sha256)(local)
     src = posixpath.join(root, src_dir_name(sha))
     for tree in (posixpath.join(src, "llama.cpp"), src):

@@ -23,6 +23,7 @@ from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
 from . import lifecycle, monitor
+from .build_job import allowed_tarball, offered_tarballs, tarball_dir
 from .lifecycle_steps import endpoint_url
 from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
@@ -201,8 +202,10 @@ class BuildForm(forms.Form):
             ("existing", "Existing install on the node (a folder holding llama-server)"),
         ]
     )
-    tarball = forms.CharField(
-        required=False, max_length=1000, help_text="Path of the .tar.gz on the console host."
+    tarball = forms.ChoiceField(
+        required=False,
+        choices=[],
+        help_text="A source tarball in the console's tarball folder (RAMDECK_TARBALL_DIR).",
     )
     git_url = forms.CharField(required=False, max_length=500)
     git_ref = forms.CharField(required=False, max_length=200)
@@ -218,14 +221,20 @@ class BuildForm(forms.Form):
     )
     rebuild = forms.BooleanField(required=False, help_text="Recompile even when the build folder is current.")
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Only files of RAMDECK_TARBALL_DIR are offered (and accepted): no other file leaves the console.
+        self.fields["tarball"].choices = [("", "—")] + [(n, n) for n in offered_tarballs()]
+
     def clean(self):
         data = super().clean()
         source = data.get("source")
         if source == "tarball":
-            tarball = data.get("tarball") or getattr(settings, "RAMDECK_LLAMACPP_TARBALL", "")
-            if not tarball or not os.path.isfile(tarball):
-                self.add_error("tarball", "No such file on the console host.")
-            data["tarball"] = tarball
+            name = data.get("tarball") or default_tarball()
+            path = allowed_tarball(os.path.join(tarball_dir(), name)) if name else None
+            if path is None:
+                self.add_error("tarball", f"Choose a tarball in {settings.RAMDECK_TARBALL_DIR}.")
+            data["tarball"] = path or ""
         if source == "existing" and not data.get("path"):
             self.add_error("path", "Give the folder that holds llama-server and ggml-rpc-server.")
         if source == "git":
@@ -242,6 +251,12 @@ class BuildForm(forms.Form):
             "rebuild": data["rebuild"],
             **{k: data[k] for k in keep},
         }
+
+
+def default_tarball() -> str:
+    """RAMDECK_LLAMACPP_TARBALL's name when that file is in the tarball folder, else ""."""
+    path = allowed_tarball(getattr(settings, "RAMDECK_LLAMACPP_TARBALL", ""))
+    return os.path.basename(path) if path and os.path.dirname(path) == tarball_dir() else ""
 
 
 def _build_page(request, node: Node, form: BuildForm):
@@ -263,7 +278,7 @@ def node_builds(request, name: str):
     node = get_object_or_404(Node, name=name)
     initial = {
         "source": "tarball",
-        "tarball": getattr(settings, "RAMDECK_LLAMACPP_TARBALL", ""),
+        "tarball": default_tarball(),
         "git_url": settings.RAMDECK_LLAMACPP_GIT_URL,
         "git_ref": settings.RAMDECK_LLAMACPP_GIT_REF,
         "backend": "auto",

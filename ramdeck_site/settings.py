@@ -271,6 +271,8 @@ RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
 # A llama.cpp source tarball on the console host, offered as the default source of builds (offline LANs).
 RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
+# The only folder on the console host whose tarballs a build may upload to a node (no other file leaves).
+RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", "~/.ramdeck/tarballs"))
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".
 RAMDECK_PLACEMENT_MISMATCH = env_str("RAMDECK_PLACEMENT_MISMATCH", "fail")
 if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):

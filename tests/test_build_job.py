@@ -204,6 +204,7 @@ def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_hos
 
     settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
     tarball = _mini_tarball(tmp_path)
+    settings.RAMDECK_TARBALL_DIR = str(tmp_path)  # builds upload only from the tarball folder
     sha = file_sha256(tarball)
     node = lab_node(lab, lab_host)
     params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
@@ -239,6 +240,7 @@ def test_two_nodes_building_into_one_shared_folder_at_once_do_not_clash(lab, lab
 
     settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
     tarball = _mini_tarball(tmp_path)
+    settings.RAMDECK_TARBALL_DIR = str(tmp_path)  # builds upload only from the tarball folder
     nodes = [lab_node(lab, host) for host in lab_hosts(2)]
     params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
     jobs = [Job.objects.create(kind=JobKind.BUILD, node=node, params=params) for node in nodes]

@@ -47,8 +47,9 @@ def live_url(celery_worker, live_server_url):
 
 
 @pytest.fixture
-def cluster(transactional_db, lab, lab_hosts, tmp_path):
+def cluster(transactional_db, lab, lab_hosts, tmp_path, settings):
     require_tarball()
+    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)  # builds upload only from the tarball folder
     hosts = lab_hosts(3)
     route_between(hosts)
     now = timezone.now()

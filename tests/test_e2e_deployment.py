@@ -203,10 +203,11 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(lab, lab_hosts, tmp_path):
+def cluster(lab, lab_hosts, tmp_path, settings):
     # Only the source is needed: the console's own build job compiles it when no build is cached yet
     # (the first run on a machine pays the 4-5 minutes; later runs find it by source hash).
     require_tarball()
+    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)  # builds upload only from the tarball folder
     return Cluster(lab, lab_hosts(3), tmp_path)
 
 

@@ -9,7 +9,6 @@ from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState, ModelFile
 from jobs.models import AuditEvent, Job, JobKind
 from nodes.models import Build, BuildSource
-from tests.deploy_fixtures import TARBALL
 from tests.factories import NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -135,19 +134,58 @@ def test_redeploy_creates_a_new_deployment_from_the_same_plan(operator_client, d
     assert fresh.state == DeploymentState.PREPARING
 
 
-def test_an_operator_starts_a_build_from_the_tarball(operator_client, monkeypatch):
+@pytest.fixture
+def tarball_dir(tmp_path, settings):
+    folder = tmp_path / "tarballs"
+    folder.mkdir()
+    (folder / "llama.cpp-b6800.tar.gz").write_bytes(b"not really gzip")
+    settings.RAMDECK_TARBALL_DIR = str(folder)
+    return folder
+
+
+def test_an_operator_starts_a_build_from_a_tarball_of_the_tarball_folder(
+    operator_client, monkeypatch, tarball_dir
+):
     node = NodeFactory(name="old-pc")
     started = []
     monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    page = operator_client.get(reverse("deployments:node_builds", args=[node.name])).content.decode()
+    assert 'value="llama.cpp-b6800.tar.gz"' in page
     response = operator_client.post(
         reverse("deployments:node_build_start", args=[node.name]),
-        {"source": "tarball", "tarball": str(TARBALL), "backend": "auto"},
+        {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
     )
     job = Job.objects.get(kind=JobKind.BUILD)
     assert response.url == job.get_absolute_url()
-    assert job.params["source"] == "tarball" and job.params["tarball"] == str(TARBALL)
+    assert job.params["source"] == "tarball"
+    assert job.params["tarball"] == str(tarball_dir / "llama.cpp-b6800.tar.gz")
     assert started == [job.pk]
     assert AuditEvent.objects.filter(action="build.requested").exists()
+
+
+@pytest.mark.parametrize("chosen", ["/etc/passwd", "../secret.tar.gz", "escape.tar.gz"])
+def test_no_file_outside_the_tarball_folder_can_be_sent_to_a_node(operator_client, tarball_dir, chosen):
+    (tarball_dir.parent / "secret.tar.gz").write_bytes(b"console secrets")
+    (tarball_dir / "escape.tar.gz").symlink_to(tarball_dir.parent / "secret.tar.gz")
+    node = NodeFactory(name="old-pc")
+    page = operator_client.get(reverse("deployments:node_builds", args=[node.name])).content.decode()
+    assert "escape.tar.gz" not in page  # a symlink leading out is not offered
+    response = operator_client.post(
+        reverse("deployments:node_build_start", args=[node.name]),
+        {"source": "tarball", "tarball": chosen, "backend": "auto"},
+    )
+    assert response.status_code == 200  # the form again, with an error
+    assert not Job.objects.exists()
+
+
+def test_a_build_job_refuses_a_tarball_outside_the_folder(tarball_dir):
+    import asyncio
+
+    from deployments.build_job import _tarball_tree
+    from jobs.runner import JobFailed
+
+    with pytest.raises(JobFailed, match="only folder builds may upload from"):
+        asyncio.run(_tarball_tree(None, {}, "/tmp/root", {"tarball": "/etc/passwd"}))
 
 
 def test_a_viewer_sees_builds_but_cannot_start_one(viewer_client):
