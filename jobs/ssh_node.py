@@ -29,23 +29,17 @@ class NodeSSHTransport(SSHTransport):
 
 
 def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
-    from nodes.models import Node, Reachability
+    from nodes.models import Node
 
-    state = (
-        Reachability.HOST_KEY_CHANGED if isinstance(exc, HostKeyChanged) else Reachability.HOST_KEY_PENDING
-    )
-    Node.objects.filter(pk=node_pk).update(
-        pending_host_key=exc.offered_key,
-        pending_host_key_fingerprint=exc.fingerprint,
-        reachability=state,
-        last_error=str(exc),
+    Node(pk=node_pk).record_offered_host_key(
+        exc.offered_key, exc.fingerprint, changed=isinstance(exc, HostKeyChanged), message=str(exc)
     )
 
 
 def _record_unreachable(node_pk: int, message: str) -> None:
-    from nodes.models import Node, Reachability
+    from nodes.models import Node
 
-    Node.objects.filter(pk=node_pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
+    Node(pk=node_pk).mark_unreachable(message)
 
 
 def target_for_node(node) -> SSHTarget:

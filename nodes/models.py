@@ -163,6 +163,49 @@ class Node(models.Model):
         age = (timezone.now() - self.last_seen_at).total_seconds()
         return age <= max(3 * settings.RAMDECK_PROBE_INTERVAL_S, 3600)
 
+    # State changes. Each is one UPDATE so a worker and a web request never overwrite each other's fields.
+
+    def record_offered_host_key(
+        self, offered_key: str, fingerprint: str, *, changed: bool, message: str
+    ) -> None:
+        """A key no admin approved was offered: keep it for review; nothing runs until it is approved."""
+        self.pending_host_key, self.pending_host_key_fingerprint = offered_key, fingerprint
+        self.reachability = Reachability.HOST_KEY_CHANGED if changed else Reachability.HOST_KEY_PENDING
+        self.last_error = message
+        Node.objects.filter(pk=self.pk).update(
+            pending_host_key=offered_key,
+            pending_host_key_fingerprint=fingerprint,
+            reachability=self.reachability,
+            last_error=message,
+        )
+
+    def mark_unreachable(self, message: str) -> None:
+        self.reachability, self.last_error = Reachability.UNREACHABLE, message
+        Node.objects.filter(pk=self.pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
+
+    def approve_pending_host_key(self, seen_fingerprint: str, by) -> bool:
+        """Pin the pending key, but only if it is still the one the admin saw (the fingerprint they were
+        shown travels with the form): a key that changed again after the page rendered is never approved
+        unseen. Returns whether the key was approved."""
+        if not self.pending_host_key or seen_fingerprint != self.pending_host_key_fingerprint:
+            return False
+        now = timezone.now()
+        approved = Node.objects.filter(
+            pk=self.pk, pending_host_key=self.pending_host_key, pending_host_key_fingerprint=seen_fingerprint
+        ).update(
+            host_key=self.pending_host_key,
+            host_key_fingerprint=seen_fingerprint,
+            pending_host_key="",
+            pending_host_key_fingerprint="",
+            host_key_approved_at=now,
+            host_key_approved_by=by,
+            reachability=Reachability.UNKNOWN,
+            last_error="",
+        )
+        if approved:
+            self.refresh_from_db()
+        return bool(approved)
+
 
 class DeviceKind(models.TextChoices):
     CPU = "cpu", "CPU"

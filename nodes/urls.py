@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import views, views_hardware
+from . import views
 
 app_name = "nodes"
 urlpatterns = [
@@ -15,7 +15,7 @@ urlpatterns = [
     path("<slug:name>/", views.node_detail, name="detail"),
     path("<slug:name>/edit/", views.node_edit, name="edit"),
     path("<slug:name>/delete/", views.node_delete, name="delete"),
-    path("<slug:name>/hardware/", views_hardware.hardware, name="hardware"),
-    path("<slug:name>/probe/", views_hardware.probe_now, name="probe"),
-    path("<slug:name>/host-key/approve/", views_hardware.approve_host_key, name="approve_host_key"),
+    path("<slug:name>/hardware/", views.hardware, name="hardware"),
+    path("<slug:name>/probe/", views.probe_now, name="probe"),
+    path("<slug:name>/host-key/approve/", views.approve_host_key, name="approve_host_key"),
 ]

@@ -1,4 +1,4 @@
-"""Node inventory and credential pages."""
+"""Node inventory, hardware (probe, host-key approval) and credential pages."""
 
 from __future__ import annotations
 
@@ -7,19 +7,28 @@ from django.db import transaction
 from django.db.models import ProtectedError, Q
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from jobs import audit
-from jobs.models import Job
-from ramdeck_site.roles import ADMIN, VIEWER, role_required
+from jobs.models import Job, JobKind
+from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
 from .forms import CredentialForm, NodeFilterForm, NodeForm
 from .models import Credential, Node, Reachability
-from .views_hardware import hardware_context
+from .probe_job import start_probe
 
 
 def _get_node(name: str) -> Node:
     return get_object_or_404(Node, name=name)
+
+
+def hardware_context(node: Node) -> dict:
+    """What templates/nodes/_hardware.html needs besides `node`."""
+    return {
+        "node": node,
+        "devices": node.devices.all(),
+        "active_probe": Job.objects.active().filter(node=node, kind=JobKind.PROBE).first(),
+    }
 
 
 def _filtered_nodes(params) -> tuple[NodeFilterForm, object]:
@@ -161,3 +170,68 @@ def credential_delete(request, pk: int):
         return redirect("nodes:credentials")
     messages.success(request, f"Credential {credential.name} deleted.")
     return redirect("nodes:credentials")
+
+
+@role_required(VIEWER)
+@require_GET
+def hardware(request, name: str):
+    """The hardware panel alone (htmx polls it while a probe runs); a full load gets the node page."""
+    node = _get_node(name)
+    if not request.htmx:
+        return redirect(node)
+    return render(request, "nodes/_hardware.html", hardware_context(node))
+
+
+@role_required(OPERATOR)
+@require_POST
+def probe_now(request, name: str):
+    node = _get_node(name)
+    if not node.enabled:
+        messages.error(request, f"{node.name} is disabled; enable it before probing.")
+        return redirect(node)
+    if node.pending_host_key:
+        messages.error(
+            request, f"{node.name}'s host key awaits an admin's approval; nothing runs there until then."
+        )
+        return redirect(node)
+    with transaction.atomic():
+        job = start_probe(node, user=request.user)
+        if job is not None:
+            audit.record(request, "node.probe", node, changes={"job": job.pk})
+    if job is None:
+        messages.info(request, f"A probe of {node.name} is already queued or running.")
+        return redirect(node)
+    messages.success(request, f"Probing {node.name}.")
+    return redirect(job)
+
+
+@role_required(ADMIN)
+@require_POST
+def approve_host_key(request, name: str):
+    node = _get_node(name)
+    seen = request.POST.get("fingerprint", "").strip()
+    old = node.host_key_fingerprint
+    if not node.pending_host_key:
+        messages.info(request, f"{node.name} has no host key waiting for approval.")
+        return redirect(node)
+    with transaction.atomic():
+        approved = node.approve_pending_host_key(seen, by=request.user)
+        if approved:
+            audit.record(
+                request,
+                "node.host_key.approve",
+                node,
+                changes={"host_key_fingerprint": [old, node.host_key_fingerprint], "replaced": bool(old)},
+            )
+    if not approved:
+        node.refresh_from_db()
+        messages.error(
+            request,
+            f"The key waiting for approval is {node.pending_host_key_fingerprint or 'none'}, "
+            f"not the one you saw ({seen or 'none'}). Check it again before approving.",
+        )
+        return redirect(node)
+    messages.success(request, f"Host key {node.host_key_fingerprint} approved for {node.name}.")
+    if node.enabled:
+        start_probe(node, user=request.user)
+    return redirect(node)
