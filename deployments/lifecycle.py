@@ -360,20 +360,23 @@ def run_stop(pk: int) -> None:
 
 
 def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]:
-    """A new deployment from the same plan (history keeps the old one), launched at once."""
-    fresh = Deployment.objects.create(
-        name=deployment.name,
-        model_file=deployment.model_file,
-        coordinator=deployment.coordinator,
-        plan=deployment.plan,
-        plan_settings=deployment.plan_settings,
-        host=deployment.host,
-        port=deployment.port,
-        redeployed_from=deployment,
-        created_by=actor if getattr(actor, "is_authenticated", False) else deployment.created_by,
-    )
-    record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})
-    started, message = start_deploy(fresh, actor)
+    """A new deployment from the same plan (history keeps the old one), launched at once.
+
+    One transaction: the new row, its audit entry, its steps and the enqueue (on commit) all or nothing."""
+    with transaction.atomic():
+        fresh = Deployment.objects.create(
+            name=deployment.name,
+            model_file=deployment.model_file,
+            coordinator=deployment.coordinator,
+            plan=deployment.plan,
+            plan_settings=deployment.plan_settings,
+            host=deployment.host,
+            port=deployment.port,
+            redeployed_from=deployment,
+            created_by=actor if getattr(actor, "is_authenticated", False) else deployment.created_by,
+        )
+        record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})
+        started, message = start_deploy(fresh, actor)
     return fresh, started, message
 
 

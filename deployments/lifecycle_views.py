@@ -12,6 +12,7 @@ import httpx
 from django import forms
 from django.conf import settings
 from django.contrib import messages
+from django.db import transaction
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -294,15 +295,17 @@ def node_build_start(request, name: str):
     if not form.is_valid():
         return _build_page(request, node, form)
     params = form.params()
-    job = Job.objects.create(
-        kind=JobKind.BUILD,
-        node=node,
-        title=f"Build llama.cpp on {node.name} ({params['source']})",
-        params=params,
-        created_by=request.user,
-    )
-    audit.record(request, "build.requested", node, changes=params)
-    enqueue(job)
+    # The job, its audit entry and the enqueue (on commit) happen together or not at all.
+    with transaction.atomic():
+        job = Job.objects.create(
+            kind=JobKind.BUILD,
+            node=node,
+            title=f"Build llama.cpp on {node.name} ({params['source']})",
+            params=params,
+            created_by=request.user,
+        )
+        audit.record(request, "build.requested", node, changes=params)
+        enqueue(job)
     return redirect(job.get_absolute_url())
 
 
@@ -326,15 +329,16 @@ def stale_processes(request):
 @role_required(OPERATOR)
 def stale_reap(request, pk: int):
     stale = get_object_or_404(StaleProcess.objects.select_related("node"), pk=pk)
-    job = Job.objects.create(
-        kind=JobKind.REAP,
-        node=stale.node,
-        title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
-        params={"ports": [stale.port]},
-        created_by=request.user,
-    )
-    audit.record(
-        request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
-    )
-    enqueue(job)
+    with transaction.atomic():
+        job = Job.objects.create(
+            kind=JobKind.REAP,
+            node=stale.node,
+            title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
+            params={"ports": [stale.port]},
+            created_by=request.user,
+        )
+        audit.record(
+            request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
+        )
+        enqueue(job)
     return redirect(job.get_absolute_url())

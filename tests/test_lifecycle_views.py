@@ -210,3 +210,50 @@ def test_the_dashboard_loads_the_stale_process_region(viewer_client):
     assert f'hx-get="{reverse("deployments:stale")}"' in dashboard
     region = viewer_client.get(reverse("deployments:stale")).content.decode()
     assert "4242" in region and "Reap" not in region  # viewers see it, operators reap it
+
+
+class AuditDown(Exception):
+    pass
+
+
+def _audit_fails(monkeypatch, module: str) -> None:
+    def broken(*args, **kwargs):
+        raise AuditDown
+
+    monkeypatch.setattr(module, broken)
+
+
+def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
+    operator_client, monkeypatch, django_capture_on_commit_callbacks
+):
+    node = NodeFactory(name="old-pc")
+    started = []
+    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    with django_capture_on_commit_callbacks(execute=True), pytest.raises(AuditDown):
+        operator_client.post(
+            reverse("deployments:node_build_start", args=[node.name]),
+            {"source": "existing", "path": "/opt/llama", "backend": "auto"},
+        )
+    assert not Job.objects.exists() and started == []
+
+
+def test_a_stale_reap_whose_audit_fails_leaves_no_job(operator_client, monkeypatch):
+    from deployments.models import StaleProcess
+
+    stale = StaleProcess.objects.create(
+        node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
+    )
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    with pytest.raises(AuditDown):
+        operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
+    assert not Job.objects.exists()
+
+
+def test_a_redeploy_whose_audit_fails_leaves_no_new_deployment(deployment, no_enqueue, monkeypatch):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.FAILED)
+    deployment.refresh_from_db()
+    _audit_fails(monkeypatch, "deployments.lifecycle.record")
+    with pytest.raises(AuditDown):
+        lifecycle.redeploy(deployment, deployment.created_by)
+    assert list(Deployment.objects.values_list("pk", flat=True)) == [deployment.pk]
