@@ -62,3 +62,19 @@ def operator_client(client, operator_user):
 @pytest.fixture
 def viewer_client(client, viewer_user):
     return _client_for(client, viewer_user)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_stray_database_sessions(django_db_setup, django_db_blocker):
+    """Before the test database is dropped, end the sessions that other threads and forked servers of this
+    run left open on PostgreSQL; otherwise the drop fails and the next run starts with a stale database."""
+    yield
+    with django_db_blocker.unblock():
+        from django.db import connection
+
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
