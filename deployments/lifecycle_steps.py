@@ -18,7 +18,6 @@ import tempfile
 import httpx
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 
 from deployments import placement
@@ -63,21 +62,6 @@ def _deployment(pk: int):
 
 async def load_deployment(ctx):
     return await sync_to_async(_deployment)(ctx.job.params["deployment"])
-
-
-def _add_process(pk: int, key: str, info: dict) -> None:
-    from deployments.models import Deployment
-
-    with transaction.atomic():
-        current = Deployment.objects.select_for_update().get(pk=pk)
-        processes = {**(current.processes or {}), key: info}
-        Deployment.objects.filter(pk=pk).update(processes=processes)
-
-
-def _set_fields(pk: int, **fields) -> None:
-    from deployments.models import Deployment
-
-    Deployment.objects.filter(pk=pk).update(**fields)
 
 
 def _audit(job, action: str, obj, changes: dict) -> None:
@@ -174,13 +158,9 @@ async def wait_listening(ctx, pid: int, port: int, log_path: str, *, timeout: fl
 
 
 async def rpc_server_body(ctx) -> str:
-    from nodes.models import Build
-
     params = ctx.job.params
     deployment = await load_deployment(ctx)
-    build = await sync_to_async(
-        lambda: Build.objects.filter(node=ctx.node).order_by("-created_at", "-pk").first()
-    )()
+    build = await sync_to_async(lambda: ctx.node.current_build)()
     if build is None:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     port = int(params["port"])
@@ -194,8 +174,7 @@ async def rpc_server_body(ctx) -> str:
             f"set for {ctx.node.name}. It has no authentication: anyone who reaches port {port} can use it."
         )
     pid = await ctx.start_daemon(argv, log_path=log_path)
-    await sync_to_async(_add_process)(
-        deployment.pk,
+    await sync_to_async(deployment.add_process)(
         f"rpc-server@{ctx.node.name}",
         {
             "node": ctx.node.name,
@@ -266,12 +245,8 @@ async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeou
 
 
 async def llama_server_body(ctx) -> str:
-    from nodes.models import Build
-
     deployment = await load_deployment(ctx)
-    build = await sync_to_async(
-        lambda: Build.objects.filter(node=ctx.node).order_by("-created_at", "-pk").first()
-    )()
+    build = await sync_to_async(lambda: ctx.node.current_build)()
     if build is None:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     directory = await run_dir(ctx)
@@ -279,7 +254,7 @@ async def llama_server_body(ctx) -> str:
     log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.log")
     key_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.key")
     key = secrets.token_urlsafe(32)
-    await sync_to_async(_store_key)(deployment.pk, key)
+    await sync_to_async(deployment.store_api_key)(key)
     await _write_key_file(ctx, key_path, key)
     host = bind_host(deployment)
     argv = [
@@ -298,8 +273,7 @@ async def llama_server_body(ctx) -> str:
         "4",
     ]
     pid = await ctx.start_daemon(argv, log_path=log_path)
-    await sync_to_async(_add_process)(
-        deployment.pk,
+    await sync_to_async(deployment.add_process)(
         f"llama-server@{ctx.node.name}",
         {
             "node": ctx.node.name,
@@ -317,12 +291,6 @@ async def llama_server_body(ctx) -> str:
     )
     await follow_until_healthy(ctx, pid, log_path, url, timeout=timeout)
     return f"llama-server PID {pid} healthy at {url}"
-
-
-def _store_key(pk: int, key: str) -> None:
-    deployment = _deployment(pk)
-    deployment.set_api_key(key)
-    deployment.save(update_fields=["api_key_encrypted"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +313,7 @@ async def verify_body(ctx) -> str:
     report = placement.compare(deployment.plan, log_text)
     for line in report["lines"]:
         await ctx.log(line)
-    await sync_to_async(_set_fields)(deployment.pk, verification=report)
+    await sync_to_async(deployment.record)(verification=report)
     if report["problems"]:
         message = "placement differs from the plan: " + "; ".join(report["problems"])
         if getattr(settings, "RAMDECK_PLACEMENT_MISMATCH", "fail") == "fail":
@@ -376,7 +344,7 @@ async def measure_body(ctx) -> str:
             f"(predicted_per_second={decode!r}, prompt_per_second={prompt!r}); cannot measure"
         )
     predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
-    await sync_to_async(_set_fields)(deployment.pk, measured_decode_tps=decode, measured_prompt_tps=prompt)
+    await sync_to_async(deployment.record)(measured_decode_tps=decode, measured_prompt_tps=prompt)
     await ctx.log(
         f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}); prompt {prompt:.1f} tokens/s"
     )

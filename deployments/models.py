@@ -202,6 +202,18 @@ class Deployment(models.Model):
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
 
+    def add_process(self, key: str, info: dict) -> None:
+        """Record a process this deployment started (by PID), keeping those other steps recorded: the row
+        is re-read under a lock, since the copy in hand may be older than the database's."""
+        with transaction.atomic():
+            current = Deployment.objects.select_for_update().only("processes").get(pk=self.pk)
+            self.processes = {**(current.processes or {}), key: info}
+            Deployment.objects.filter(pk=self.pk).update(processes=self.processes)
+
+    def store_api_key(self, key: str) -> None:
+        self.set_api_key(key)
+        self.save(update_fields=["api_key_encrypted"])
+
 
 class ClaimConflict(Exception):
     """A port or device of the plan is held by another active deployment. The message names it."""

@@ -66,8 +66,8 @@ async def _check(groups: dict[Node, list[dict]], transports: dict) -> dict[int, 
     return merged
 
 
-def check_deployment(deployment: Deployment) -> str:
-    """Check one deployment now; returns the reason it became degraded, or "" when all is alive."""
+def processes_by_node(deployment: Deployment) -> dict[Node, list[dict]]:
+    """The deployment's recorded processes grouped by their node (nodes since deleted are left out)."""
     processes = list((deployment.processes or {}).values())
     nodes = {
         n.name: n
@@ -77,6 +77,12 @@ def check_deployment(deployment: Deployment) -> str:
     for info in processes:
         if info["node"] in nodes:
             groups.setdefault(nodes[info["node"]], []).append(info)
+    return groups
+
+
+def check_deployment(deployment: Deployment) -> str:
+    """Check one deployment now; returns the reason it became degraded, or "" when all is alive."""
+    groups = processes_by_node(deployment)
     transports = {node.name: _transport(node) for node in groups}
     dead = asyncio.run(_check(groups, transports)) if groups else {}
     problems = list(dead.values()) or _unhealthy(deployment)
@@ -157,21 +163,12 @@ async def _status_of_node(opened, processes: list[dict]) -> list[dict]:
 
 def process_status(deployment: Deployment) -> list[dict]:
     """Every process this deployment started, with whether it is alive, its uptime and resident memory."""
-    processes = list((deployment.processes or {}).values())
-    nodes = {
-        n.name: n
-        for n in Node.objects.select_related("credential").filter(name__in={p["node"] for p in processes})
-    }
-    groups: dict[str, list[dict]] = {}
-    for info in processes:
-        if info["node"] in nodes:
-            groups.setdefault(info["node"], []).append(info)
-
-    transports = {name: _transport(nodes[name]) for name in groups}
+    groups = processes_by_node(deployment)
+    transports = {node: _transport(node) for node in groups}
 
     async def gather() -> list[list[dict]]:
         return await asyncio.gather(
-            *(_status_of_node(transports[name], procs) for name, procs in groups.items())
+            *(_status_of_node(transports[node], procs) for node, procs in groups.items())
         )
 
     rows = [row for group in (asyncio.run(gather()) if groups else []) for row in group]

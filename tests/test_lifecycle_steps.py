@@ -93,3 +93,25 @@ def test_measure_records_the_speed_llama_server_reports(local_node):  # noqa: F8
         server.server_close()
     deployment.refresh_from_db()
     assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
+
+
+def test_processes_recorded_by_two_steps_are_both_kept(local_node):  # noqa: F811
+    deployment = _deployment(local_node)
+    stale_copy = Deployment.objects.get(pk=deployment.pk)
+    deployment.add_process("rpc-server@a", {"node": local_node.name, "role": "rpc-server", "pid": 1})
+    stale_copy.add_process("llama-server@a", {"node": local_node.name, "role": "llama-server", "pid": 2})
+    deployment.refresh_from_db()
+    assert set(deployment.processes) == {"rpc-server@a", "llama-server@a"}
+    assert stale_copy.processes == deployment.processes
+
+
+def test_processes_are_grouped_by_their_node(local_node):  # noqa: F811
+    from deployments.monitor import processes_by_node
+
+    deployment = _deployment(local_node)
+    deployment.add_process("rpc-server@x", {"node": local_node.name, "role": "rpc-server", "pid": 1})
+    deployment.add_process("gone@y", {"node": "deleted-node", "role": "rpc-server", "pid": 2})
+    groups = processes_by_node(deployment)
+    assert [(node.name, [p["pid"] for p in procs]) for node, procs in groups.items()] == [
+        (local_node.name, [1])
+    ]
