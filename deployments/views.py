@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asgiref.sync import async_to_sync
+from asgiref.sync import sync_to_async
 from django.contrib import messages
 from django.db import transaction
 from django.shortcuts import get_object_or_404, redirect, render
@@ -80,24 +80,22 @@ def _default_coordinator(model: ModelFile, pool: list[Node]) -> Node | None:
     return next((n for n in pool if n.may_coordinate), None)
 
 
-def _read_profile(node: Node, path: str) -> dict:
-    """The GGUF profile of a file on a node, reading only its header (and its shards' headers)."""
+async def _read_profile(node: Node, path: str) -> dict:
+    """The GGUF profile of a file on a node, reading only its header (and its shards' headers).
+
+    Async so that a slow or silent node holds up only this request, not the thread every synchronous view
+    of the console shares under ASGI."""
     if node.is_local:
-        return gguf_profile.profile_path(path)
-    # Built here, in the request's thread: it reads the node's credential from the database.
-    transport = open_transport(node)
+        return await sync_to_async(gguf_profile.profile_path, thread_sensitive=False)(path)
+    # open_transport reads the node's credential from the database.
+    transport = await sync_to_async(open_transport)(node)
     try:
-        return async_to_sync(_read_remote_profile)(transport, path)
+        async with asyncio.timeout(REMOTE_READ_TIMEOUT_S), transport:
+            return await read_model_profile(transport, path)
     except TimeoutError:
         raise TransportError(
             f"{node.name} did not answer within {REMOTE_READ_TIMEOUT_S:g} s while its header was read."
         ) from None
-
-
-async def _read_remote_profile(transport, path: str) -> dict:
-    """Connect, read the header(s) over SFTP and the sizes with one command, all within one bound."""
-    async with asyncio.timeout(REMOTE_READ_TIMEOUT_S), transport:
-        return await read_model_profile(transport, path)
 
 
 def pool_fit(model: ModelFile, pool: list[Node]) -> dict:
@@ -151,36 +149,41 @@ def model_list(request):
 
 @require_POST
 @role_required(OPERATOR)
-def model_register(request):
+async def model_register(request):
     form = ModelRegisterForm(request.POST)
-    if form.is_valid():
+    if await sync_to_async(form.is_valid)():
         node, path = form.cleaned_data["node"], form.cleaned_data["path"]
         try:
-            profile = _read_profile(node, path)
+            profile = await _read_profile(node, path)
         except gguf_profile.GGUFError as exc:
             form.add_error("path", str(exc))
         except Exception as exc:  # noqa: BLE001 - a transport failure is shown to the operator, not raised
             form.add_error("path", f"Could not read the file on {node.name}: {exc}")
         else:
-            with transaction.atomic():
-                model = ModelFile.objects.create(
-                    name=form.cleaned_data["name"],
-                    node=node,
-                    path=path,
-                    shard_paths=profile.pop("shard_paths", [path]),
-                    size_bytes=profile.get("size_bytes", 0),
-                    profile=profile,
-                    created_by=request.user,
-                )
-                audit.record(
-                    request,
-                    "model.register",
-                    model,
-                    changes={"node": node.name, "path": path, "architecture": profile["architecture"]},
-                )
-            messages.success(request, f"Registered {model.name}.")
+            model = await sync_to_async(_register)(request, form.cleaned_data["name"], node, path, profile)
+            await sync_to_async(messages.success)(request, f"Registered {model.name}.")
             return redirect("deployments:models")
-    return _models_page(request, form=form, status=400)
+    return await sync_to_async(_models_page)(request, form=form, status=400)
+
+
+def _register(request, name: str, node: Node, path: str, profile: dict) -> ModelFile:
+    with transaction.atomic():
+        model = ModelFile.objects.create(
+            name=name,
+            node=node,
+            path=path,
+            shard_paths=profile.pop("shard_paths", [path]),
+            size_bytes=profile.get("size_bytes", 0),
+            profile=profile,
+            created_by=request.user,
+        )
+        audit.record(
+            request,
+            "model.register",
+            model,
+            changes={"node": node.name, "path": path, "architecture": profile["architecture"]},
+        )
+    return model
 
 
 @require_POST

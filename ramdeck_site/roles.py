@@ -7,7 +7,9 @@ same way. A superuser counts as an admin.
 from __future__ import annotations
 
 from functools import wraps
+from inspect import iscoroutinefunction
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import PermissionDenied
 
 VIEWER = "viewer"
@@ -68,6 +70,15 @@ def role_required(needed: str):
     """View decorator: 403 (and an audit entry) when the user's role is below `needed`."""
 
     def decorator(view):
+        if iscoroutinefunction(view):
+            # Async views (those that wait on a node) check the role in a thread: it may query the database.
+            @wraps(view)
+            async def async_wrapper(request, *args, **kwargs):
+                await sync_to_async(require_role)(request, needed)
+                return await view(request, *args, **kwargs)
+
+            return async_wrapper
+
         @wraps(view)
         def wrapper(request, *args, **kwargs):
             require_role(request, needed)
