@@ -260,15 +260,7 @@ def run_deployment(pk: int) -> None:
         if deployment.state == DeploymentState.STOPPING:
             return finish_stop(deployment)
         reason = f"{step.name} on {job.node_name}: {job.result or job.get_state_display()}"
-        rollback(deployment)
-        deployment.fail(step.name, reason)
-        record(
-            deployment.created_by,
-            "deployment.failed",
-            deployment,
-            changes={"step": step.name, "reason": reason},
-        )
-        return None
+        return _fail_and_roll_back(deployment, step.name, reason)
     if deployment.mark_running():
         record(
             deployment.created_by,
@@ -311,6 +303,24 @@ def _stop_jobs(deployment: Deployment, name: str) -> list[Job]:
             )
         )
     return jobs
+
+
+def _fail_and_roll_back(deployment: Deployment, step: str, reason: str) -> None:
+    """Roll back what this deployment started, then fail it. When the rollback is not clean, the reason
+    says which processes may still run and that they need stopping (the stale-process scan will list them,
+    with a reap button), so nobody takes the ports for free."""
+    failures = rollback(deployment)
+    if failures:
+        reason += "\n\nRollback incomplete, stop needed: these processes may still be running: " + "; ".join(
+            failures
+        )
+    deployment.fail(step, reason)
+    record(
+        deployment.created_by,
+        "deployment.failed",
+        deployment,
+        changes={"step": step, "reason": reason, "rollback_failures": failures},
+    )
 
 
 def rollback(deployment: Deployment) -> list[str]:
