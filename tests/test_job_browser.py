@@ -90,6 +90,28 @@ def test_the_job_list_badge_turns_to_succeeded_without_a_reload(
     assert page.evaluate("window.__notReloaded") is True
 
 
+def test_a_job_queued_after_the_list_loaded_appears_on_it_when_it_starts(
+    channel_layer, local_node, live_server_url, page, tmp_path
+):
+    UserFactory(username="vera-viewer", role="viewer")
+    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    page.goto(f"{live_server_url}/jobs/")
+    expect(page.locator('[data-job-socket="list"]')).to_have_attribute("data-ws-open", "1")
+    expect(page.locator("#job-table")).to_contain_text("No jobs yet.")
+    page.evaluate("window.__notReloaded = true")
+    go = tmp_path / "go"
+    job = _job_waiting_for(local_node, go)
+    thread = _run_in_background(job)
+    try:
+        expect(page.locator(f"#job-row-{job.pk}")).to_be_visible()
+        go.touch()
+        expect(page.locator(f"#job-badge-{job.pk}")).to_have_text("Succeeded")
+    finally:
+        go.touch()
+        thread.join(timeout=60)
+    assert page.evaluate("window.__notReloaded") is True
+
+
 def test_without_a_websocket_the_page_polls_until_the_job_ends(
     channel_layer, local_node, live_server_url, page, tmp_path
 ):

@@ -43,6 +43,19 @@
     };
   }
 
+  // A status badge for a job that is not on the list yet (it was queued after the page loaded): reload the
+  // table once, so new jobs appear without a refresh. Only on the first page with no filter that hides it.
+  let reloading = false;
+  document.addEventListener("htmx:oobErrorNoTarget", (event) => {
+    const content = event.detail.content;
+    if (!content || !content.id || !content.id.startsWith("job-badge-")) return;
+    const table = document.getElementById("job-table");
+    if (!table || reloading || new URLSearchParams(location.search).get("page") > 1) return;
+    reloading = true;
+    htmx.ajax("GET", location.pathname + location.search, { target: "#job-table", swap: "outerHTML" })
+      .finally(() => { reloading = false; });
+  });
+
   document.addEventListener("DOMContentLoaded", () => {
     document.querySelectorAll(".log").forEach((log) => { log.scrollTop = log.scrollHeight; });
   });
