@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from django.db import transaction
+from django.utils import timezone
 
 from deployments import llamacpp
 from deployments.build_job import protocol_mismatch
@@ -200,12 +202,33 @@ def _enqueue(task: str, pk: int) -> None:
     getattr(tasks, task).delay(pk)
 
 
-def _run(job: Job) -> Job:
+def _run(job: Job, worker: str = "") -> Job:
+    """Run a step inline, under the Celery worker's name: the sweeper asks the workers by that name
+    whether they still run it (the runner's default, host:PID, is no worker's name)."""
     from jobs.runner import run_job
 
-    run_job(job.pk)
+    run_job(job.pk, worker=worker)
     job.refresh_from_db()
     return job
+
+
+def _heartbeat_is_fresh(job: Job) -> bool:
+    from jobs.sweeper import STALE_AFTER_S
+
+    beat = job.heartbeat_at or job.started_at
+    return bool(beat) and beat >= timezone.now() - timedelta(seconds=STALE_AFTER_S)
+
+
+def _abandon_if_stale(job: Job) -> bool:
+    """A step left running by a dead worker (no heartbeat for a while) is marked errored, so the run can
+    roll back and fail instead of waiting forever. True when the step is no longer running."""
+    from jobs.sweeper import abandon
+
+    if _heartbeat_is_fresh(job):
+        return False
+    abandon(job, "Worker lost: the step's runner stopped beating while the deployment was launching.")
+    job.refresh_from_db()
+    return job.state != JobState.RUNNING
 
 
 def _skip_rest(steps, reason: str) -> None:
@@ -214,12 +237,13 @@ def _skip_rest(steps, reason: str) -> None:
             step.job.finish(JobState.CANCELLED, result=reason)
 
 
-def run_deployment(pk: int) -> None:
+def run_deployment(pk: int, worker: str = "") -> None:
     """Run the steps of a deployment in order (the body of the `deploy` task).
 
     A second delivery of the task resumes where the first left off: succeeded steps are skipped, a step
-    still running belongs to the other delivery (nothing to do), and a step that ended badly while no
-    one watched (its worker died: the sweeper made it `errored`) fails the deployment and rolls it back.
+    still running with a fresh heartbeat belongs to the other delivery (nothing to do), and a step that
+    ended badly while no one watched, or still says running with a stale heartbeat (its worker died),
+    fails the deployment and rolls it back.
     """
     deployment = Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
     steps = [
@@ -230,7 +254,7 @@ def run_deployment(pk: int) -> None:
     if deployment.state == DeploymentState.STOPPING and all(s.job.state == JobState.QUEUED for s in steps):
         # Stopped before the run began: nothing started, but the stop is this run's to finish.
         _skip_rest(steps, "Skipped: the deployment was stopped.")
-        return finish_stop(deployment)
+        return finish_stop(deployment, worker)
     if deployment.state not in MID_DEPLOY_STATES:
         logger.info("Deployment %s is %s: nothing to run.", pk, deployment.state)
         return None
@@ -238,13 +262,13 @@ def run_deployment(pk: int) -> None:
         job = step.job
         if job.state == JobState.SUCCEEDED:
             continue
-        if job.state == JobState.RUNNING:
+        if job.state == JobState.RUNNING and not _abandon_if_stale(job):
             logger.info("Deployment %s: step %s is running under another delivery.", pk, step.name)
             return None
         deployment.refresh_from_db()
         if deployment.state == DeploymentState.STOPPING:
             _skip_rest(steps[index:], "Skipped: the deployment was stopped.")
-            return finish_stop(deployment)
+            return finish_stop(deployment, worker)
         if deployment.state not in MID_DEPLOY_STATES:
             return _skip_rest(steps[index:], f"Skipped: the deployment is {deployment.state}.")
         if step.name != "reap" and deployment.state == DeploymentState.PREPARING:
@@ -252,15 +276,17 @@ def run_deployment(pk: int) -> None:
         if step.name == "verify":
             deployment.mark_verifying()
         if job.state == JobState.QUEUED:
-            job = _run(job)
+            job = _run(job, worker)
         if job.state == JobState.SUCCEEDED:
             continue
         deployment.refresh_from_db()
         _skip_rest(steps[index + 1 :], f"Skipped: step {step.name} did not succeed.")
         if deployment.state == DeploymentState.STOPPING:
-            return finish_stop(deployment)
+            return finish_stop(deployment, worker)
+        if deployment.state not in MID_DEPLOY_STATES:
+            return None  # A stop task finished it meanwhile (and cancelled this step): nothing to undo.
         reason = f"{step.name} on {job.node_name}: {job.result or job.get_state_display()}"
-        return _fail_and_roll_back(deployment, step.name, reason)
+        return _fail_and_roll_back(deployment, step.name, reason, worker)
     if deployment.mark_running():
         record(
             deployment.created_by,
@@ -305,11 +331,11 @@ def _stop_jobs(deployment: Deployment, name: str) -> list[Job]:
     return jobs
 
 
-def _fail_and_roll_back(deployment: Deployment, step: str, reason: str) -> None:
+def _fail_and_roll_back(deployment: Deployment, step: str, reason: str, worker: str = "") -> None:
     """Roll back what this deployment started, then fail it. When the rollback is not clean, the reason
     says which processes may still run and that they need stopping (the stale-process scan will list them,
     with a reap button), so nobody takes the ports for free."""
-    failures = rollback(deployment)
+    failures = rollback(deployment, worker)
     if failures:
         reason += "\n\nRollback incomplete, stop needed: these processes may still be running: " + "; ".join(
             failures
@@ -323,19 +349,19 @@ def _fail_and_roll_back(deployment: Deployment, step: str, reason: str) -> None:
     )
 
 
-def rollback(deployment: Deployment) -> list[str]:
+def rollback(deployment: Deployment, worker: str = "") -> list[str]:
     """End, by PID, whatever this deployment started. Returns the failures (empty when all is clean)."""
     return [
         f"{job.node_name}: {job.result}"
-        for job in map(_run, _stop_jobs(deployment, "rollback"))
+        for job in (_run(j, worker) for j in _stop_jobs(deployment, "rollback"))
         if job.state != JobState.SUCCEEDED
     ]
 
 
-def finish_stop(deployment: Deployment) -> None:
+def finish_stop(deployment: Deployment, worker: str = "") -> None:
     failures = [
         f"{job.node_name}: {job.result}"
-        for job in map(_run, _stop_jobs(deployment, "stop"))
+        for job in (_run(j, worker) for j in _stop_jobs(deployment, "stop"))
         if job.state != JobState.SUCCEEDED
     ]
     if failures:
@@ -347,26 +373,60 @@ def finish_stop(deployment: Deployment) -> None:
 
 def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool = False) -> tuple[bool, str]:
     """The Stop button. A deployment in the middle of launching stops after its current step (which is
-    asked to cancel); a running one is stopped by a task at once."""
+    asked to cancel) when a live run owns it; a running one, or one whose run died, is stopped by a task."""
     prior = deployment.state
     with transaction.atomic():
         if not deployment.mark_stopping(reason="Stopped by an operator."):
             return False, f"This deployment is {deployment.get_state_display().lower()}: nothing to stop."
         record(actor, "deployment.stop", deployment, changes={"from": prior, "restart": then_redeploy})
         if prior in MID_DEPLOY_STATES:
-            for step in deployment.steps.select_related("job").filter(job__state=JobState.RUNNING):
-                step.job.request_cancel()
+            running = [
+                s.job for s in deployment.steps.select_related("job").filter(job__state=JobState.RUNNING)
+            ]
+            for job in running:
+                job.request_cancel()
+            if not _live_run_owns(deployment, running):
+                transaction.on_commit(lambda: _enqueue("stop", deployment.pk))
         else:
             task = "restart" if then_redeploy else "stop"
             transaction.on_commit(lambda: _enqueue(task, deployment.pk))
     return True, "Stopping."
 
 
-def run_stop(pk: int) -> None:
+def _live_run_owns(deployment: Deployment, running: list[Job]) -> bool:
+    """Will a deploy run finish this stop? Yes while one of its steps beats, or before the run began (every
+    step queued: the deploy task is on its way and finishes the stop itself). Otherwise its worker died."""
+    if any(_heartbeat_is_fresh(job) for job in running):
+        return True
+    states = set(deployment.steps.filter(name__in=LAUNCH_STEPS).values_list("job__state", flat=True))
+    return states == {JobState.QUEUED}
+
+
+def run_stop(pk: int, worker: str = "") -> None:
     deployment = Deployment.objects.select_related("coordinator").get(pk=pk)
     if deployment.state != DeploymentState.STOPPING:
         return
-    finish_stop(deployment)
+    # Steps not begun never will: a deploy run still between steps finds its next one cancelled.
+    steps = deployment.steps.select_related("job").filter(name__in=LAUNCH_STEPS)
+    _skip_rest(steps, "Skipped: the deployment was stopped.")
+    finish_stop(deployment, worker)
+
+
+def abort_deployment(pk: int, reason: str, worker: str = "") -> None:
+    """The deploy task ran out of time: mark its running step errored, skip the rest, roll back, fail."""
+    from jobs.sweeper import abandon
+
+    deployment = Deployment.objects.select_related("coordinator").get(pk=pk)
+    steps = list(deployment.steps.select_related("job", "job__node").filter(name__in=LAUNCH_STEPS))
+    current = next((s for s in steps if s.job.state == JobState.RUNNING), None)
+    if current is not None:
+        abandon(current.job, reason)
+    _skip_rest(steps, f"Skipped: {reason}")
+    if deployment.state == DeploymentState.STOPPING:
+        return finish_stop(deployment, worker)
+    if deployment.state in MID_DEPLOY_STATES:
+        _fail_and_roll_back(deployment, current.name if current else "deploy", reason, worker)
+    return None
 
 
 def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]:
@@ -390,9 +450,9 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
     return fresh, started, message
 
 
-def run_restart(pk: int) -> None:
+def run_restart(pk: int, worker: str = "") -> None:
     """Stop, then redeploy the same plan as a new deployment."""
-    run_stop(pk)
+    run_stop(pk, worker)
     deployment = Deployment.objects.get(pk=pk)
     if deployment.state == DeploymentState.STOPPED:
         redeploy(deployment, deployment.created_by)

@@ -7,23 +7,31 @@ nothing; `stop` likewise acts only on a deployment in `stopping`.
 from __future__ import annotations
 
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 
 from deployments import lifecycle, monitor
 
 
-@shared_task(name="deployments.tasks.deploy", acks_late=True, ignore_result=True)
-def deploy(deployment_id: int) -> None:
-    lifecycle.run_deployment(deployment_id)
+@shared_task(name="deployments.tasks.deploy", bind=True, acks_late=True, ignore_result=True)
+def deploy(self, deployment_id: int) -> None:
+    # The steps run inline under this worker's name, so the sweeper can tell whether it still lives.
+    worker = self.request.hostname or ""
+    try:
+        lifecycle.run_deployment(deployment_id, worker)
+    except SoftTimeLimitExceeded:
+        lifecycle.abort_deployment(
+            deployment_id, "The deployment ran past the time limit for tasks and was rolled back.", worker
+        )
 
 
-@shared_task(name="deployments.tasks.stop", acks_late=True, ignore_result=True)
-def stop(deployment_id: int) -> None:
-    lifecycle.run_stop(deployment_id)
+@shared_task(name="deployments.tasks.stop", bind=True, acks_late=True, ignore_result=True)
+def stop(self, deployment_id: int) -> None:
+    lifecycle.run_stop(deployment_id, self.request.hostname or "")
 
 
-@shared_task(name="deployments.tasks.restart", acks_late=True, ignore_result=True)
-def restart(deployment_id: int) -> None:
-    lifecycle.run_restart(deployment_id)
+@shared_task(name="deployments.tasks.restart", bind=True, acks_late=True, ignore_result=True)
+def restart(self, deployment_id: int) -> None:
+    lifecycle.run_restart(deployment_id, self.request.hostname or "")
 
 
 @shared_task(name="deployments.tasks.check_deployments", ignore_result=True)
