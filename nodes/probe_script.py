@@ -63,11 +63,14 @@ for name in ggml-rpc-server rpc-server llama-server; do
 done
 command -v llama-server >/dev/null 2>&1 && server=llama-server
 on_path() { command -v llama-server && { command -v ggml-rpc-server || command -v rpc-server; }; }
-if ! on_path >/dev/null 2>&1 && [ -d "$HOME/.ramdeck/llama.cpp" ]; then
-  builds=$(find "$HOME/.ramdeck/llama.cpp" -maxdepth 6 -type f -perm -u+x \
-    \( -name ggml-rpc-server -o -name rpc-server -o -name llama-server \) 2>/dev/null)
-  printf '%s\n' "$builds"
-  for path in $builds; do
+if ! on_path >/dev/null 2>&1; then
+  # The build cache's layout is fixed (<root>/src-<hash>/llama.cpp/build-<backend>/bin/), so a glob finds
+  # its binaries without walking the source trees.
+  for path in "$HOME"/.ramdeck/llama.cpp/src-*/llama.cpp/build-*/bin/ggml-rpc-server \
+      "$HOME"/.ramdeck/llama.cpp/src-*/llama.cpp/build-*/bin/rpc-server \
+      "$HOME"/.ramdeck/llama.cpp/src-*/llama.cpp/build-*/bin/llama-server; do
+    [ -x "$path" ] || continue
+    echo "$path"
     case "$path" in */llama-server) [ -z "$server" ] && server=$path ;; esac
   done
 fi
