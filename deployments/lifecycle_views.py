@@ -334,7 +334,8 @@ def stale_reap(request, pk: int):
             kind=JobKind.REAP,
             node=stale.node,
             title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
-            params={"ports": [stale.port]},
+            # The PID too: the reap ends that process only, never whatever holds the port by now.
+            params={"ports": [stale.port], "pid": stale.pid},
             created_by=request.user,
         )
         audit.record(

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +118,84 @@ def test_processes_are_grouped_by_their_node(local_node):  # noqa: F811
     assert [(node.name, [p["pid"] for p in procs]) for node, procs in groups.items()] == [
         (local_node.name, [1])
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The dashboard's one-click reap ends the PID it names, never whatever else holds the port
+# --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def local_rpc_server(tmp_path):
+    """A real ggml-rpc-server on the console host, started outside the console (a stale process)."""
+    import subprocess
+    import time
+
+    from tests.deploy_fixtures import listeners_in, rpc_server_binary, stop_proc
+
+    port = _free_port()
+    # Started through a short path: `ps -o args=` without a terminal cuts command lines at 80 columns,
+    # and the cached build's own path is longer than that (reported; deployments/reaper.py is not ours).
+    short = Path(tempfile.mkdtemp(prefix="rd", dir="/tmp"))
+    (short / "ggml-rpc-server").symlink_to(rpc_server_binary())
+    argv = [str(short / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port)]
+    with (tmp_path / "rpc.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    host = type("Host", (), {"exec_argv": staticmethod(lambda a: a)})()
+    try:
+        deadline = time.monotonic() + 30
+        while f"pid={proc.pid}" not in listeners_in(host, port):
+            assert time.monotonic() < deadline and proc.poll() is None, "rpc-server did not listen"
+            time.sleep(0.2)
+        yield proc, port
+    finally:
+        stop_proc(proc)
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _reap_job(node, port: int, pid: int):
+    from jobs.models import Job, JobKind
+    from tests.deploy_fixtures import run
+
+    return run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [port], "pid": pid}))
+
+
+def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):  # noqa: F811
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    job = _reap_job(local_node, port, proc.pid)
+    assert job.state == JobState.SUCCEEDED, job.result
+    proc.wait(timeout=10)
+    assert f"reaped rpc-server PID {proc.pid}" in job.result
+
+
+def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local_rpc_server):  # noqa: F811
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    gone_pid = 4_000_000  # the PID the scan saw; it ended, and another process took the port since
+    job = _reap_job(local_node, port, gone_pid)
+    assert job.state == JobState.SUCCEEDED, job.result
+    assert "no longer holds" in job.result
+    assert proc.poll() is None
+
+
+def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, local_rpc_server):  # noqa: F811
+    from deployments.models import DeploymentState, ResourceClaim
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    deployment = _deployment(local_node, state=DeploymentState.LAUNCHING)
+    ResourceClaim.objects.create(node=local_node, resource=f"port:{port}", deployment=deployment)
+    job = _reap_job(local_node, port, proc.pid)
+    assert job.state == JobState.FAILED and "claimed by deployment" in job.result
+    assert proc.poll() is None

@@ -257,3 +257,14 @@ def test_a_redeploy_whose_audit_fails_leaves_no_new_deployment(deployment, no_en
     with pytest.raises(AuditDown):
         lifecycle.redeploy(deployment, deployment.created_by)
     assert list(Deployment.objects.values_list("pk", flat=True)) == [deployment.pk]
+
+
+def test_the_reap_button_names_the_pid_it_may_end(operator_client, monkeypatch):
+    from deployments.models import StaleProcess
+
+    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: None)
+    stale = StaleProcess.objects.create(
+        node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
+    )
+    operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
+    assert Job.objects.get(kind=JobKind.REAP).params == {"ports": [50052], "pid": 4242}
