@@ -18,13 +18,13 @@ import psutil
 
 from .transport import (
     EXIT_NOT_FOUND,
-    CommandFailed,
     CommandResult,
     CommandTimeout,
     LinePump,
     OutputLine,
     TransportError,
     daemon_script,
+    run_to_end,
 )
 
 DEFAULT_TIMEOUT_S = 3 * 3600.0
@@ -107,16 +107,7 @@ class LocalTransport:
     async def run(
         self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
     ) -> CommandResult:
-        lines = [line async for line in self.stream(argv, timeout=timeout)]
-        result = self._last_result or CommandResult(exit_status=None)
-        result.lines = lines
-        if check and not result.ok:
-            tail = "; ".join(line.text for line in lines[-3:] if line.text)
-            raise CommandFailed(
-                f"{argv[0]!r} failed with exit status {result.exit_status}" + (f": {tail}" if tail else ""),
-                result,
-            )
-        return result
+        return await run_to_end(self, argv, timeout=timeout, check=check)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
         # Not through `stream`: starting a daemon must not disturb `current_pid`/`last_result` of a

@@ -24,7 +24,6 @@ import asyncssh
 
 from .transport import (
     EXIT_NOT_FOUND,
-    CommandFailed,
     CommandResult,
     CommandTimeout,
     HostKeyChanged,
@@ -33,6 +32,7 @@ from .transport import (
     OutputLine,
     TransportError,
     daemon_script,
+    run_to_end,
     shell_join,
 )
 
@@ -423,17 +423,7 @@ class SSHTransport:
     async def run(
         self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
     ) -> CommandResult:
-        lines = [line async for line in self.stream(argv, timeout=timeout)]
-        result = self._last_result or CommandResult(exit_status=None)
-        result.lines = lines
-        if check and not result.ok:
-            tail = "; ".join(line.text for line in lines[-3:] if line.text)
-            raise CommandFailed(
-                f"{argv[0]!r} on {self.target.host} failed with exit status {result.exit_status}"
-                + (f": {tail}" if tail else ""),
-                result,
-            )
-        return result
+        return await run_to_end(self, argv, timeout=timeout, check=check, where=f" on {self.target.host}")
 
     async def _helper(self, argv: Sequence[str], *, timeout: float = 60) -> CommandResult:
         """Run a short helper command to completion without touching `current_pid` or `last_result`."""

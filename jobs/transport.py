@@ -203,6 +203,26 @@ def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
     return f"{shell_join(['cd', cwd])} && {launch}" if cwd else launch
 
 
+async def run_to_end(
+    transport: Transport, argv: Sequence[str], *, timeout: float | None, check: bool, where: str = ""
+) -> CommandResult:
+    """`Transport.run` for every transport: stream argv to its end, collect the lines, check the status.
+
+    `where` (" on HOST") makes the failure message say which node it was.
+    """
+    lines = [line async for line in transport.stream(argv, timeout=timeout)]
+    result = transport.last_result or CommandResult(exit_status=None)
+    result.lines = lines
+    if check and not result.ok:
+        tail = "; ".join(line.text for line in lines[-3:] if line.text)
+        raise CommandFailed(
+            f"{argv[0]!r}{where} failed with exit status {result.exit_status}"
+            + (f": {tail}" if tail else ""),
+            result,
+        )
+    return result
+
+
 def open_transport(node) -> Transport:
     """The transport for a Node row (not yet connected: use it with `async with`).
 
