@@ -21,7 +21,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from deployments import placement
-from deployments.reaper import ForeignHolder, PortStillBusy, find_holders, reap_port
+from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
 from jobs.runner import JobFailed
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
@@ -68,6 +68,15 @@ def _audit(job, action: str, obj, changes: dict) -> None:
     from jobs.audit import record
 
     record(job.created_by, action, obj, changes=changes, actor_name="" if job.created_by_id else "console")
+
+
+async def runs_our_program(transport, platform: str, pid: int, role: str) -> tuple[bool, str]:
+    """Is `pid` still the `role` process we started? PIDs are reused: a process that ended long ago may
+    have left its PID to something else, which must be neither killed nor taken for our server.
+    Returns (ours, its command line)."""
+    result = await transport.run(cmdline_argv(platform, pid), timeout=30)
+    cmdline = result.stdout.strip()
+    return bool(cmdline) and classify(cmdline) == role, cmdline
 
 
 async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
@@ -410,7 +419,13 @@ async def stop_body(ctx) -> str:
     done = []
     for info in processes:
         pid = int(info["pid"])
-        if await ctx.transport.pid_alive(pid):
+        alive = await ctx.transport.pid_alive(pid)
+        if alive:
+            ours, cmdline = await runs_our_program(ctx.transport, platform, pid, info["role"])
+            if not ours:
+                await ctx.log(f"PID {pid} now runs another program ({cmdline or 'gone'}); not touched")
+                alive = False
+        if alive:
             await ctx.log(f"ending {info['role']} PID {pid}")
             gone = await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
             if not gone:

@@ -35,7 +35,10 @@ def _transport(node: Node):
 
 
 async def _check_node(node: Node, opened, processes: list[dict]) -> dict[int, str]:
-    """{pid: reason} for the processes on `node` that are gone (or that cannot be checked)."""
+    """{pid: reason} for the processes on `node` that are gone (or that cannot be checked). A PID alive
+    but running another program (reused after ours ended) counts as gone."""
+    from .lifecycle_steps import node_platform, runs_our_program
+
     dead: dict[int, str] = {}
     try:
         if isinstance(opened, TransportError):
@@ -44,6 +47,13 @@ async def _check_node(node: Node, opened, processes: list[dict]) -> dict[int, st
             for info in processes:
                 pid = int(info["pid"])
                 if await transport.pid_alive(pid):
+                    ours, cmdline = await runs_our_program(transport, node_platform(node), pid, info["role"])
+                    if ours:
+                        continue
+                    dead[pid] = (
+                        f"{info['role']} on {node.name} (PID {pid}) is not running: that PID now runs "
+                        f"another program ({cmdline[:200]})."
+                    )
                     continue
                 tail = await transport.run(["tail", "-n", str(LOG_LINES), info["log"]], timeout=30)
                 lines = "\n".join(line.text for line in tail.lines)

@@ -199,3 +199,47 @@ def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, 
     job = _reap_job(local_node, port, proc.pid)
     assert job.state == JobState.FAILED and "claimed by deployment" in job.result
     assert proc.poll() is None
+
+
+# --------------------------------------------------------------------------------------------------
+# A PID reused by another program is neither killed by a stop nor taken for our server by the monitor
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def other_program():
+    """A process that is not ours, standing on a PID a deployment once recorded."""
+    import subprocess
+
+    from tests.deploy_fixtures import stop_proc
+
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_proc(proc)
+
+
+def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, other_program):  # noqa: F811
+    from jobs.models import Job, JobKind, JobState
+    from tests.deploy_fixtures import run
+
+    info = {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": _free_port()}
+    job = run(Job.objects.create(kind=JobKind.STOP, node=local_node, params={"processes": [info]}))
+    assert job.state == JobState.SUCCEEDED, job.result
+    assert other_program.poll() is None
+    assert "now runs another program" in "\n".join(job.log_lines.values_list("text", flat=True))
+
+
+def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other_program):  # noqa: F811
+    from deployments.models import DeploymentState
+    from deployments.monitor import check_deployment
+
+    deployment = _deployment(local_node, port=_free_port(), state=DeploymentState.RUNNING)
+    deployment.add_process(
+        "rpc-server@x",
+        {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": 1, "log": "/nope"},
+    )
+    reason = check_deployment(deployment)
+    assert "now runs another program" in reason
+    assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.DEGRADED
