@@ -190,17 +190,26 @@ class LinePump:
 
 
 def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
-    """Shell text that starts argv detached and prints its PID.
+    """Shell text that starts argv detached and prints its PID; for any POSIX sh on Linux and macOS.
 
-    setsid: a session of its own, so it outlives the session that started it; nohup: SIGHUP is ignored;
-    stdbuf -oL: stdout is line-buffered, so its log can be read as it is written. Under `&` in a shell
-    without job control the child is no group leader, so setsid, nohup and stdbuf each exec in place and
-    `$!` is the daemon's own PID.
+    setsid (a session of its own, so it outlives the session that started it) and stdbuf -oL (stdout
+    line-buffered, so its log can be read as it is written) are used only where they exist: stock macOS
+    has neither. nohup, and `trap '' HUP` (inherited by the child from the fork on), keep SIGHUP from
+    ending it either way. Under `&` in a shell without job control the child is no group leader, so
+    setsid, nohup and stdbuf each exec in place and `$!` is the program's own PID. The `cd` is a
+    statement of its own: `cd DIR && X &` would put the whole list in a subshell, and bash would
+    report that subshell's PID.
     """
-    launch = (
-        f"setsid nohup stdbuf -oL {shell_join(argv)} > {shell_join([log_path])} 2>&1 < /dev/null & echo $!"
-    )
-    return f"{shell_join(['cd', cwd])} && {launch}" if cwd else launch
+    lines = [f"{shell_join(['cd', cwd])} || exit 1"] if cwd else []
+    lines += [
+        "trap '' HUP",
+        "set -- nohup",
+        'command -v setsid >/dev/null 2>&1 && set -- setsid "$@"',
+        'command -v stdbuf >/dev/null 2>&1 && set -- "$@" stdbuf -oL',
+        f'"$@" {shell_join(argv)} > {shell_join([log_path])} 2>&1 < /dev/null &',
+        "echo $!",
+    ]
+    return "\n".join(lines)
 
 
 async def run_to_end(

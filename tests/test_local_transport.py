@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
+import psutil
 import pytest
 
 from jobs.local import LocalTransport
-from jobs.transport import CommandFailed, CommandTimeout, TransportError, open_transport
+from jobs.transport import CommandFailed, CommandTimeout, TransportError, daemon_script, open_transport
 from tests.factories import NodeFactory
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +124,83 @@ async def test_a_daemon_survives_and_is_killed_by_pid(local, tmp_path):
     finally:
         assert await local.kill(pid, grace=2.0)
     assert not await local.pid_alive(pid)
+
+
+def _end(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=10)
+
+
+def _cmdline_settles(pid: int, program: str) -> list[str]:
+    """The command line of pid once it runs `program` (or after 10 s, whatever it runs then).
+
+    Right after the fork the PID still shows the launching shell, then setsid, nohup and stdbuf in turn,
+    each exec'ing in place.
+    """
+    for _ in range(200):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+        if args and args[0] == program:
+            break
+        time.sleep(0.05)
+    return args
+
+
+def _hup_ignored(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return bool(mask & (1 << (signal.SIGHUP - 1)))
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+@pytest.mark.parametrize("tools", ["setsid and stdbuf", "neither (as on macOS)"])
+def test_the_daemon_script_starts_the_program_itself_with_or_without_setsid_and_stdbuf(
+    shell, tools, tmp_path
+):
+    workdir = tmp_path / "work dir"
+    workdir.mkdir()
+    path = os.environ["PATH"]
+    if tools.startswith("neither"):
+        # A PATH that has nohup but neither setsid nor stdbuf, like a stock Mac.
+        bindir = tmp_path / "bin"
+        bindir.mkdir()
+        (bindir / "nohup").symlink_to(shutil.which("nohup"))
+        path = str(bindir)
+    marker = f"ramdeck-daemon-under-test-{uuid.uuid4().hex}"
+    argv = [sys.executable, "-c", "import time, sys; time.sleep(300)", marker]
+    script = daemon_script(argv, log_path=str(workdir / "d.log"), cwd=str(workdir))
+    try:
+        launcher = subprocess.run(
+            [shutil.which(shell), "-c", script],
+            env={"PATH": path},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert launcher.returncode == 0, launcher.stderr
+        pid = int(launcher.stdout.split()[-1])
+        # `$!` is the program's own PID, not a subshell's or a wrapper's: once setsid, nohup and stdbuf
+        # have exec'd in place, that PID runs exactly argv.
+        assert _cmdline_settles(pid, argv[0]) == argv
+        assert Path(f"/proc/{pid}/cwd").resolve() == workdir.resolve()
+        assert _hup_ignored(pid)
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        if tools.startswith("neither"):
+            assert os.getsid(pid) != pid and b"libstdbuf" not in environ
+        else:
+            assert os.getsid(pid) == pid and b"libstdbuf" in environ
+    finally:
+        # Everything this test started carries its unique marker (a broken launcher may leave a shell).
+        for process in psutil.process_iter(["cmdline"]):
+            if marker in (process.info["cmdline"] or []) or marker in " ".join(process.info["cmdline"] or []):
+                _end(process.pid)
+
+
+def test_the_daemon_script_starts_nothing_when_its_folder_is_missing(tmp_path):
+    script = daemon_script(["sleep", "300"], log_path=str(tmp_path / "d.log"), cwd=str(tmp_path / "gone"))
+    launcher = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert launcher.returncode == 1 and launcher.stdout == ""
 
 
 async def test_upload_copies_and_read_head_reads_the_start(local, tmp_path):
