@@ -143,7 +143,8 @@ def deployment_api_key(request, pk: int):
     key = deployment.api_key() if deployment.api_key_encrypted else ""
     audit.record(request, "deployment.api_key_viewed", deployment)
     context = {"deployment": deployment, "api_key": key, "endpoint": endpoint_url(deployment)}
-    return render(request, "deployments/lifecycle/api_key.html", context)
+    template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
+    return render(request, template, context)
 
 
 @require_POST
@@ -320,7 +321,7 @@ def stale_processes(request):
     rows = StaleProcess.objects.select_related("node")
     return render(
         request,
-        "deployments/lifecycle/stale.html",
+        "deployments/lifecycle/stale.html" + ("#region" if request.htmx else ""),
         {"rows": rows, "can_operate": can_operate(request.user)},
     )
 

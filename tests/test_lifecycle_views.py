@@ -268,3 +268,25 @@ def test_the_reap_button_names_the_pid_it_may_end(operator_client, monkeypatch):
     )
     operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
     assert Job.objects.get(kind=JobKind.REAP).params == {"ports": [50052], "pid": 4242}
+
+
+def test_the_api_key_button_is_a_real_link_that_works_without_javascript(operator_client, deployment):
+    deployment.set_api_key("sk-test-123")
+    deployment.state = DeploymentState.RUNNING
+    deployment.save()
+    url = reverse("deployments:api_key", args=[deployment.pk])
+    run_page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert f'href="{url}" hx-get="{url}"' in run_page
+    full = operator_client.get(url).content.decode()
+    assert "<html" in full and "sk-test-123" in full
+    region = operator_client.get(url, headers={"HX-Request": "true"}).content.decode()
+    assert "<html" not in region and "sk-test-123" in region
+
+
+def test_the_stale_process_region_has_a_no_javascript_link_and_page(viewer_client):
+    url = reverse("deployments:stale")
+    dashboard = viewer_client.get(reverse("dashboard")).content.decode()
+    assert f'<a href="{url}">' in dashboard
+    assert "<html" in viewer_client.get(url).content.decode()
+    region = viewer_client.get(url, headers={"HX-Request": "true"}).content.decode()
+    assert "<html" not in region and 'id="stale-processes"' in region
