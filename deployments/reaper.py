@@ -1,34 +1,31 @@
 """Find who listens on a port of a node, end it when it is a stale llama.cpp process of ours, never otherwise.
 
-The parsing of `ss -ltnp` (Linux), `lsof -nP -iTCP:PORT -sTCP:LISTEN` (macOS) and `Get-NetTCPConnection`
-(Windows) output and the decision "ours or foreign" are pure functions. `reap_port` drives them through a
-transport: it ends our processes by PID (TERM, wait, KILL) and confirms the port is free; a foreign holder is
-never touched and is reported by name. No Django imports here.
+The listener tables of the three platforms are read by nodes/listeners.py; the decision "ours or foreign"
+is a pure function here. `reap_port` drives them through a transport: it ends our processes by PID (TERM,
+wait, KILL) and confirms the port is free; a foreign holder is never touched and is reported by name. No
+Django imports here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from nodes.listeners import (
+    Listener,
+    holders_of,
+    parse_get_nettcpconnection,
+    parse_lsof,
+    parse_ss,
+)
+
 # Executables the console starts. A process whose command line runs one of these is ours to reap.
 OUR_PROGRAMS = {"ggml-rpc-server": "rpc-server", "rpc-server": "rpc-server", "llama-server": "llama-server"}
 # Wrappers that may stand in front of our program in a command line (`stdbuf -oL ggml-rpc-server ...`).
 _WRAPPERS = {"stdbuf", "nohup", "setsid", "env", "nice", "taskset"}
-
-
-@dataclass(frozen=True)
-class Listener:
-    """A process listening on a TCP port. `pid` is None when the tool could not tell (another user)."""
-
-    address: str
-    port: int
-    pid: int | None
-    name: str = ""
 
 
 @dataclass
@@ -78,82 +75,6 @@ class PortStillBusy(Exception):
 # --------------------------------------------------------------------------------------------------
 # Parsing (pure)
 # --------------------------------------------------------------------------------------------------
-
-_SS_USERS = re.compile(r'\("(?P<name>[^"]*)",pid=(?P<pid>\d+)')
-
-
-def _split_host_port(text: str) -> tuple[str, int] | None:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-def parse_ss(text: str) -> list[Listener]:
-    """Listeners from `ss -ltnp` (with or without the header line, `-H`)."""
-    result = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 4 or parts[0] != "LISTEN":
-            continue
-        local = _split_host_port(parts[3])
-        if local is None:
-            continue
-        users = _SS_USERS.findall(line)
-        if not users:
-            result.append(Listener(local[0], local[1], None))
-        for name, pid in users:
-            result.append(Listener(local[0], local[1], int(pid), name))
-    return _unique(result)
-
-
-def parse_lsof(text: str) -> list[Listener]:
-    """Listeners from `lsof -nP -iTCP:PORT -sTCP:LISTEN` (macOS, and Linux when ss is missing)."""
-    result = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 9 or parts[0] == "COMMAND" or "(LISTEN)" not in line:
-            continue
-        name_idx = parts.index("(LISTEN)") - 1
-        local = _split_host_port(parts[name_idx])
-        if local is None or not parts[1].isdigit():
-            continue
-        # lsof escapes spaces in command names as \x20 and truncates them to 9 characters.
-        result.append(Listener(local[0], local[1], int(parts[1]), parts[0].replace("\\x20", " ")))
-    return _unique(result)
-
-
-def parse_get_nettcpconnection(text: str) -> list[Listener]:
-    """Listeners from `Get-NetTCPConnection -State Listen | Select LocalAddress,LocalPort,OwningProcess |
-    ConvertTo-Json` (a single object when there is one row)."""
-    text = text.strip()
-    if not text:
-        return []
-    data = json.loads(text)
-    rows = data if isinstance(data, list) else [data]
-    result = []
-    for row in rows:
-        pid = row.get("OwningProcess")
-        result.append(
-            Listener(str(row.get("LocalAddress", "")), int(row["LocalPort"]), int(pid) if pid else None)
-        )
-    return _unique(result)
-
-
-def _unique(listeners: list[Listener]) -> list[Listener]:
-    seen: dict[tuple, Listener] = {}
-    for item in listeners:
-        seen.setdefault((item.address, item.port, item.pid), item)
-    return list(seen.values())
-
-
-def holders_of(listeners: list[Listener], port: int) -> list[Listener]:
-    """One entry per PID that listens on `port` (IPv4 and IPv6 sockets of one process count once)."""
-    by_pid: dict[int | None, Listener] = {}
-    for item in listeners:
-        if item.port == port:
-            by_pid.setdefault(item.pid, item)
-    return list(by_pid.values())
 
 
 def program_of(cmdline: str) -> str:

@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from .bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
+from .listeners import Listener, holders_of, parse_lsof, parse_ss
 from .probe_script import PROBE_SCRIPT
 
 __all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report"]
@@ -259,20 +260,6 @@ def _digits(value: str | None) -> int | None:
     return int(value) if value and value.strip().isdigit() else None
 
 
-def parse_ss_listener(text: str, port: int) -> tuple[int | None, str] | None:
-    """Who listens on TCP `port` according to `ss -ltnp`: (pid, process name), or None when nobody does."""
-    for line in text.splitlines():
-        columns = line.split()
-        local = next((c for c in columns if re.search(r":\d+$", c)), None)
-        if local is None or int(local.rsplit(":", 1)[1]) != port:
-            continue
-        match = re.search(r'users:\(\("([^"]*)",pid=(\d+)', line)
-        return (
-            (int(match.group(2)), match.group(1)) if match else (None, "unknown (not visible to this user)")
-        )
-    return None
-
-
 # -- macOS ----------------------------------------------------------------------------------------------
 
 
@@ -316,15 +303,6 @@ def parse_displays(text: str) -> list[dict[str, str]]:
             key, value = stripped.split(":", 1)
             current.setdefault(key.strip(), value.strip())
     return gpus
-
-
-def parse_lsof_listener(text: str) -> tuple[int | None, str] | None:
-    """`lsof -nP -iTCP:PORT -sTCP:LISTEN`: (pid, command) of the first listener."""
-    for line in text.splitlines()[1:]:
-        columns = line.split()
-        if len(columns) >= 2 and columns[1].isdigit():
-            return int(columns[1]), columns[0]
-    return None
 
 
 # -- llama.cpp --------------------------------------------------------------------------------------------
@@ -412,9 +390,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         report.devices.append(
             DeviceInfo(f"ROCm{index}", "rocm", name, total_b, free_b, False, gpu_bandwidth(name))
         )
-    holder = parse_ss_listener(sections.get("listeners", ""), report.rpc_port or 0)
-    if holder:
-        report.rpc_port_pid, report.rpc_port_process = holder
+    _set_port_holder(report, parse_ss(sections.get("listeners", "")))
 
 
 def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: float) -> None:
@@ -427,9 +403,7 @@ def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: fl
     reclaimable = parse_vm_stat(sections.get("vm_stat", ""))
     report.ram_total_bytes = total
     report.ram_available_bytes = min(total, reclaimable) if reclaimable is not None else total
-    holder = parse_lsof_listener(sections.get("listeners", ""))
-    if holder:
-        report.rpc_port_pid, report.rpc_port_process = holder
+    _set_port_holder(report, parse_lsof(sections.get("listeners", "")))
     gpus = parse_displays(sections.get("displays", ""))
     apple = next((g for g in gpus if g["Chipset Model"].startswith("Apple")), None)
     if apple is None and not report.cpu_model.startswith("Apple"):
@@ -452,3 +426,12 @@ def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: fl
     report.devices.append(
         DeviceInfo("MTL0", "metal", description, usable, usable, True, apple_bandwidth(chip))
     )
+
+
+def _set_port_holder(report: ProbeReport, listeners: list[Listener]) -> None:
+    """Who holds the RPC port, if anyone: the first holder's PID and name (ss shows no PID for another
+    user's process)."""
+    holders = holders_of(listeners, report.rpc_port or 0)
+    if holders:
+        report.rpc_port_pid = holders[0].pid
+        report.rpc_port_process = holders[0].name or "unknown (not visible to this user)"

@@ -54,7 +54,7 @@ async def collect(
     report = build_report(result.stdout, rpc_port=rpc_port, unified_clamp=unified_clamp)
     report.rtt_ms = rtt_ms
     if local:
-        _fill_from_psutil(report, rpc_port)
+        _fill_from_psutil(report)
     return report
 
 
@@ -68,8 +68,9 @@ async def measure_rtt(transport, samples: int = RTT_SAMPLES) -> float:
     return round(best, 2)
 
 
-def _fill_from_psutil(report: ProbeReport, rpc_port: int) -> None:
-    """The console's own host: memory, cores and the port holder straight from psutil."""
+def _fill_from_psutil(report: ProbeReport) -> None:
+    """The console's own host: memory and cores straight from psutil (the port holder comes from the
+    probe script's `ss`/`lsof`, as on every node)."""
     memory = psutil.virtual_memory()
     total, available = memory.total, memory.available
     if report.memory_limit_bytes is not None:
@@ -82,25 +83,6 @@ def _fill_from_psutil(report: ProbeReport, rpc_port: int) -> None:
     for device in report.devices:
         if device.kind == "cpu":
             device.total_bytes, device.free_bytes = total, available
-    holder = _port_holder(rpc_port)
-    if holder:
-        report.rpc_port_pid, report.rpc_port_process = holder
-
-
-def _port_holder(port: int) -> tuple[int | None, str] | None:
-    try:
-        connections = psutil.net_connections(kind="tcp")
-    except (psutil.AccessDenied, OSError):
-        return None
-    for conn in connections:
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            if conn.pid is None:
-                return None, "unknown (not visible to this user)"
-            try:
-                return conn.pid, psutil.Process(conn.pid).name()
-            except psutil.Error:
-                return conn.pid, ""
-    return None
 
 
 def _device_fields(info: DeviceInfo) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from nodes import bandwidth, probe
+from nodes.listeners import parse_ss
 
 DATA = Path(__file__).parent / "data" / "probe"
 GIB = 1024**3
@@ -195,16 +196,6 @@ def test_llama_server_version_lines(output, expected):
     assert probe.parse_llama_version(output) == expected
 
 
-def test_ss_listener_on_ipv6_and_without_process_info():
-    text = (
-        'LISTEN 0 1 [::]:50052 [::]:* users:(("ggml-rpc-server",pid=77,fd=3))\n'
-        "LISTEN 0 1 0.0.0.0:50053 0.0.0.0:*\n"
-    )
-    assert probe.parse_ss_listener(text, 50052) == (77, "ggml-rpc-server")
-    assert probe.parse_ss_listener(text, 50053) == (None, "unknown (not visible to this user)")
-    assert probe.parse_ss_listener(text, 50054) is None
-
-
 def test_meminfo_and_cgroup_values():
     assert probe.parse_meminfo("MemTotal: 100 kB\nMemAvailable: 40 kB\n") == (102400, 40960)
     assert probe.parse_cgroup_bytes("max") is None
@@ -275,3 +266,10 @@ def test_a_cgroup_limit_inside_a_head_block_is_found():
 @pytest.mark.parametrize(("cpus", "count"), [("0", 1), ("0-1", 2), ("0-3,8,10-11", 7), ("", 0)])
 def test_cpu_lists(cpus, count):
     assert probe.count_cpu_list(cpus) == count
+
+
+def test_the_rpc_port_holder_of_another_user_is_reported_without_pid():
+    report = probe.ProbeReport(rpc_port=50052)
+    probe._set_port_holder(report, parse_ss("LISTEN 0 1 [::]:50052 [::]:*\n"))
+    assert report.rpc_port_in_use and report.rpc_port_pid is None
+    assert report.rpc_port_process == "unknown (not visible to this user)"
