@@ -20,6 +20,7 @@ from nodes.listeners import (
     parse_get_nettcpconnection,
     parse_lsof,
     parse_ss,
+    redact_cmdline,
 )
 
 # Executables the console starts. A process whose command line runs one of these is ours to reap.
@@ -138,7 +139,8 @@ def cmdline_argv(platform: str, pid: int) -> list[str]:
             "-Command",
             f'(Get-CimInstance Win32_Process -Filter "ProcessId={int(pid)}").CommandLine',
         ]
-    return ["ps", "-o", "args=", "-p", str(int(pid))]
+    # -ww: the whole line; without it ps may cut it to the terminal width (80 columns when it has none).
+    return ["ps", "-ww", "-o", "args=", "-p", str(int(pid))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,14 +155,18 @@ async def _quiet_log(text: str) -> None:
 
 
 async def find_holders(transport, platform: str, port: int) -> list[Holder]:
-    """Who listens on `port` of the node, each with its command line and whether it is ours."""
+    """Who listens on `port` of the node, each with its command line and whether it is ours.
+
+    The command line is redacted here, once: it goes on to job logs, audit entries and pages, and a
+    llama-server started by hand may carry `--api-key`.
+    """
     result = await transport.run(listeners_argv(platform, port), timeout=30)
     holders = []
     for listener in holders_of(parse_listeners(platform, result.stdout), port):
         cmdline = ""
         if listener.pid is not None:
             ps = await transport.run(cmdline_argv(platform, listener.pid), timeout=30)
-            cmdline = ps.stdout.strip()
+            cmdline = redact_cmdline(ps.stdout.strip())
         name = listener.name or program_of(cmdline)
         holders.append(Holder(listener.pid, name, cmdline, classify(cmdline) if cmdline else None))
     return holders

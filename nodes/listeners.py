@@ -1,8 +1,11 @@
-"""Who listens on a TCP port, read from the tools each platform has.
+"""Who listens on a TCP port, read from the tools each platform has; and command lines made safe to show.
 
 Pure functions, no Django: the hardware probe (nodes/probe.py) and the reaper (deployments/reaper.py) both
 read `ss -ltnp` (Linux, with or without the header line), `lsof -nP -iTCP:PORT -sTCP:LISTEN` (macOS, and
 Linux without ss) and `Get-NetTCPConnection` as JSON (Windows) through these parsers.
+
+`redact_cmdline` hides secrets a process was started with (`llama-server --api-key X` started by hand):
+a command line read from a node may end up in a job log, an audit entry or a page.
 """
 
 from __future__ import annotations
@@ -97,3 +100,25 @@ def holders_of(listeners: list[Listener], port: int) -> list[Listener]:
         if item.port == port:
             by_pid.setdefault(item.pid, item)
     return list(by_pid.values())
+
+
+# Options whose value is a secret (llama.cpp's, and the usual spellings elsewhere), as "--opt X" or
+# "--opt=X"; environment assignments such as `env LLAMA_API_KEY=X prog`; and the "api_key: X" that
+# llama-server prints in its own log.
+_SECRET_OPTION = re.compile(
+    r"(?P<opt>(?<!\S)(?:--api-key|--hf-token|-hft|--password|--passwd|--token|--secret)(?:=|\s+))"
+    r"(?P<value>\"[^\"]*\"|'[^']*'|\S+)",
+    re.IGNORECASE,
+)
+_SECRET_ENV = re.compile(
+    r"(?P<opt>(?<!\S)\w*(?:API_KEY|TOKEN|PASSWORD|SECRET)\w*=)(?P<value>\S+)", re.IGNORECASE
+)
+_SECRET_LOGGED = re.compile(r"(?P<opt>\bapi_keys?:\s*)(?P<value>\S+)", re.IGNORECASE)
+HIDDEN = "(hidden)"
+
+
+def redact_cmdline(text: str) -> str:
+    """`text` with the values of secret options replaced by "(hidden)"; everything else unchanged."""
+    for pattern in (_SECRET_OPTION, _SECRET_ENV, _SECRET_LOGGED):
+        text = pattern.sub(lambda m: m["opt"] + HIDDEN, text)
+    return text

@@ -6,7 +6,16 @@ on Windows 11).
 
 from __future__ import annotations
 
-from nodes.listeners import Listener, holders_of, parse_get_nettcpconnection, parse_lsof, parse_ss
+import pytest
+
+from nodes.listeners import (
+    Listener,
+    holders_of,
+    parse_get_nettcpconnection,
+    parse_lsof,
+    parse_ss,
+    redact_cmdline,
+)
 
 SS_WITH_HEADER = """\
 State  Recv-Q Send-Q Local Address:Port  Peer Address:PortProcess
@@ -97,3 +106,25 @@ def test_ss_without_header_on_ipv6_and_without_process_info():
     assert holders_of(parse_ss(text), 50052) == [Listener("::", 50052, 77, "ggml-rpc-server")]
     assert holders_of(parse_ss(text), 50053) == [Listener("0.0.0.0", 50053, None)]
     assert holders_of(parse_ss(text), 50054) == []
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "expected"),
+    [
+        (
+            "/opt/llama/llama-server -m /m.gguf --api-key sk-123 --port 8080",
+            "/opt/llama/llama-server -m /m.gguf --api-key (hidden) --port 8080",
+        ),
+        ("llama-server --api-key=sk-123 --host 0.0.0.0", "llama-server --api-key=(hidden) --host 0.0.0.0"),
+        ("llama-server --api-key-file /home/me/key.txt", "llama-server --api-key-file /home/me/key.txt"),
+        ("llama-server -hft hf_abc --hf-token=hf_def", "llama-server -hft (hidden) --hf-token=(hidden)"),
+        (
+            "env LLAMA_API_KEY=sk-123 llama-server -m m.gguf",
+            "env LLAMA_API_KEY=(hidden) llama-server -m m.gguf",
+        ),
+        ("main: api_keys: sk-123", "main: api_keys: (hidden)"),
+        ("ggml-rpc-server -H 10.0.0.2 -p 50052", "ggml-rpc-server -H 10.0.0.2 -p 50052"),
+    ],
+)
+def test_secrets_in_command_lines_are_hidden_and_nothing_else_changes(cmdline, expected):
+    assert redact_cmdline(cmdline) == expected
