@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 
-import httpx
 from django import forms
 from django.conf import settings
 from django.contrib import messages
 from django.db import transaction
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from jobs import audit
@@ -23,18 +23,10 @@ from jobs.runner import enqueue
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
-from . import lifecycle, monitor
+from . import lifecycle
 from .build_job import allowed_tarball, offered_tarballs, tarball_dir
 from .lifecycle_steps import endpoint_url
 from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
-
-METRICS_SHOWN = (
-    "llamacpp:prompt_tokens_total",
-    "llamacpp:tokens_predicted_total",
-    "llamacpp:predicted_tokens_seconds",
-    "llamacpp:requests_processing",
-    "llamacpp:requests_deferred",
-)
 
 
 def _get_deployment(pk: int) -> Deployment:
@@ -100,40 +92,33 @@ def deployment_run(request, pk: int):
     return render(request, template, _context(request, deployment))
 
 
+def _process_rows(deployment: Deployment) -> tuple[list[dict], dict, object]:
+    """What the monitor saw last (rows, metrics, when), or the recorded processes not checked yet. No
+    SSH or HTTP here: the page is polled, and the monitor's beat task does the looking."""
+    status = deployment.live_status or {}
+    checked_at = parse_datetime(status["checked_at"]) if status.get("checked_at") else None
+    if status.get("processes") is not None and checked_at:
+        return status["processes"], status.get("metrics") or {}, checked_at
+    rows = [{**info, "alive": None} for info in (deployment.processes or {}).values()]
+    return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"])), {}, None
+
+
 @role_required(VIEWER)
 def deployment_processes(request, pk: int):
-    """Per-node process status (alive, PID, uptime, memory) and live numbers from /metrics."""
+    """Per-node process status (alive, PID, uptime, memory) and /metrics numbers, as the monitor saw them."""
     deployment = _get_deployment(pk)
-    rows = monitor.process_status(deployment) if deployment.processes else []
-    metrics = (
-        _metrics(deployment)
-        if deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
-        else {}
-    )
+    rows, metrics, checked_at = _process_rows(deployment)
+    live = deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
     return render(
         request,
         "deployments/lifecycle/processes.html",
-        {"deployment": deployment, "rows": rows, "metrics": metrics},
+        {
+            "deployment": deployment,
+            "rows": rows,
+            "metrics": metrics if live else {},
+            "checked_at": checked_at,
+        },
     )
-
-
-def _metrics(deployment: Deployment) -> dict[str, str]:
-    try:
-        response = httpx.get(
-            f"{endpoint_url(deployment)}/metrics",
-            headers={"Authorization": f"Bearer {deployment.api_key()}"},
-            timeout=2.0,
-        )
-    except httpx.HTTPError:
-        return {}
-    if response.status_code != 200:
-        return {}
-    values = {}
-    for line in response.text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in METRICS_SHOWN:
-            values[name.split(":", 1)[1]] = value
-    return values
 
 
 @role_required(OPERATOR)

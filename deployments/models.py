@@ -99,6 +99,9 @@ class Deployment(models.Model):
     measured_decode_tps = models.FloatField(null=True, blank=True)
     measured_prompt_tps = models.FloatField(null=True, blank=True)
     processes = models.JSONField(default=dict, blank=True)
+    # What the monitor saw last (deployments/monitor.py): {"checked_at", "processes": [per-process status:
+    # alive, pid, uptime, memory], "metrics": llama-server's /metrics numbers}. Pages only read it.
+    live_status = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-pk"]

@@ -1,19 +1,24 @@
 """The periodic check of running deployments: a dead rpc-server or llama-server makes the deployment degraded.
 
-Called from Celery beat (deployments.tasks.check_deployments). One asyncio run per check; each node is
-asked once, for all the PIDs it should have, and the last lines of a dead process's log go into the reason.
+Called from Celery beat (deployments.tasks.check_deployments). One asyncio run checks every deployment at
+once; each node is asked once per deployment, for all the PIDs it should have (alive, still our program,
+uptime, resident memory), and the last lines of a dead process's log go into the reason. What it saw,
+with llama-server's /metrics numbers, is stored in `Deployment.live_status` for the page to show: no page
+view opens an SSH connection or calls a node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 import httpx
 from django.utils import timezone
 
 from deployments.reaper import Holder, find_holders
 from jobs.audit import record
+from jobs.runner import run_to_completion
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 
@@ -23,6 +28,13 @@ logger = logging.getLogger(__name__)
 
 LOG_LINES = 15
 HEALTH_TIMEOUT_S = 10.0
+METRICS_SHOWN = (
+    "llamacpp:prompt_tokens_total",
+    "llamacpp:tokens_predicted_total",
+    "llamacpp:predicted_tokens_seconds",
+    "llamacpp:requests_processing",
+    "llamacpp:requests_deferred",
+)
 
 
 def _transport(node: Node):
@@ -32,48 +44,6 @@ def _transport(node: Node):
         return open_transport(node)
     except TransportError as exc:
         return exc
-
-
-async def _check_node(node: Node, opened, processes: list[dict]) -> dict[int, str]:
-    """{pid: reason} for the processes on `node` that are gone (or that cannot be checked). A PID alive
-    but running another program (reused after ours ended) counts as gone."""
-    from .lifecycle_steps import node_platform, runs_our_program
-
-    dead: dict[int, str] = {}
-    try:
-        if isinstance(opened, TransportError):
-            raise opened
-        async with opened as transport:
-            for info in processes:
-                pid = int(info["pid"])
-                if await transport.pid_alive(pid):
-                    ours, cmdline = await runs_our_program(transport, node_platform(node), pid, info["role"])
-                    if ours:
-                        continue
-                    dead[pid] = (
-                        f"{info['role']} on {node.name} (PID {pid}) is not running: that PID now runs "
-                        f"another program ({cmdline[:200]})."
-                    )
-                    continue
-                tail = await transport.run(["tail", "-n", str(LOG_LINES), info["log"]], timeout=30)
-                lines = "\n".join(line.text for line in tail.lines)
-                dead[pid] = (
-                    f"{info['role']} on {node.name} (PID {pid}) is not running. Last log lines:\n{lines}"
-                )
-    except TransportError as exc:
-        for info in processes:
-            dead[int(info["pid"])] = f"{node.name} cannot be reached to check {info['role']}: {exc}"
-    return dead
-
-
-async def _check(groups: dict[Node, list[dict]], transports: dict) -> dict[int, str]:
-    results = await asyncio.gather(
-        *(_check_node(node, transports[node.name], procs) for node, procs in groups.items())
-    )
-    merged: dict[int, str] = {}
-    for item in results:
-        merged.update(item)
-    return merged
 
 
 def processes_by_node(deployment: Deployment) -> dict[Node, list[dict]]:
@@ -90,12 +60,150 @@ def processes_by_node(deployment: Deployment) -> dict[Node, list[dict]]:
     return groups
 
 
-def check_deployment(deployment: Deployment) -> str:
-    """Check one deployment now; returns the reason it became degraded, or "" when all is alive."""
+def parse_ps_status(text: str) -> dict[int, dict]:
+    """{pid: {"uptime_s", "rss_bytes"}} from `ps -o pid=,etimes=,rss= -p PIDS` (rss in KiB)."""
+    status = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            status[int(parts[0])] = {"uptime_s": int(parts[1]), "rss_bytes": int(parts[2]) * 1024}
+    return status
+
+
+def parse_metrics(text: str) -> dict[str, str]:
+    """The numbers of METRICS_SHOWN from llama-server's Prometheus text, by short name."""
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in METRICS_SHOWN:
+            values[name.split(":", 1)[1]] = value.strip()
+    return values
+
+
+@dataclass
+class Check:
+    """What one deployment's check needs, gathered in synchronous code before the event loop starts."""
+
+    deployment: Deployment
+    transports: dict[Node, object]
+    groups: dict[Node, list[dict]]
+    url: str
+    api_key: str
+
+
+@dataclass
+class Seen:
+    dead: dict[int, str] = field(default_factory=dict)
+    rows: list[dict] = field(default_factory=list)
+    health: list[str] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)
+
+
+async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[int, str], list[dict]]:
+    """({pid: reason} for the processes on `node` that are gone or cannot be checked, a status row per
+    process). A PID alive but running another program (reused after ours ended) counts as gone."""
+    from .lifecycle_steps import node_platform, runs_our_program
+
+    dead: dict[int, str] = {}
+    status: dict[int, dict] = {}
+    error = ""
+    platform = node_platform(node)
+    try:
+        if isinstance(opened, TransportError):
+            raise opened
+        async with opened as transport:
+            for info in processes:
+                pid = int(info["pid"])
+                if await transport.pid_alive(pid):
+                    ours, cmdline = await runs_our_program(transport, platform, pid, info["role"])
+                    if ours:
+                        continue
+                    dead[pid] = (
+                        f"{info['role']} on {node.name} (PID {pid}) is not running: that PID now runs "
+                        f"another program ({cmdline[:200]})."
+                    )
+                    continue
+                tail = await transport.run(["tail", "-n", str(LOG_LINES), info["log"]], timeout=30)
+                lines = "\n".join(line.text for line in tail.lines)
+                dead[pid] = (
+                    f"{info['role']} on {node.name} (PID {pid}) is not running. Last log lines:\n{lines}"
+                )
+            alive = [int(p["pid"]) for p in processes if int(p["pid"]) not in dead]
+            if alive and platform != "windows":
+                pids = ",".join(map(str, alive))
+                result = await transport.run(["ps", "-o", "pid=,etimes=,rss=", "-p", pids], timeout=30)
+                status = parse_ps_status(result.stdout)
+    except TransportError as exc:
+        error = str(exc)
+        for info in processes:
+            dead[int(info["pid"])] = f"{node.name} cannot be reached to check {info['role']}: {exc}"
+    rows = []
+    for info in processes:
+        pid = int(info["pid"])
+        alive = not error and pid not in dead
+        rows.append({**info, "alive": alive, "error": error, **status.get(pid, {})})
+    return dead, rows
+
+
+async def _health_and_metrics(client: httpx.AsyncClient, check: Check) -> tuple[list[str], dict[str, str]]:
+    """llama-server is alive: does it still answer /health? (A wedged server is as bad as a dead one.)
+    And its live numbers from /metrics, when it answers them."""
+    url = f"{check.url}/health"
+    try:
+        response = await client.get(url, timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return [f"llama-server does not answer {url}: {exc}"], {}
+    if response.status_code != 200:
+        return [f"llama-server answers {url} with {response.status_code}: {response.text[:200]}"], {}
+    metrics: dict[str, str] = {}
+    try:
+        answer = await client.get(
+            f"{check.url}/metrics", headers={"Authorization": f"Bearer {check.api_key}"}, timeout=5.0
+        )
+        if answer.status_code == 200:
+            metrics = parse_metrics(answer.text)
+    except httpx.HTTPError:
+        pass  # The numbers are a nicety; /health decides the state.
+    return [], metrics
+
+
+async def _observe(client: httpx.AsyncClient, check: Check) -> Seen:
+    results = await asyncio.gather(
+        *(_check_node(node, check.transports[node], procs) for node, procs in check.groups.items())
+    )
+    seen = Seen()
+    for dead, rows in results:
+        seen.dead.update(dead)
+        seen.rows += rows
+    seen.rows.sort(key=lambda r: (r["role"] != "llama-server", r["node"]))
+    if not seen.dead:
+        seen.health, seen.metrics = await _health_and_metrics(client, check)
+    return seen
+
+
+async def _observe_all(checks: list[Check]) -> list[Seen | BaseException]:
+    async with httpx.AsyncClient() as client:
+        return await asyncio.gather(*(_observe(client, c) for c in checks), return_exceptions=True)
+
+
+def _prepare(deployment: Deployment) -> Check:
+    from .lifecycle_steps import endpoint_url
+
     groups = processes_by_node(deployment)
-    transports = {node.name: _transport(node) for node in groups}
-    dead = asyncio.run(_check(groups, transports)) if groups else {}
-    problems = list(dead.values()) or _unhealthy(deployment)
+    key = deployment.api_key() if deployment.api_key_encrypted else ""
+    return Check(deployment, {n: _transport(n) for n in groups}, groups, endpoint_url(deployment), key)
+
+
+def _apply(deployment: Deployment, seen: Seen) -> str:
+    """Store what the check saw, and move the deployment between running and degraded."""
+    deployment.record(
+        live_status={
+            "checked_at": timezone.now().isoformat(),
+            "processes": seen.rows,
+            "metrics": seen.metrics,
+        }
+    )
+    problems = list(seen.dead.values()) or seen.health
     if not problems:
         # Everything answers again (a node that was unreachable for a while is back): running again.
         if deployment.state == DeploymentState.DEGRADED and deployment.mark_recovered():
@@ -111,78 +219,36 @@ def check_deployment(deployment: Deployment) -> str:
     return reason
 
 
-def _unhealthy(deployment: Deployment) -> list[str]:
-    """llama-server is alive: does it still answer /health? (A wedged server is as bad as a dead one.)"""
-    from .lifecycle_steps import endpoint_url
+def check_deployments(deployments: list[Deployment]) -> dict[int, str]:
+    """Check these deployments now, all in one event loop; {pk: reason it is degraded, "" when healthy}."""
+    checks = []
+    for deployment in deployments:
+        try:
+            checks.append(_prepare(deployment))
+        except Exception:  # noqa: BLE001 - one broken deployment must not stop the check of the others.
+            logger.exception("Preparing the check of deployment %s failed.", deployment.pk)
+    results = run_to_completion(lambda: _observe_all(checks)) if checks else []
+    outcome = {}
+    for check, seen in zip(checks, results, strict=True):
+        try:
+            if isinstance(seen, BaseException):
+                raise seen
+            outcome[check.deployment.pk] = _apply(check.deployment, seen)
+        except Exception:  # noqa: BLE001 - as above
+            logger.exception("Checking deployment %s failed.", check.deployment.pk)
+    return outcome
 
-    url = f"{endpoint_url(deployment)}/health"
-    try:
-        response = httpx.get(url, timeout=HEALTH_TIMEOUT_S)
-    except httpx.HTTPError as exc:
-        return [f"llama-server does not answer {url}: {exc}"]
-    if response.status_code != 200:
-        return [f"llama-server answers {url} with {response.status_code}: {response.text[:200]}"]
-    return []
+
+def check_deployment(deployment: Deployment) -> str:
+    """Check one deployment now; returns the reason it became degraded, or "" when all is alive."""
+    return check_deployments([deployment]).get(deployment.pk, "")
 
 
 def check_all() -> list[int]:
     """Check every running or degraded deployment; the ids of those that are degraded now."""
-    degraded = []
     watched = (DeploymentState.RUNNING, DeploymentState.DEGRADED)
-    for deployment in Deployment.objects.filter(state__in=watched).select_related("coordinator"):
-        try:
-            if check_deployment(deployment):
-                degraded.append(deployment.pk)
-        except Exception:  # noqa: BLE001 - one broken deployment must not stop the check of the others.
-            logger.exception("Checking deployment %s failed.", deployment.pk)
-    return degraded
-
-
-# --------------------------------------------------------------------------------------------------
-# Process status for the deployment page
-# --------------------------------------------------------------------------------------------------
-
-
-def parse_ps_status(text: str) -> dict[int, dict]:
-    """{pid: {"uptime_s", "rss_bytes"}} from `ps -o pid=,etimes=,rss= -p PIDS` (rss in KiB)."""
-    status = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
-            status[int(parts[0])] = {"uptime_s": int(parts[1]), "rss_bytes": int(parts[2]) * 1024}
-    return status
-
-
-async def _status_of_node(opened, processes: list[dict]) -> list[dict]:
-    pids = ",".join(str(int(p["pid"])) for p in processes)
-    try:
-        if isinstance(opened, TransportError):
-            raise opened
-        async with opened as transport:
-            result = await transport.run(["ps", "-o", "pid=,etimes=,rss=", "-p", pids], timeout=30)
-            found = parse_ps_status(result.stdout)
-            error = ""
-    except TransportError as exc:
-        found, error = {}, str(exc)
-    rows = []
-    for info in processes:
-        pid = int(info["pid"])
-        rows.append({**info, "alive": pid in found, **found.get(pid, {}), "error": error})
-    return rows
-
-
-def process_status(deployment: Deployment) -> list[dict]:
-    """Every process this deployment started, with whether it is alive, its uptime and resident memory."""
-    groups = processes_by_node(deployment)
-    transports = {node: _transport(node) for node in groups}
-
-    async def gather() -> list[list[dict]]:
-        return await asyncio.gather(
-            *(_status_of_node(transports[node], procs) for node, procs in groups.items())
-        )
-
-    rows = [row for group in (asyncio.run(gather()) if groups else []) for row in group]
-    return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"]))
+    deployments = list(Deployment.objects.filter(state__in=watched).select_related("coordinator"))
+    return [pk for pk, reason in check_deployments(deployments).items() if reason]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 HTTP server standing in for llama-server's answers. The full path over SSH and real llama.cpp is
 tests/test_e2e_deployment.py."""
 
+# ruff: noqa: F811 - the local_node fixture is imported from tests/job_fixtures.py and used as a parameter
 from __future__ import annotations
 
 import asyncio
@@ -49,6 +50,17 @@ def _serve(answer: dict) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(body)
 
+        def do_GET(self):  # noqa: N802 - the http.server name
+            # /health and /metrics, as llama-server answers them.
+            if self.path == "/metrics":
+                body = b"llamacpp:tokens_predicted_total 1234\nllamacpp:requests_processing 1\n"
+            else:
+                body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def log_message(self, *args):
             return None
 
@@ -58,7 +70,7 @@ def _serve(answer: dict) -> ThreadingHTTPServer:
 
 
 def _deployment(node, port: int = 8080, **fields) -> Deployment:
-    model = ModelFile.objects.create(name=f"m{port}", node=node, path="/m/tiny.gguf")
+    model = ModelFile.objects.create(name=f"m{port}", node=node, path=f"/m/tiny-{port}.gguf")
     deployment = Deployment.objects.create(
         name="tiny",
         model_file=model,
@@ -72,7 +84,7 @@ def _deployment(node, port: int = 8080, **fields) -> Deployment:
     return deployment
 
 
-def test_measure_without_timings_fails_with_a_readable_reason(local_node):  # noqa: F811
+def test_measure_without_timings_fails_with_a_readable_reason(local_node):
     server = _serve({"content": "once upon a time"})
     try:
         deployment = _deployment(local_node, port=server.server_address[1])
@@ -84,7 +96,7 @@ def test_measure_without_timings_fails_with_a_readable_reason(local_node):  # no
         server.server_close()
 
 
-def test_measure_records_the_speed_llama_server_reports(local_node):  # noqa: F811
+def test_measure_records_the_speed_llama_server_reports(local_node):
     server = _serve({"timings": {"predicted_per_second": 12.5, "prompt_per_second": 80.0}})
     try:
         deployment = _deployment(local_node, port=server.server_address[1])
@@ -98,7 +110,7 @@ def test_measure_records_the_speed_llama_server_reports(local_node):  # noqa: F8
     assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
 
 
-def test_processes_recorded_by_two_steps_are_both_kept(local_node):  # noqa: F811
+def test_processes_recorded_by_two_steps_are_both_kept(local_node):
     deployment = _deployment(local_node)
     stale_copy = Deployment.objects.get(pk=deployment.pk)
     deployment.add_process("rpc-server@a", {"node": local_node.name, "role": "rpc-server", "pid": 1})
@@ -108,7 +120,7 @@ def test_processes_recorded_by_two_steps_are_both_kept(local_node):  # noqa: F81
     assert stale_copy.processes == deployment.processes
 
 
-def test_processes_are_grouped_by_their_node(local_node):  # noqa: F811
+def test_processes_are_grouped_by_their_node(local_node):
     from deployments.monitor import processes_by_node
 
     deployment = _deployment(local_node)
@@ -168,7 +180,7 @@ def _reap_job(node, port: int, pid: int):
     return run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [port], "pid": pid}))
 
 
-def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):  # noqa: F811
+def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):
     from jobs.models import JobState
 
     proc, port = local_rpc_server
@@ -178,7 +190,7 @@ def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):  # no
     assert f"reaped rpc-server PID {proc.pid}" in job.result
 
 
-def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local_rpc_server):  # noqa: F811
+def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local_rpc_server):
     from jobs.models import JobState
 
     proc, port = local_rpc_server
@@ -189,7 +201,7 @@ def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local
     assert proc.poll() is None
 
 
-def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, local_rpc_server):  # noqa: F811
+def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, local_rpc_server):
     from deployments.models import DeploymentState, ResourceClaim
     from jobs.models import JobState
 
@@ -220,7 +232,7 @@ def other_program():
         stop_proc(proc)
 
 
-def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, other_program):  # noqa: F811
+def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, other_program):
     from jobs.models import Job, JobKind, JobState
     from tests.deploy_fixtures import run
 
@@ -231,7 +243,7 @@ def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, othe
     assert "now runs another program" in "\n".join(job.log_lines.values_list("text", flat=True))
 
 
-def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other_program):  # noqa: F811
+def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other_program):
     from deployments.models import DeploymentState
     from deployments.monitor import check_deployment
 
@@ -243,3 +255,62 @@ def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other
     reason = check_deployment(deployment)
     assert "now runs another program" in reason
     assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.DEGRADED
+
+
+# --------------------------------------------------------------------------------------------------
+# The monitor: one event loop for every deployment; what it saw is stored for the page
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_monitor_checks_every_deployment_in_one_event_loop(local_node, monkeypatch):
+    from deployments import monitor
+    from deployments.models import DeploymentState
+
+    runs = []
+    real = monitor.run_to_completion
+    monkeypatch.setattr(monitor, "run_to_completion", lambda make: runs.append(1) or real(make))
+    for port in (_free_port(), _free_port()):
+        _deployment(local_node, port=port, state=DeploymentState.RUNNING)
+    assert len(monitor.check_all()) == 2  # nobody answers on those ports: both degraded
+    assert runs == [1]
+
+
+def test_the_monitor_stores_process_status_and_metrics_and_the_page_only_reads_them(
+    local_node,
+    local_rpc_server,
+    monkeypatch,
+    client,
+):
+    from django.urls import reverse
+
+    from deployments import monitor
+    from deployments.models import DeploymentState
+    from tests.factories import UserFactory
+
+    proc, rpc_port = local_rpc_server
+    server = _serve({})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1], state=DeploymentState.RUNNING)
+        deployment.add_process(
+            f"rpc-server@{local_node.name}",
+            {"node": local_node.name, "role": "rpc-server", "pid": proc.pid, "port": rpc_port, "log": "/l"},
+        )
+        assert monitor.check_all() == []
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    status = deployment.live_status
+    (row,) = status["processes"]
+    assert row["alive"] and row["pid"] == proc.pid and row["rss_bytes"] > 0 and row["uptime_s"] >= 0
+    assert status["metrics"] == {"tokens_predicted_total": "1234", "requests_processing": "1"}
+
+    def no_remote_calls(*args, **kwargs):
+        raise AssertionError("the page must not reach a node")
+
+    monkeypatch.setattr("jobs.transport.open_transport", no_remote_calls)
+    monkeypatch.setattr(monitor, "open_transport", no_remote_calls)
+    monkeypatch.setattr("httpx.get", no_remote_calls)
+    client.force_login(UserFactory(username="vera", role="viewer"))
+    page = client.get(reverse("deployments:processes", args=[deployment.pk])).content.decode()
+    assert str(proc.pid) in page and "As of" in page and "1234" in page
