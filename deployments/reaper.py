@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
 from nodes.listeners import (
     Listener,
     holders_of,
@@ -24,7 +25,7 @@ from nodes.listeners import (
 )
 
 # Executables the console starts. A process whose command line runs one of these is ours to reap.
-OUR_PROGRAMS = {"ggml-rpc-server": "rpc-server", "rpc-server": "rpc-server", "llama-server": "llama-server"}
+OUR_PROGRAMS = {**dict.fromkeys(RPC_SERVER_BINARIES, "rpc-server"), LLAMA_SERVER_BINARY: "llama-server"}
 # Wrappers that may stand in front of our program in a command line (`stdbuf -oL ggml-rpc-server ...`).
 _WRAPPERS = {"stdbuf", "nohup", "setsid", "env", "nice", "taskset"}
 

@@ -12,6 +12,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from deployments.llamacpp import BINARIES, LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES, parse_llama_version
+
 from .bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
 from .listeners import Listener, holders_of, parse_lsof, parse_ss
 from .probe_script import PROBE_SCRIPT
@@ -20,7 +22,6 @@ __all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report"]
 
 MIB = 1024**2
 SECTION = "@@@ "
-BINARIES = ("ggml-rpc-server", "rpc-server", "llama-server")
 # cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
 _UNLIMITED = 1 << 60
 
@@ -65,7 +66,7 @@ class ProbeReport:
     @property
     def rpc_server_binary(self) -> str:
         """The RPC server's path: `ggml-rpc-server` in current releases, `rpc-server` in older ones."""
-        return self.binaries.get("ggml-rpc-server") or self.binaries.get("rpc-server", "")
+        return next((self.binaries[name] for name in RPC_SERVER_BINARIES if name in self.binaries), "")
 
     def facts(self) -> dict:
         """What a Node stores in `facts` (JSON; devices are rows of their own)."""
@@ -73,7 +74,7 @@ class ProbeReport:
         data.pop("devices")
         data["rpc_port_in_use"] = self.rpc_port_in_use
         data["rpc_server_binary"] = self.rpc_server_binary
-        data["llama_server_binary"] = self.binaries.get("llama-server", "")
+        data["llama_server_binary"] = self.binaries.get(LLAMA_SERVER_BINARY, "")
         return data
 
 
@@ -306,21 +307,6 @@ def parse_displays(text: str) -> list[dict[str, str]]:
 
 
 # -- llama.cpp --------------------------------------------------------------------------------------------
-
-
-def parse_llama_version(text: str) -> tuple[str, str]:
-    """`llama-server --version` → (version, commit). Old: "version: 4567 (a1b2c3d4)";
-    new: "version: 0.6.0-dev (build 0, commit unknown)"."""
-    match = re.search(r"^version:\s*(\S+)(?:\s*\(([^)]*)\))?", text, flags=re.M)
-    if not match:
-        return "", ""
-    inner = match.group(2) or ""
-    commit = re.search(r"commit\s+(\S+)", inner)
-    if commit:
-        value = commit.group(1)
-    else:
-        value = inner.strip() if re.fullmatch(r"[0-9a-f]{7,40}", inner.strip()) else ""
-    return match.group(1), "" if value == "unknown" else value
 
 
 def parse_binaries(sections: dict[str, str]) -> dict[str, str]:

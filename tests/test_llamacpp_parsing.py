@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from deployments import llamacpp
 
 BANNER = """Starting RPC server v7.0.0
@@ -78,3 +80,40 @@ def test_everything_on_the_cpu_lists_no_device():
     args = llamacpp.llama_server_args(placements, {"ctx": 512, "parallel": 1, "cache_type": "q8_0"}, 8)
     assert args[:4] == ["--device", "none", "-ngl", "0"]
     assert "-ts" not in args
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ("version: 4567 (a1b2c3d4)\nbuilt with cc 11.4.0 for x86_64-linux-gnu", ("4567", "a1b2c3d4")),
+        ("version: 0.6.0-dev (build 0, commit unknown)\nbuilt with GNU 12.2.0", ("0.6.0-dev", "")),
+        ("version: 0.7.1 (build 7001, commit 0fa2b7c)", ("0.7.1", "0fa2b7c")),
+        ("error while loading shared libraries: libggml.so", ("", "")),
+    ],
+)
+def test_llama_server_version_lines(output, expected):
+    assert llamacpp.parse_llama_version(output) == expected
+
+
+def test_the_server_version_label_is_the_version_line_as_printed():
+    assert llamacpp.parse_server_version("version: 6800 (abc1234)\nbuilt with cc") == "6800 (abc1234)"
+    new = "load_backend: loaded CPU backend\nversion: 0.6.0-dev (build 0, commit unknown)\n"
+    assert llamacpp.parse_server_version(new) == "0.6.0-dev (build 0, commit unknown)"
+    assert llamacpp.parse_server_version("llama-server: not found") == ""
+
+
+def test_the_rpc_banner_version_alone():
+    assert llamacpp.parse_rpc_banner_version(BANNER) == "7.0.0"
+    assert (
+        llamacpp.parse_rpc_banner_version("Starting RPC server v3.1.0\n  endpoint : 127.0.0.1:1") == "3.1.0"
+    )
+    assert llamacpp.parse_rpc_banner_version("usage: ggml-rpc-server [options]") == ""
+
+
+def test_every_llamacpp_binary_name_comes_from_one_place():
+    from deployments import reaper
+    from nodes import probe
+
+    assert llamacpp.BINARIES == ("ggml-rpc-server", "rpc-server", "llama-server")
+    assert set(reaper.OUR_PROGRAMS) == set(llamacpp.BINARIES)
+    assert probe.BINARIES is llamacpp.BINARIES

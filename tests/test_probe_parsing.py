@@ -183,19 +183,6 @@ def test_amd_gpus_become_rocm_devices():
     ]
 
 
-@pytest.mark.parametrize(
-    ("output", "expected"),
-    [
-        ("version: 4567 (a1b2c3d4)\nbuilt with cc 11.4.0 for x86_64-linux-gnu", ("4567", "a1b2c3d4")),
-        ("version: 0.6.0-dev (build 0, commit unknown)\nbuilt with GNU 12.2.0", ("0.6.0-dev", "")),
-        ("version: 0.7.1 (build 7001, commit 0fa2b7c)", ("0.7.1", "0fa2b7c")),
-        ("error while loading shared libraries: libggml.so", ("", "")),
-    ],
-)
-def test_llama_server_version_lines(output, expected):
-    assert probe.parse_llama_version(output) == expected
-
-
 def test_meminfo_and_cgroup_values():
     assert probe.parse_meminfo("MemTotal: 100 kB\nMemAvailable: 40 kB\n") == (102400, 40960)
     assert probe.parse_cgroup_bytes("max") is None
