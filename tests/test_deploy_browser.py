@@ -107,9 +107,16 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     run_url = page.url
     page.click("text=Start ggml-rpc-server on old-pc-1")
     expect(page.locator("body")).to_contain_text("Starting RPC server v7.0.0")
+    # The page shows what the monitor saw (a page view never reaches a node): one round, as beat runs it.
+    page.goto(run_url)
+    expect(page.locator("#processes")).to_contain_text("Not checked yet")
+    from deployments import monitor
+
+    assert monitor.check_all() == []
     page.goto(run_url)
     expect(page.locator("#processes")).to_contain_text("alive")
-    expect(page.locator("#processes")).to_contain_text("tokens_predicted_total")  # live /metrics
+    expect(page.locator("#processes")).to_contain_text("As of")
+    expect(page.locator("#processes")).to_contain_text("tokens_predicted_total")  # from /metrics
 
     # The plan was confirmed with llama-server's default host (loopback); a remote coordinator binds to
     # its own address instead, and that is the endpoint people are given.
