@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -154,11 +151,7 @@ def local_rpc_server(tmp_path):
     from tests.deploy_fixtures import listeners_in, rpc_server_binary, stop_proc
 
     port = _free_port()
-    # Started through a short path: `ps -o args=` without a terminal cuts command lines at 80 columns,
-    # and the cached build's own path is longer than that (reported; deployments/reaper.py is not ours).
-    short = Path(tempfile.mkdtemp(prefix="rd", dir="/tmp"))
-    (short / "ggml-rpc-server").symlink_to(rpc_server_binary())
-    argv = [str(short / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port)]
+    argv = [str(rpc_server_binary()), "-H", "127.0.0.1", "-p", str(port)]
     with (tmp_path / "rpc.log").open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     host = type("Host", (), {"exec_argv": staticmethod(lambda a: a)})()
@@ -170,7 +163,6 @@ def local_rpc_server(tmp_path):
         yield proc, port
     finally:
         stop_proc(proc)
-        shutil.rmtree(short, ignore_errors=True)
 
 
 def _reap_job(node, port: int, pid: int):
