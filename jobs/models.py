@@ -48,7 +48,9 @@ class JobQuerySet(models.QuerySet):
 
 class Job(models.Model):
     kind = models.CharField(max_length=20, choices=JobKind.choices)
-    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    node = models.ForeignKey(
+        "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
+    )
     # A copy of the node's name so the history still reads well after the node is deleted.
     node_name = models.CharField(max_length=100, blank=True)
     state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
