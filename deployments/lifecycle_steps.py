@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import posixpath
-import re
 import secrets
 import tempfile
 
@@ -23,6 +22,7 @@ from django.utils import timezone
 from deployments import placement
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
 from jobs.runner import JobFailed
+from nodes.listeners import redact_cmdline
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
 MEASURE_TOKENS = 32
@@ -75,7 +75,8 @@ async def runs_our_program(transport, platform: str, pid: int, role: str) -> tup
     have left its PID to something else, which must be neither killed nor taken for our server.
     Returns (ours, its command line)."""
     result = await transport.run(cmdline_argv(platform, pid), timeout=30)
-    cmdline = result.stdout.strip()
+    # Redacted here, where it is read: whatever a caller logs or shows of it carries no key.
+    cmdline = redact_cmdline(result.stdout.strip())
     return bool(cmdline) and classify(cmdline) == role, cmdline
 
 
@@ -272,7 +273,7 @@ async def _write_key_file(ctx, path: str, key: str) -> None:
 
 def _without_key(text: str) -> str:
     """llama-server prints the API key's last characters at start; even those stay out of the job log."""
-    return re.sub(r"(api_keys?:\s*)\S+", r"\1(hidden)", text)
+    return redact_cmdline(text)
 
 
 async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeout: float) -> None:

@@ -306,3 +306,33 @@ def test_the_monitor_stores_process_status_and_metrics_and_the_page_only_reads_t
     client.force_login(UserFactory(username="vera", role="viewer"))
     page = client.get(reverse("deployments:processes", args=[deployment.pk])).content.decode()
     assert str(proc.pid) in page and "As of" in page and "1234" in page
+
+
+def test_a_pid_check_never_returns_an_api_key_from_the_command_line():
+    """A PID reused by a program that carries a key on its command line: the check says 'not ours' and
+    the command line it hands back (for the log and the audit) has the key hidden."""
+    import subprocess
+    import sys
+
+    from jobs.local import LocalTransport
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sekrit-key-123"]
+    )
+    try:
+
+        async def check():
+            async with LocalTransport() as transport:
+                return await lifecycle_steps.runs_our_program(transport, "linux", process.pid, "rpc-server")
+
+        ours, cmdline = asyncio.run(check())
+    finally:
+        process.kill()
+        process.wait()
+    assert ours is False
+    assert "--api-key" in cmdline and "sekrit-key-123" not in cmdline
+
+
+def test_llama_server_log_lines_never_show_the_key():
+    line = "main: api_keys: ****abcd, server is listening on http://127.0.0.1:8080"
+    assert "abcd" not in lifecycle_steps._without_key(line)
