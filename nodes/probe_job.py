@@ -43,11 +43,13 @@ async def probe(ctx: JobContext) -> str:
         raise JobFailed("A probe needs a node.")
     await ctx.log(f"Probing {node.name} ({node.address}) ...")
     try:
+        build = await sync_to_async(lambda: node.current_build)()
         report = await collect(
             ctx.transport,
             node.platform_hint,
             rpc_port=node.rpc_port,
             unified_clamp=settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
+            known_server=(build.llama_server_path, build.version) if build and build.version else None,
         )
     except ProbeUnsupported as exc:
         await sync_to_async(record_probe_failure)(node, str(exc))

@@ -1,14 +1,17 @@
 """The probe script: one POSIX shell script that prints everything the probe needs in one round trip.
 
 It prints sections headed `@@@ <name>` that nodes/probe.py parses, and branches on `uname -s` itself so
-Linux and macOS need no second trip. Its only input, the RPC port to check, arrives as "$1" (never as
-formatted text). It starts as few processes as it can: on a small board or a busy node every fork counts.
+Linux and macOS need no second trip. Its inputs arrive as positional arguments (never as formatted text):
+"$1" the RPC port to check, "$2" (optional) the llama-server whose version the console already knows.
+It starts as few processes as it can: on a small board or a busy node every fork counts.
 """
 
 from __future__ import annotations
 
 PROBE_SCRIPT = r"""
 port="$1"
+# The llama-server whose version the console already recorded (its build): not run again just to ask.
+known_server="${2:-}"
 sec() { printf '\n%s%s\n' '@@@ ' "$1"; }
 set -- $(uname -snrm)
 sec uname; echo "$1 $3 $4"
@@ -75,6 +78,6 @@ if ! on_path >/dev/null 2>&1; then
   done
 fi
 sec llama-server-version
-[ -n "$server" ] && "$server" --version 2>&1
+[ -n "$server" ] && [ "$server" != "$known_server" ] && "$server" --version 2>&1
 sec end
 """

@@ -17,7 +17,7 @@ from jobs.local import LocalTransport
 from jobs.transport import TransportError
 
 from .models import Device, Node, Reachability
-from .probe import PROBE_SCRIPT, DeviceInfo, ProbeReport, build_report
+from .probe import LLAMA_SERVER_BINARY, PROBE_SCRIPT, DeviceInfo, ProbeReport, build_report
 
 PROBE_TIMEOUT_S = 120.0
 RTT_SAMPLES = 3
@@ -34,8 +34,12 @@ async def collect(
     rpc_port: int = 50052,
     unified_clamp: float = 0.70,
     timeout: float = PROBE_TIMEOUT_S,
+    known_server: tuple[str, str] | None = None,
 ) -> ProbeReport:
-    """Probe the node behind `transport` and return its report (nothing is stored here)."""
+    """Probe the node behind `transport` and return its report (nothing is stored here).
+
+    `known_server` is (llama-server path, its version) from the node's build record: that binary is not
+    started again just to print a version the console has (it is the costliest part of a probe)."""
     if platform_hint == "windows":
         raise ProbeUnsupported(
             "Windows nodes cannot be probed: run ggml-rpc-server under WSL2 and add the WSL address as a "
@@ -47,12 +51,16 @@ async def collect(
     rtt_ms = 0.0 if local else getattr(transport, "rtt_ms", None)
     if rtt_ms is None:
         rtt_ms = await measure_rtt(transport)
-    result = await transport.run(["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port))], timeout=timeout)
+    known_path, known_version = known_server or ("", "")
+    argv = ["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port)), known_path]
+    result = await transport.run(argv, timeout=timeout)
     if result.exit_status != 0:
         tail = "; ".join(line.text for line in result.lines[-3:])
         raise TransportError(f"The probe script failed with exit status {result.exit_status}: {tail}")
     report = build_report(result.stdout, rpc_port=rpc_port, unified_clamp=unified_clamp)
     report.rtt_ms = rtt_ms
+    if known_path and not report.llama_version and report.binaries.get(LLAMA_SERVER_BINARY) == known_path:
+        report.llama_version = known_version
     if local:
         _fill_from_psutil(report)
     return report
