@@ -6,7 +6,9 @@ machines with their own sshd (tests/lab), so this needs root. Target: ratio = ei
 
     .venv/bin/python benchmarks/fanout.py [--hosts 8] [--rounds 5]
 
-Prints a line per round and ends with one JSON line: {"one_s": ..., "eight_s": ..., "ratio": ...}.
+Measures routine probes (the node's llama.cpp build on record, as the probe job runs them) and first-contact
+probes. Prints a line per round and ends with one JSON line: {"one_s": ..., "eight_s": ..., "ratio": ...,
+"first_contact_ratio": ...}.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,12 +30,13 @@ import django  # noqa: E402
 
 django.setup()
 
+from deployments.llamacpp import parse_server_version  # noqa: E402
 from jobs.ssh import SSHTarget, SSHTransport  # noqa: E402
 from nodes.probing import collect  # noqa: E402
 from tests.lab.netlab import Lab, LabHost, cleanup_leftovers  # noqa: E402
 
 
-async def probe_one(lab: Lab, host: LabHost) -> int:
+async def probe_one(lab: Lab, host: LabHost, known_server: tuple[str, str] | None = None) -> int:
     target = SSHTarget(
         host=host.address,
         private_key=lab.client_private_key,
@@ -40,7 +44,7 @@ async def probe_one(lab: Lab, host: LabHost) -> int:
         connect_timeout=10,
     )
     async with SSHTransport(target) as transport:
-        report = await collect(transport, "auto")
+        report = await collect(transport, "auto", known_server=known_server)
     if not report.devices:
         raise RuntimeError(f"probe of {host.address} found no device")
     return len(report.devices)
@@ -63,13 +67,16 @@ async def timed(coro) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-async def measure(lab: Lab, hosts: list[LabHost], rounds: int) -> dict:
-    await asyncio.gather(*(probe_one(lab, h) for h in hosts))  # Warm-up: page cache, sshd first fork.
+async def measure(lab: Lab, hosts: list[LabHost], rounds: int, known: tuple[str, str] | None) -> dict:
+    def probe(host):
+        return probe_one(lab, host, known)
+
+    await asyncio.gather(*(probe(h) for h in hosts))  # Warm-up: page cache, sshd first fork.
     ones, eights, console, remote = [], [], [], []
     for n in range(rounds):
-        one, _ = await timed(probe_one(lab, hosts[n % len(hosts)]))
+        one, _ = await timed(probe(hosts[n % len(hosts)]))
         before = node_cpu_s(hosts)
-        eight, console_cpu = await timed(asyncio.gather(*(probe_one(lab, h) for h in hosts)))
+        eight, console_cpu = await timed(asyncio.gather(*(probe(h) for h in hosts)))
         remote.append((node_cpu_s(hosts) - before) / len(hosts))
         ones.append(one)
         eights.append(eight)
@@ -87,30 +94,52 @@ async def measure(lab: Lab, hosts: list[LabHost], rounds: int) -> dict:
     }
 
 
+def known_build() -> tuple[str, str] | None:
+    """(llama-server path, version) of the cached build the lab hosts share, as a node's Build row has it."""
+    found = sorted(Path.home().glob(".ramdeck/llama.cpp/src-*/llama.cpp/build-*/bin/llama-server"))
+    if not found:
+        return None
+    out = subprocess.run([str(found[0]), "--version"], capture_output=True, text=True, timeout=60)
+    return str(found[0]), parse_server_version(out.stdout + out.stderr)
+
+
+def figures_of(result: dict, hosts: int, cores: int, prefix: str = "") -> dict:
+    # Every lab "machine" runs on this host's cores: the nodes' own work alone needs this long when all
+    # probes run at once, whatever the console does.
+    floor_s = hosts * result["node_cpu_per_probe_s"] / cores
+    return {
+        f"{prefix}one_s": round(result["one_s"], 4),
+        f"{prefix}eight_s": round(result["eight_s"], 4),
+        f"{prefix}ratio": round(result["eight_s"] / result["one_s"], 3),
+        f"{prefix}console_cpu_s": round(result["console_cpu_s"], 4),
+        f"{prefix}node_cpu_per_probe_s": round(result["node_cpu_per_probe_s"], 4),
+        f"{prefix}shared_cpu_floor_s": round(floor_s, 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    known = known_build()
     cleanup_leftovers()
     with Lab() as lab:
         hosts = [lab.add_host() for _ in range(args.hosts)]
-        result = asyncio.run(measure(lab, hosts, args.rounds))
-    cores = len(os.sched_getaffinity(0))
-    one_s, eight_s = result["one_s"], result["eight_s"]
-    # Every lab "machine" runs on this host's cores: the nodes' own work alone needs this long when all
-    # probes run at once, whatever the console does.
-    floor_s = args.hosts * result["node_cpu_per_probe_s"] / cores
+        # Routine probes: the node's build is on record, as the probe job passes it (nodes/probe_job.py).
+        print("routine probes (build on record):", flush=True)
+        routine = asyncio.run(measure(lab, hosts, args.rounds, known))
+        # First contact: nothing known yet, so the probe also asks llama-server for its version.
+        print("first-contact probes:", flush=True)
+        first = asyncio.run(measure(lab, hosts, args.rounds, None))
     figures = {
-        "one_s": round(one_s, 4),
-        "eight_s": round(eight_s, 4),
-        "ratio": round(eight_s / one_s, 3),
+        **figures_of(routine, args.hosts, cores),
         "hosts": args.hosts,
         "rounds": args.rounds,
         "cores": cores,
-        "console_cpu_s": round(result["console_cpu_s"], 4),
-        "node_cpu_per_probe_s": round(result["node_cpu_per_probe_s"], 4),
-        "shared_cpu_floor_s": round(floor_s, 4),
+        "build_on_record": known is not None,
+        **figures_of(first, args.hosts, cores, prefix="first_contact_"),
     }
     print(json.dumps(figures))
 
