@@ -7,65 +7,148 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('nodes', '0001_initial'),
+        ("nodes", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ModelFile',
+            name="ModelFile",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('path', models.CharField(help_text='Path of the (first) GGUF file on the node.', max_length=1000)),
-                ('shard_paths', models.JSONField(blank=True, default=list, help_text='Every shard, first included.')),
-                ('size_bytes', models.BigIntegerField(default=0)),
-                ('sha256', models.CharField(blank=True, max_length=64)),
-                ('profile', models.JSONField(default=dict)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='model_files', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200, unique=True)),
+                (
+                    "path",
+                    models.CharField(help_text="Path of the (first) GGUF file on the node.", max_length=1000),
+                ),
+                (
+                    "shard_paths",
+                    models.JSONField(blank=True, default=list, help_text="Every shard, first included."),
+                ),
+                ("size_bytes", models.BigIntegerField(default=0)),
+                ("sha256", models.CharField(blank=True, max_length=64)),
+                ("profile", models.JSONField(default=dict)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="model_files",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Deployment',
+            name="Deployment",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200)),
-                ('plan', models.JSONField()),
-                ('plan_settings', models.JSONField(default=dict)),
-                ('state', models.CharField(choices=[('confirmed', 'Confirmed'), ('preparing', 'Preparing'), ('launching', 'Launching'), ('verifying', 'Verifying'), ('running', 'Running'), ('degraded', 'Degraded'), ('stopping', 'Stopping'), ('stopped', 'Stopped'), ('failed', 'Failed')], db_index=True, default='confirmed', max_length=20)),
-                ('state_reason', models.TextField(blank=True)),
-                ('failed_step', models.CharField(blank=True, max_length=40)),
-                ('host', models.CharField(default='127.0.0.1', help_text='llama-server --host', max_length=253)),
-                ('port', models.PositiveIntegerField(default=8080, help_text='llama-server --port')),
-                ('api_key_encrypted', models.TextField(blank=True, editable=False)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('running_at', models.DateTimeField(blank=True, null=True)),
-                ('stopped_at', models.DateTimeField(blank=True, null=True)),
-                ('verification', models.JSONField(blank=True, default=dict)),
-                ('measured_decode_tps', models.FloatField(blank=True, null=True)),
-                ('measured_prompt_tps', models.FloatField(blank=True, null=True)),
-                ('processes', models.JSONField(blank=True, default=dict)),
-                ('coordinator', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='coordinated_deployments', to='nodes.node')),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('redeployed_from', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to='deployments.deployment')),
-                ('model_file', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='deployments', to='deployments.modelfile')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200)),
+                ("plan", models.JSONField()),
+                ("plan_settings", models.JSONField(default=dict)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("confirmed", "Confirmed"),
+                            ("preparing", "Preparing"),
+                            ("launching", "Launching"),
+                            ("verifying", "Verifying"),
+                            ("running", "Running"),
+                            ("degraded", "Degraded"),
+                            ("stopping", "Stopping"),
+                            ("stopped", "Stopped"),
+                            ("failed", "Failed"),
+                        ],
+                        db_index=True,
+                        default="confirmed",
+                        max_length=20,
+                    ),
+                ),
+                ("state_reason", models.TextField(blank=True)),
+                ("failed_step", models.CharField(blank=True, max_length=40)),
+                (
+                    "host",
+                    models.CharField(default="127.0.0.1", help_text="llama-server --host", max_length=253),
+                ),
+                ("port", models.PositiveIntegerField(default=8080, help_text="llama-server --port")),
+                ("api_key_encrypted", models.TextField(blank=True, editable=False)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("running_at", models.DateTimeField(blank=True, null=True)),
+                ("stopped_at", models.DateTimeField(blank=True, null=True)),
+                ("verification", models.JSONField(blank=True, default=dict)),
+                ("measured_decode_tps", models.FloatField(blank=True, null=True)),
+                ("measured_prompt_tps", models.FloatField(blank=True, null=True)),
+                ("processes", models.JSONField(blank=True, default=dict)),
+                (
+                    "coordinator",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="coordinated_deployments",
+                        to="nodes.node",
+                    ),
+                ),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "redeployed_from",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to="deployments.deployment",
+                    ),
+                ),
+                (
+                    "model_file",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="deployments",
+                        to="deployments.modelfile",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-pk'],
+                "ordering": ["-created_at", "-pk"],
             },
         ),
         migrations.AddConstraint(
-            model_name='modelfile',
-            constraint=models.UniqueConstraint(fields=('node', 'path'), name='unique_model_path_per_node'),
+            model_name="modelfile",
+            constraint=models.UniqueConstraint(fields=("node", "path"), name="unique_model_path_per_node"),
         ),
     ]

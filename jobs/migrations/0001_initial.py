@@ -7,74 +7,166 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('nodes', '0001_initial'),
+        ("nodes", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Job',
+            name="Job",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('probe', 'Hardware probe'), ('build', 'Build llama.cpp'), ('reap', 'Reap stale processes'), ('launch', 'Launch'), ('stop', 'Stop'), ('benchmark', 'Benchmark'), ('command', 'Command'), ('download', 'Download model')], max_length=20)),
-                ('node_name', models.CharField(blank=True, max_length=100)),
-                ('state', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('succeeded', 'Succeeded'), ('failed', 'Failed'), ('errored', 'Errored'), ('cancelled', 'Cancelled')], db_index=True, default='queued', max_length=20)),
-                ('title', models.CharField(blank=True, max_length=200)),
-                ('params', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('exit_code', models.IntegerField(blank=True, null=True)),
-                ('result', models.CharField(blank=True, help_text='One line a person can act on.', max_length=500)),
-                ('worker', models.CharField(blank=True, max_length=200)),
-                ('heartbeat_at', models.DateTimeField(blank=True, null=True)),
-                ('remote_pid', models.IntegerField(blank=True, null=True)),
-                ('cancel_requested', models.BooleanField(default=False)),
-                ('next_seq', models.PositiveIntegerField(default=0)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("probe", "Hardware probe"),
+                            ("build", "Build llama.cpp"),
+                            ("reap", "Reap stale processes"),
+                            ("launch", "Launch"),
+                            ("stop", "Stop"),
+                            ("benchmark", "Benchmark"),
+                            ("command", "Command"),
+                            ("download", "Download model"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                ("node_name", models.CharField(blank=True, max_length=100)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("succeeded", "Succeeded"),
+                            ("failed", "Failed"),
+                            ("errored", "Errored"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        db_index=True,
+                        default="queued",
+                        max_length=20,
+                    ),
+                ),
+                ("title", models.CharField(blank=True, max_length=200)),
+                ("params", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("exit_code", models.IntegerField(blank=True, null=True)),
+                (
+                    "result",
+                    models.CharField(blank=True, help_text="One line a person can act on.", max_length=500),
+                ),
+                ("worker", models.CharField(blank=True, max_length=200)),
+                ("heartbeat_at", models.DateTimeField(blank=True, null=True)),
+                ("remote_pid", models.IntegerField(blank=True, null=True)),
+                ("cancel_requested", models.BooleanField(default=False)),
+                ("next_seq", models.PositiveIntegerField(default=0)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="nodes.node",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-pk'],
+                "ordering": ["-created_at", "-pk"],
             },
         ),
         migrations.CreateModel(
-            name='AuditEvent',
+            name="AuditEvent",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
-                ('actor_name', models.CharField(blank=True, max_length=150)),
-                ('action', models.CharField(db_index=True, max_length=60)),
-                ('object_type', models.CharField(blank=True, db_index=True, max_length=60)),
-                ('object_id', models.CharField(blank=True, max_length=60)),
-                ('object_repr', models.CharField(blank=True, max_length=200)),
-                ('changes', models.JSONField(blank=True, default=dict)),
-                ('source_ip', models.GenericIPAddressField(blank=True, null=True)),
-                ('actor', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("at", models.DateTimeField(db_index=True, default=django.utils.timezone.now)),
+                ("actor_name", models.CharField(blank=True, max_length=150)),
+                ("action", models.CharField(db_index=True, max_length=60)),
+                ("object_type", models.CharField(blank=True, db_index=True, max_length=60)),
+                ("object_id", models.CharField(blank=True, max_length=60)),
+                ("object_repr", models.CharField(blank=True, max_length=200)),
+                ("changes", models.JSONField(blank=True, default=dict)),
+                ("source_ip", models.GenericIPAddressField(blank=True, null=True)),
+                (
+                    "actor",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-at', '-pk'],
-                'indexes': [models.Index(fields=['object_type', 'object_id'], name='jobs_audite_object__3f6bb0_idx')],
-                'constraints': [models.CheckConstraint(condition=models.Q(('action', ''), _negated=True), name='audit_action_not_empty')],
+                "ordering": ["-at", "-pk"],
+                "indexes": [
+                    models.Index(fields=["object_type", "object_id"], name="jobs_audite_object__3f6bb0_idx")
+                ],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(("action", ""), _negated=True), name="audit_action_not_empty"
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='JobLogLine',
+            name="JobLogLine",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('seq', models.PositiveIntegerField()),
-                ('stream', models.CharField(choices=[('out', 'stdout'), ('err', 'stderr'), ('sys', 'console')], default='out', max_length=3)),
-                ('text', models.TextField()),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('job', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='log_lines', to='jobs.job')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("seq", models.PositiveIntegerField()),
+                (
+                    "stream",
+                    models.CharField(
+                        choices=[("out", "stdout"), ("err", "stderr"), ("sys", "console")],
+                        default="out",
+                        max_length=3,
+                    ),
+                ),
+                ("text", models.TextField()),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "job",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="log_lines", to="jobs.job"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['job', 'seq'],
-                'constraints': [models.UniqueConstraint(fields=('job', 'seq'), name='unique_job_log_seq')],
+                "ordering": ["job", "seq"],
+                "constraints": [models.UniqueConstraint(fields=("job", "seq"), name="unique_job_log_seq")],
             },
         ),
     ]

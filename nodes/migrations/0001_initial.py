@@ -2,13 +2,13 @@
 
 import django.core.validators
 import django.db.models.deletion
-import nodes.validators
 from django.conf import settings
 from django.db import migrations, models
 
+import nodes.validators
+
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -17,75 +17,223 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='Credential',
+            name="Credential",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('kind', models.CharField(choices=[('private_key', 'Private key'), ('password', 'Password')], default='private_key', max_length=20)),
-                ('secret_encrypted', models.TextField(editable=False)),
-                ('passphrase_encrypted', models.TextField(blank=True, editable=False)),
-                ('public_fingerprint', models.CharField(blank=True, editable=False, max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[("private_key", "Private key"), ("password", "Password")],
+                        default="private_key",
+                        max_length=20,
+                    ),
+                ),
+                ("secret_encrypted", models.TextField(editable=False)),
+                ("passphrase_encrypted", models.TextField(blank=True, editable=False)),
+                ("public_fingerprint", models.CharField(blank=True, editable=False, max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(help_text='Short name: letters, digits, - and _.', max_length=100, unique=True)),
-                ('address', models.CharField(help_text='Hostname or IP address.', max_length=253, validators=[nodes.validators.validate_host])),
-                ('transport', models.CharField(choices=[('ssh', 'SSH'), ('local', "Local (this console's own host)")], default='ssh', max_length=10)),
-                ('ssh_port', models.PositiveIntegerField(default=22, validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(65535)])),
-                ('ssh_user', models.CharField(blank=True, max_length=64)),
-                ('may_coordinate', models.BooleanField(default=False, help_text='This node may run llama-server (the coordinator) for a deployment.')),
-                ('rpc_port', models.PositiveIntegerField(default=50052, validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(65535)])),
-                ('rpc_bind_address', models.CharField(blank=True, help_text="Address ggml-rpc-server listens on. Empty: the node's own address.", max_length=253, validators=[nodes.validators.validate_host])),
-                ('platform_hint', models.CharField(choices=[('auto', 'Detect'), ('linux', 'Linux'), ('macos', 'macOS'), ('windows', 'Windows')], default='auto', max_length=10)),
-                ('notes', models.TextField(blank=True)),
-                ('enabled', models.BooleanField(default=True)),
-                ('host_key', models.TextField(blank=True, help_text='Approved host public key (OpenSSH format).')),
-                ('host_key_fingerprint', models.CharField(blank=True, max_length=100)),
-                ('pending_host_key', models.TextField(blank=True)),
-                ('pending_host_key_fingerprint', models.CharField(blank=True, max_length=100)),
-                ('host_key_approved_at', models.DateTimeField(blank=True, null=True)),
-                ('reachability', models.CharField(choices=[('unknown', 'Not probed yet'), ('reachable', 'Reachable'), ('unreachable', 'Unreachable'), ('host_key_pending', 'Host key awaits approval'), ('host_key_changed', 'Host key changed')], default='unknown', max_length=20)),
-                ('last_seen_at', models.DateTimeField(blank=True, null=True)),
-                ('last_probe_at', models.DateTimeField(blank=True, null=True)),
-                ('last_error', models.TextField(blank=True)),
-                ('facts', models.JSONField(blank=True, default=dict)),
-                ('rtt_ms', models.FloatField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('credential', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='nodes', to='nodes.credential')),
-                ('host_key_approved_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "name",
+                    models.SlugField(
+                        help_text="Short name: letters, digits, - and _.", max_length=100, unique=True
+                    ),
+                ),
+                (
+                    "address",
+                    models.CharField(
+                        help_text="Hostname or IP address.",
+                        max_length=253,
+                        validators=[nodes.validators.validate_host],
+                    ),
+                ),
+                (
+                    "transport",
+                    models.CharField(
+                        choices=[("ssh", "SSH"), ("local", "Local (this console's own host)")],
+                        default="ssh",
+                        max_length=10,
+                    ),
+                ),
+                (
+                    "ssh_port",
+                    models.PositiveIntegerField(
+                        default=22,
+                        validators=[
+                            django.core.validators.MinValueValidator(1),
+                            django.core.validators.MaxValueValidator(65535),
+                        ],
+                    ),
+                ),
+                ("ssh_user", models.CharField(blank=True, max_length=64)),
+                (
+                    "may_coordinate",
+                    models.BooleanField(
+                        default=False,
+                        help_text="This node may run llama-server (the coordinator) for a deployment.",
+                    ),
+                ),
+                (
+                    "rpc_port",
+                    models.PositiveIntegerField(
+                        default=50052,
+                        validators=[
+                            django.core.validators.MinValueValidator(1),
+                            django.core.validators.MaxValueValidator(65535),
+                        ],
+                    ),
+                ),
+                (
+                    "rpc_bind_address",
+                    models.CharField(
+                        blank=True,
+                        help_text="Address ggml-rpc-server listens on. Empty: the node's own address.",
+                        max_length=253,
+                        validators=[nodes.validators.validate_host],
+                    ),
+                ),
+                (
+                    "platform_hint",
+                    models.CharField(
+                        choices=[
+                            ("auto", "Detect"),
+                            ("linux", "Linux"),
+                            ("macos", "macOS"),
+                            ("windows", "Windows"),
+                        ],
+                        default="auto",
+                        max_length=10,
+                    ),
+                ),
+                ("notes", models.TextField(blank=True)),
+                ("enabled", models.BooleanField(default=True)),
+                (
+                    "host_key",
+                    models.TextField(blank=True, help_text="Approved host public key (OpenSSH format)."),
+                ),
+                ("host_key_fingerprint", models.CharField(blank=True, max_length=100)),
+                ("pending_host_key", models.TextField(blank=True)),
+                ("pending_host_key_fingerprint", models.CharField(blank=True, max_length=100)),
+                ("host_key_approved_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "reachability",
+                    models.CharField(
+                        choices=[
+                            ("unknown", "Not probed yet"),
+                            ("reachable", "Reachable"),
+                            ("unreachable", "Unreachable"),
+                            ("host_key_pending", "Host key awaits approval"),
+                            ("host_key_changed", "Host key changed"),
+                        ],
+                        default="unknown",
+                        max_length=20,
+                    ),
+                ),
+                ("last_seen_at", models.DateTimeField(blank=True, null=True)),
+                ("last_probe_at", models.DateTimeField(blank=True, null=True)),
+                ("last_error", models.TextField(blank=True)),
+                ("facts", models.JSONField(blank=True, default=dict)),
+                ("rtt_ms", models.FloatField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "credential",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="nodes",
+                        to="nodes.credential",
+                    ),
+                ),
+                (
+                    "host_key_approved_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Device',
+            name="Device",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=40)),
-                ('kind', models.CharField(choices=[('cpu', 'CPU'), ('cuda', 'NVIDIA CUDA'), ('metal', 'Apple Metal'), ('rocm', 'AMD ROCm'), ('vulkan', 'Vulkan')], max_length=10)),
-                ('description', models.CharField(blank=True, max_length=200)),
-                ('total_bytes', models.BigIntegerField()),
-                ('free_bytes', models.BigIntegerField()),
-                ('unified_memory', models.BooleanField(default=False)),
-                ('bandwidth_gbs', models.FloatField(blank=True, help_text='From the table of known chips.', null=True)),
-                ('bandwidth_override_gbs', models.FloatField(blank=True, help_text='Set by an operator; wins over the table and measurements.', null=True)),
-                ('measured_bandwidth_gbs', models.FloatField(blank=True, null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='devices', to='nodes.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=40)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("cpu", "CPU"),
+                            ("cuda", "NVIDIA CUDA"),
+                            ("metal", "Apple Metal"),
+                            ("rocm", "AMD ROCm"),
+                            ("vulkan", "Vulkan"),
+                        ],
+                        max_length=10,
+                    ),
+                ),
+                ("description", models.CharField(blank=True, max_length=200)),
+                ("total_bytes", models.BigIntegerField()),
+                ("free_bytes", models.BigIntegerField()),
+                ("unified_memory", models.BooleanField(default=False)),
+                (
+                    "bandwidth_gbs",
+                    models.FloatField(blank=True, help_text="From the table of known chips.", null=True),
+                ),
+                (
+                    "bandwidth_override_gbs",
+                    models.FloatField(
+                        blank=True,
+                        help_text="Set by an operator; wins over the table and measurements.",
+                        null=True,
+                    ),
+                ),
+                ("measured_bandwidth_gbs", models.FloatField(blank=True, null=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "node",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="devices", to="nodes.node"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['node__name', 'name'],
-                'constraints': [models.UniqueConstraint(fields=('node', 'name'), name='unique_device_per_node')],
+                "ordering": ["node__name", "name"],
+                "constraints": [
+                    models.UniqueConstraint(fields=("node", "name"), name="unique_device_per_node")
+                ],
             },
         ),
     ]
