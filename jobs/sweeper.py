@@ -137,8 +137,44 @@ async def _check_and_end(job: Job, pid: int, *, end: bool) -> tuple[bool, bool |
     from .runner import open_transport_for
 
     async with await open_transport_for(job.node) as transport:
-        if not await transport.pid_alive(pid):
+        if not await transport.pid_alive(pid) or not await _is_the_jobs_process(transport, job, pid):
             return False, None
         if not end:
             return True, None
         return True, await transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
+
+
+# Slack for the heartbeat interval and the time `ps` takes: a process younger than "since the last
+# heartbeat" by more than this cannot be the one the job started.
+PID_AGE_SLACK_S = 30.0
+
+
+async def _is_the_jobs_process(transport, job: Job, pid: int) -> bool:
+    """False when the PID now belongs to a newer process (the job's own ended and the PID was reused).
+
+    The job's process was alive at its last heartbeat (a runner that saw it end would have finished the
+    job), so it is at least that old. `ps -o etime=` reports a process's age on Linux and macOS alike and,
+    unlike a start timestamp, does not depend on the node's clock agreeing with the console's.
+    """
+    result = await transport.run(["ps", "-o", "etime=", "-p", str(int(pid))], timeout=30)
+    age = parse_etime(result.stdout)
+    if age is None:
+        return True  # Cannot tell: treat it as the job's, as before.
+    last_seen = job.heartbeat_at or job.started_at or job.created_at
+    return age + PID_AGE_SLACK_S >= (timezone.now() - last_seen).total_seconds()
+
+
+def parse_etime(text: str) -> int | None:
+    """`ps -o etime=` ([[dd-]hh:]mm:ss) in seconds, or None when it is not that."""
+    text = text.strip()
+    if not text:
+        return None
+    days, _, clock = text.rpartition("-")
+    try:
+        parts = [int(part) for part in clock.split(":")]
+        seconds = 0
+        for part in parts:
+            seconds = seconds * 60 + part
+        return seconds + (int(days) * 86400 if days else 0)
+    except ValueError:
+        return None

@@ -217,3 +217,26 @@ def test_a_job_past_the_soft_time_limit_is_errored_and_its_process_ended(local_n
     assert job.state == JobState.ERRORED
     assert job.result == "The job ran past the time limit for jobs and was stopped."
     assert sleeper.wait(timeout=30) is not None
+
+
+def test_a_reused_pid_is_never_ended_by_the_sweeper(local_node, orphans):
+    """The job's process ended long ago and its PID now belongs to a newer program: left alone."""
+    newcomer = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    orphans.append(newcomer.pid)
+    job = python_job(local_node, "print(1)")
+    job.mark_running(worker="gone@nowhere")
+    job.record_remote_pid(newcomer.pid)
+    # The job's last sign of life was ten minutes ago; the process on that PID is a second old.
+    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(minutes=10))
+    assert sweeper.sweep(stale_after=0, alive=set()) == [job.pk]
+    assert pid_running(newcomer.pid)
+    texts = [text for _, _, text in log_of(job)]
+    assert any("had already exited" in text for text in texts)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("00:05", 5), ("  12:34\n", 754), ("01:02:03", 3723), ("2-03:04:05", 183845), ("", None), ("x", None)],
+)
+def test_ps_elapsed_time_is_read_in_both_formats(text, seconds):
+    assert sweeper.parse_etime(text) == seconds
