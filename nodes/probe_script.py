@@ -49,12 +49,20 @@ Darwin)
   if command -v rocm-smi >/dev/null 2>&1; then
     rocm-smi --showproductname --showmeminfo vram --json 2>/dev/null
   fi
-  # ss -p walks every process's file descriptors: run it only when /proc/net shows a listener (state
-  # 0A) on the port.
+  # Who listens on the port. `ss` asks the kernel over netlink for listening sockets on that port only,
+  # which is far cheaper than reading /proc/net/tcp (the kernel walks its whole socket table to print it).
+  # -p walks every process's file descriptors, so it runs only when something listens there. Without
+  # -H (older ss lacks it) the output has a header line: a second line means a listener.
   sec listeners
-  hexport=$(printf '%04X' "$port")
-  if grep -q ":$hexport [0-9A-F]*:[0-9A-F]* 0A " /proc/net/tcp /proc/net/tcp6 2>/dev/null; then
-    ss -ltnpH 2>/dev/null || ss -ltnp 2>/dev/null
+  if command -v ss >/dev/null 2>&1; then
+    found=$(ss -ltn "sport = :$port" 2>/dev/null)
+    case "$found" in *"
+"*) ss -ltnp "sport = :$port" 2>/dev/null ;; esac
+  else
+    hexport=$(printf '%04X' "$port")
+    if grep -q ":$hexport [0-9A-F]*:[0-9A-F]* 0A " /proc/net/tcp /proc/net/tcp6 2>/dev/null; then
+      echo "ss is not installed: port $port is in use, but its process cannot be named"
+    fi
   fi
   ;;
 esac
