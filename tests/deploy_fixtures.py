@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -114,83 +113,3 @@ def route_between(hosts) -> None:
             check=True,
             timeout=30,
         )
-
-
-def database_url_for_workers(connection) -> str:
-    """DATABASE_URL of the test database, for a worker process that must see what the test wrote."""
-    from urllib.parse import quote
-
-    conf = connection.settings_dict
-    if connection.vendor == "sqlite":
-        return f"sqlite:///{conf['NAME']}"
-    auth = quote(conf.get("USER") or "")
-    if conf.get("PASSWORD"):
-        auth += ":" + quote(conf["PASSWORD"])
-    host = conf.get("HOST") or "127.0.0.1"
-    port = conf.get("PORT") or 5432
-    return f"postgres://{auth}@{host}:{port}/{conf['NAME']}"
-
-
-class CeleryWorker:
-    """A real Celery worker process on the file-based test database, consuming a queue of this test's own
-    (set as the default queue before the live server forks, so its `.delay()` calls land here)."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        import uuid
-
-        self.queue = f"ramdeck-deploy-test-{uuid.uuid4().hex[:10]}"
-        self.log_path = tmp_path / f"{self.queue}.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> CeleryWorker:
-        import sys
-
-        from django.db import connection
-
-        from ramdeck_site.celery import app
-
-        app.conf.task_default_queue = self.queue
-        celery = str(Path(sys.executable).with_name("celery"))
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url_for_workers(connection),
-            "PYTHONUNBUFFERED": "1",
-        }
-        argv = [
-            celery,
-            "-A",
-            "ramdeck_site",
-            "worker",
-            "-P",
-            "solo",
-            "-Q",
-            self.queue,
-            "-n",
-            f"{self.queue}@%h",
-        ]
-        argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while " ready." not in self.log() and self.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert self.process.poll() is None and " ready." in self.log(), self.log()
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        import redis
-        from django.conf import settings
-
-        from ramdeck_site.celery import app
-
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                kill_pid(self.process.pid)
-        app.conf.task_default_queue = "celery"
-        redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(self.queue)

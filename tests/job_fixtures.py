@@ -5,10 +5,15 @@ Import the fixtures by name in a test module (`from tests.job_fixtures import lo
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -67,6 +72,76 @@ def database_url() -> str:
         return f"sqlite:///{db['NAME']}"
     auth = quote(db["USER"] or "") + (f":{quote(db['PASSWORD'])}" if db.get("PASSWORD") else "")
     return f"postgres://{auth}@{db['HOST'] or 'localhost'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+class CeleryWorker:
+    """A real Celery worker process on the test database, consuming a queue of this test's own.
+
+    With `default_queue=True` the queue becomes Celery's default before the test starts anything else, so
+    the `.delay()` calls of a live server forked afterwards land here too.
+    """
+
+    def __init__(self, tmp_path: Path, name: str | None = None, *, default_queue: bool = False) -> None:
+        self.queue = f"ramdeck-test-{uuid.uuid4().hex[:10]}"
+        self.name = name or f"{self.queue}@{socket.gethostname()}"
+        self.log_path = tmp_path / f"{self.queue}.log"
+        self.default_queue = default_queue
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> CeleryWorker:
+        from ramdeck_site.celery import app
+
+        if self.default_queue:
+            app.conf.task_default_queue = self.queue
+        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        celery = str(Path(PYTHON).with_name("celery"))
+        argv = [celery, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", self.queue, "-n", self.name]
+        argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(
+            lambda: " ready." in self.log() or self.process.poll() is not None, timeout=60, what="worker"
+        )
+        assert self.process.poll() is None, self.log()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def send(self, job_id: int, task_id: str | None = None) -> None:
+        from jobs import tasks
+
+        tasks.run_job.apply_async(args=[job_id], queue=self.queue, task_id=task_id)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.default_queue:
+            from ramdeck_site.celery import app
+
+            app.conf.task_default_queue = "celery"
+        self._forget_queue()
+
+    def _forget_queue(self) -> None:
+        """Leave nothing of this test in the broker (a killed worker's unacknowledged message included)."""
+        import redis
+        from django.conf import settings
+
+        client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+        client.delete(self.queue)
+        for tag, payload in client.hgetall("unacked").items():
+            if self.queue.encode() in payload:
+                client.hdel("unacked", tag)
+                client.zrem("unacked_index", tag)
 
 
 def log_of(job: Job) -> list[tuple[int, str, str]]:

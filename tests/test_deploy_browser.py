@@ -17,7 +17,6 @@ from nodes.models import Device, DeviceKind
 from tests.browser import log_in
 from tests.deploy_fixtures import (
     TARBALL,
-    CeleryWorker,
     lab_node,
     listeners_in,
     log_text,
@@ -28,6 +27,7 @@ from tests.deploy_fixtures import (
 )
 from tests.factories import PASSWORD, UserFactory
 from tests.gguf_models import TinyLlama, write_tiny_llama
+from tests.job_fixtures import CeleryWorker
 
 pytestmark = [pytest.mark.browser, pytest.mark.lab, pytest.mark.e2e, pytest.mark.timeout(1200)]
 MIB = 2**20
@@ -35,7 +35,7 @@ MIB = 2**20
 
 @pytest.fixture
 def celery_worker(transactional_db, tmp_path):
-    worker = CeleryWorker(tmp_path).start()
+    worker = CeleryWorker(tmp_path, default_queue=True).start()
     yield worker
     worker.stop()
 

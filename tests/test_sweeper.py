@@ -9,84 +9,25 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
-import redis
-from django.conf import settings
 from django.utils import timezone
 
 from jobs import sweeper, tasks
 from jobs.models import Job, JobState
-from tests.job_fixtures import database_url, log_of, pid_running, python_job, wait_for
+from tests.job_fixtures import CeleryWorker, log_of, pid_running, python_job, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-CELERY = str(Path(sys.executable).with_name("celery"))
-
-
-class Worker:
-    def __init__(self, tmp_path: Path, name: str | None = None) -> None:
-        self.queue = f"ramdeck-test-{uuid.uuid4().hex[:10]}"
-        self.name = name or f"{self.queue}@{socket.gethostname()}"
-        self.log_path = tmp_path / f"{self.queue}.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> Worker:
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url(),
-            "PYTHONUNBUFFERED": "1",
-        }
-        argv = [CELERY, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", self.queue, "-n", self.name]
-        argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        wait_for(
-            lambda: " ready." in self.log() or self.process.poll() is not None, timeout=60, what="worker"
-        )
-        assert self.process.poll() is None, self.log()
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def send(self, job_id: int, task_id: str | None = None) -> None:
-        tasks.run_job.apply_async(args=[job_id], queue=self.queue, task_id=task_id)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._forget_queue()
-
-    def _forget_queue(self) -> None:
-        """Leave nothing of this test in the broker (a killed worker's unacknowledged message included)."""
-        client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-        client.delete(self.queue)
-        for tag, payload in client.hgetall("unacked").items():
-            if self.queue.encode() in payload:
-                client.hdel("unacked", tag)
-                client.zrem("unacked_index", tag)
 
 
 @pytest.fixture
 def worker_factory(tmp_path):
-    started: list[Worker] = []
+    started: list[CeleryWorker] = []
 
-    def start(name: str | None = None) -> Worker:
-        worker = Worker(tmp_path, name)
+    def start(name: str | None = None) -> CeleryWorker:
+        worker = CeleryWorker(tmp_path, name)
         started.append(worker)
         return worker.start()
 
