@@ -42,13 +42,20 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
-# Test-only system packages: Chromium for browser tests, OpenSSH server for the network-namespace lab.
-# Installed when missing and the machine allows it (root with apt-get); otherwise those tests say why.
+# System packages the tests use: Chromium (browser tests), OpenSSH server and iproute2 (network-namespace
+# lab), and what the nodes need for real work (curl for downloads; cmake, ninja, a C++ compiler and git to
+# build llama.cpp; procps for ps). Installed when missing and the machine allows it (root with apt-get);
+# otherwise the tests that need them say why.
+SYSTEM_DEPS := chromium:chromium /usr/sbin/sshd:openssh-server ip:iproute2 ss:iproute2 curl:curl \
+	cmake:cmake ninja:ninja-build g++:g++ git:git ps:procps stdbuf:coreutils
 install-system-deps:
 	@missing=""; \
-	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
-	[ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
-	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	for pair in $(SYSTEM_DEPS); do \
+	  tool=$${pair%%:*}; pkg=$${pair##*:}; \
+	  if ! command -v $$tool >/dev/null 2>&1 && [ ! -x "$$tool" ]; then \
+	    case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \
+	  fi; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "Installing$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
