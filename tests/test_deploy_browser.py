@@ -12,6 +12,7 @@ from playwright.sync_api import expect
 
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import Job, JobKind, JobState
 from nodes.models import Device, DeviceKind
 from tests.browser import log_in
@@ -26,7 +27,6 @@ from tests.deploy_fixtures import (
     run,
 )
 from tests.factories import PASSWORD, UserFactory
-from tests.gguf_models import TinyLlama, write_tiny_llama
 from tests.job_fixtures import CeleryWorker
 
 pytestmark = [pytest.mark.browser, pytest.mark.lab, pytest.mark.e2e, pytest.mark.timeout(1200)]

@@ -24,6 +24,7 @@ from deployments import lifecycle, monitor, planner
 from deployments.build_job import file_sha256
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import AuditEvent, Job, JobKind, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
@@ -40,7 +41,6 @@ from tests.deploy_fixtures import (
     wait_listening,
 )
 from tests.factories import UserFactory
-from tests.gguf_models import TinyLlama, write_tiny_llama
 
 pytestmark = [
     pytest.mark.e2e,

@@ -10,7 +10,7 @@ import pytest
 
 from deployments import gguf_profile
 from deployments.gguf_profile import GGUFError, MissingShard, NotGGUF, TruncatedHeader, UnsupportedVersion
-from tests.gguf_models import TinyLlama, write_tiny_llama
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import pytest
 from django.urls import reverse
 
 from deployments.models import ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs import runner, tasks
 from jobs.models import AuditEvent, Job, JobKind, JobState
 from tests.deploy_fixtures import lab_node
-from tests.gguf_models import TinyLlama, write_tiny_llama
 from tests.job_fixtures import channel_layer, local_node, wait_for  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]

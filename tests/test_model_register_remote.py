@@ -16,11 +16,11 @@ from django.urls import reverse
 
 from deployments import download_job, gguf_profile
 from deployments.models import ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.local import LocalTransport
 from jobs.models import AuditEvent
 from jobs.ssh import SSHTransport
 from tests.deploy_fixtures import lab_node
-from tests.gguf_models import TinyLlama, write_tiny_llama
 
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(180)]
 

@@ -9,11 +9,11 @@ from playwright.sync_api import expect
 
 from deployments import gguf_profile
 from deployments.models import Deployment, DeploymentState, ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import AuditEvent
 from nodes.models import DeviceKind, Transport
 from tests.browser import log_in
 from tests.factories import PASSWORD, DeviceFactory, NodeFactory, UserFactory
-from tests.gguf_models import TinyLlama, write_tiny_llama
 
 pytestmark = pytest.mark.browser
 MIB = 1024 * 1024

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gguf_models import TinyLlama, write_tiny_llama
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = {

@@ -8,10 +8,10 @@ from django.utils import timezone
 
 from deployments import views
 from deployments.models import Deployment, DeploymentState, ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import AuditEvent
 from nodes.models import DeviceKind, Transport
 from tests.factories import DeviceFactory, NodeFactory
-from tests.gguf_models import TinyLlama, write_tiny_llama
 
 MIB = 1024 * 1024
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from deployments import gguf_profile, llamacpp, planner
-from tests.gguf_models import TinyLlama, write_tiny_llama
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from tests.llamacpp_build import require_llamacpp
 
 pytestmark = pytest.mark.llamacpp

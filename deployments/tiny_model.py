@@ -1,8 +1,10 @@
-"""Tiny llama-architecture GGUF models for tests, written with the `gguf` package's GGUFWriter.
+"""Tiny llama-architecture GGUF models, written with the `gguf` package's GGUFWriter.
 
 Random f16 weights and a byte-fallback SPM vocabulary (`<unk>`, `<s>`, `</s>`, the 256 `<0xNN>` byte tokens
 and a few word pieces): llama-server loads and serves them (the text is gibberish, the plumbing is real).
-Variants: grouped-query attention, tied embeddings (no `output.weight`), and a split into shards.
+The console uses them where it needs a model of known shape and no download: calibration runs, the compose
+trial's demo model, and the tests. Variants: grouped-query attention, tied embeddings (no `output.weight`),
+and a split into shards.
 """
 
 from __future__ import annotations
