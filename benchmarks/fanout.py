@@ -96,7 +96,9 @@ async def measure(lab: Lab, hosts: list[LabHost], rounds: int, known: tuple[str,
 
 def known_build() -> tuple[str, str] | None:
     """(llama-server path, version) of the cached build the lab hosts share, as a node's Build row has it."""
-    found = sorted(Path.home().glob(".ramdeck/llama.cpp/src-*/llama.cpp/build-*/bin/llama-server"))
+    from tests.llamacpp_build import BUILD_ROOT
+
+    found = sorted(BUILD_ROOT.glob("src-*/llama.cpp/build-*/bin/llama-server"))
     if not found:
         return None
     out = subprocess.run([str(found[0]), "--version"], capture_output=True, text=True, timeout=60)

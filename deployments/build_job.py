@@ -17,7 +17,6 @@ Job params: {"source": "tarball"|"git"|"existing", "tarball": console-local path
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import re
@@ -29,6 +28,7 @@ from django.conf import settings
 
 from deployments.llamacpp import RPC_SERVER_BINARIES as RPC_BINARIES
 from deployments.llamacpp import parse_rpc_banner_version, parse_server_version
+from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball, file_sha256
 from jobs.runner import JobFailed
 
 COMMON_FLAGS = [
@@ -136,12 +136,36 @@ def allowed_tarball(path: str) -> str | None:
 
 
 def offered_tarballs() -> list[str]:
-    """Names of the tarballs in RAMDECK_TARBALL_DIR (symlinks leading outside it are not offered)."""
+    """Names of the tarballs in RAMDECK_TARBALL_DIR (symlinks leading outside it are not offered), the pinned
+    llama.cpp source first: it is always offered, since a build fetches it when it is not there yet."""
     try:
         names = sorted(os.listdir(tarball_dir()))
     except OSError:
-        return []
-    return [name for name in names if allowed_tarball(os.path.join(tarball_dir(), name))]
+        names = []
+    present = [n for n in names if n != PINNED.filename and allowed_tarball(os.path.join(tarball_dir(), n))]
+    return [PINNED.filename, *present]
+
+
+def pinned_tarball_path() -> str:
+    return os.path.join(tarball_dir(), PINNED.filename)
+
+
+async def ensure_pinned_tarball(ctx) -> str:
+    """Fetch the pinned llama.cpp source into the tarball folder on the console's host, once."""
+    path = pinned_tarball_path()
+    if os.path.isfile(path):
+        return path
+    await ctx.log(f"the pinned llama.cpp source is not on this console yet: fetching {PINNED.requirement}")
+    try:
+        fetched = await sync_to_async(fetch_pinned_tarball, thread_sensitive=False)(tarball_dir(), log=_quiet)
+    except (FetchFailed, OSError) as exc:
+        raise JobFailed(f"could not fetch the llama.cpp source: {exc}") from exc
+    await ctx.log(f"fetched {PINNED.filename} (SHA-256 {PINNED.sha256[:16]}… checked)")
+    return str(fetched)
+
+
+def _quiet(_message: str) -> None:
+    """The fetch's own progress messages: the job logs its own lines instead."""
 
 
 def parse_rpc_protocol_header(text: str) -> str:
@@ -162,14 +186,6 @@ def rpc_target_of(cmakelists: str) -> str:
 
 def src_dir_name(sha256: str) -> str:
     return f"src-{sha256[:16]}"
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def parse_protocol_major(protocol: str) -> str:
@@ -227,6 +243,8 @@ def _locked(found: dict[str, str], lock_path: str, argv: list[str]) -> list[str]
 
 
 async def _tarball_tree(ctx, found: dict[str, str], root: str, params: dict) -> tuple[str, str, str]:
+    if params.get("tarball") == pinned_tarball_path():
+        await ensure_pinned_tarball(ctx)
     local = allowed_tarball(params.get("tarball") or "")
     if local is None:
         raise JobFailed(

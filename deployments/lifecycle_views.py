@@ -24,8 +24,9 @@ from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
 from . import lifecycle
-from .build_job import allowed_tarball, offered_tarballs, tarball_dir
+from .build_job import allowed_tarball, offered_tarballs, pinned_tarball_path, tarball_dir
 from .lifecycle_steps import endpoint_url
+from .llamacpp_source import PINNED
 from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
 
@@ -192,7 +193,8 @@ class BuildForm(forms.Form):
     tarball = forms.ChoiceField(
         required=False,
         choices=[],
-        help_text="A source tarball in the console's tarball folder (RAMDECK_TARBALL_DIR).",
+        help_text="A source tarball in the console's tarball folder (RAMDECK_TARBALL_DIR). The pinned "
+        "llama.cpp source is fetched from PyPI once, its SHA-256 checked, when a build first needs it.",
     )
     git_url = forms.CharField(required=False, max_length=500)
     git_ref = forms.CharField(required=False, max_length=200)
@@ -211,14 +213,18 @@ class BuildForm(forms.Form):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Only files of RAMDECK_TARBALL_DIR are offered (and accepted): no other file leaves the console.
-        self.fields["tarball"].choices = [("", "—")] + [(n, n) for n in offered_tarballs()]
+        self.fields["tarball"].choices = [("", "—")] + [(n, _tarball_label(n)) for n in offered_tarballs()]
 
     def clean(self):
         data = super().clean()
         source = data.get("source")
         if source == "tarball":
             name = data.get("tarball") or default_tarball()
-            path = allowed_tarball(os.path.join(tarball_dir(), name)) if name else None
+            if name == PINNED.filename:
+                # Fetched by the build job on first use, so it need not be on this console yet.
+                path = pinned_tarball_path()
+            else:
+                path = allowed_tarball(os.path.join(tarball_dir(), name)) if name else None
             if path is None:
                 self.add_error("tarball", f"Choose a tarball in {settings.RAMDECK_TARBALL_DIR}.")
             data["tarball"] = path or ""
@@ -240,10 +246,19 @@ class BuildForm(forms.Form):
         }
 
 
+def _tarball_label(name: str) -> str:
+    if name != PINNED.filename:
+        return name
+    state = "on this console" if os.path.isfile(pinned_tarball_path()) else "fetched from PyPI on first use"
+    return f"{name} (pinned llama.cpp source, {state})"
+
+
 def default_tarball() -> str:
-    """RAMDECK_LLAMACPP_TARBALL's name when that file is in the tarball folder, else ""."""
-    path = allowed_tarball(getattr(settings, "RAMDECK_LLAMACPP_TARBALL", ""))
-    return os.path.basename(path) if path and os.path.dirname(path) == tarball_dir() else ""
+    """The tarball the form offers first: RAMDECK_LLAMACPP_TARBALL (a name or a path) when that file is in
+    the tarball folder, else the pinned llama.cpp source."""
+    chosen = settings.RAMDECK_LLAMACPP_TARBALL
+    path = allowed_tarball(os.path.join(tarball_dir(), chosen)) if chosen else None
+    return os.path.basename(path) if path else PINNED.filename
 
 
 def _build_page(request, node: Node, form: BuildForm):

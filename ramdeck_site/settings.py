@@ -17,6 +17,12 @@ from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RAMDECK_VAR_DIR", BASE_DIR / "var"))
+# What RAMDeck fetches or builds once per user (the pinned llama.cpp source, the tests' llama.cpp build):
+# $XDG_CACHE_HOME/ramdeck, else ~/.cache/ramdeck, as the XDG base directory spec says.
+RAMDECK_CACHE_DIR = Path(
+    os.environ.get("RAMDECK_CACHE_DIR")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ramdeck"
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,10 +275,11 @@ RAMDECK_UNIFIED_MEMORY_CLAMP = env_float("RAMDECK_UNIFIED_MEMORY_CLAMP", 0.70, m
 RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
-# A llama.cpp source tarball on the console host, offered as the default source of builds (offline LANs).
-RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # The only folder on the console host whose tarballs a build may upload to a node (no other file leaves).
-RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", "~/.ramdeck/tarballs"))
+# The pinned llama.cpp source (deployments/llamacpp_source.py) is fetched into it on first use.
+RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", str(RAMDECK_CACHE_DIR / "tarballs")))
+# The tarball the build form offers first: a file name in RAMDECK_TARBALL_DIR (default: the pinned source).
+RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".
 RAMDECK_PLACEMENT_MISMATCH = env_str("RAMDECK_PLACEMENT_MISMATCH", "fail")
 if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):

