@@ -52,6 +52,7 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
                 free_bytes=min(d.free_bytes, d.total_bytes),
                 bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
                 unified=d.unified_memory,
+                wired_limit_bytes=d.wired_limit_bytes or 0,
             )
             for d in node.devices.all()
         )
