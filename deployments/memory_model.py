@@ -5,11 +5,9 @@ tests/test_planner_vs_llamacpp.py):
     weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
     device; + the input embedding on the coordinator's CPU) <= capacity,
     capacity = min(free, total) minus a margin; for a unified-memory device (Apple's MTL0)
-               min(free, wired limit if one is set, clamp x total) minus a margin.
-Unified memory is clamped here and only here: the probe reports a Mac's raw memory and its wired limit. On a
-coordinator with unified memory the CPU and the GPU draw on one pool, so they are also held together to
-min(free, clamp x total) minus the margin (`Problem.pool_*`); a Mac described by its MTL0 alone gets its
-CPU (the input embedding, CPU-resident blocks, the CPU's compute buffer) from that pool.
+               min(free, wired limit if one is set, clamp x total) minus a margin, and on a coordinator
+               its CPU and that device together within min(free, clamp x total) minus a margin
+               (deployments/unified_memory.py; `Problem.pool_*`).
 Speed (single-stream decode is memory-bandwidth bound):
     seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
                         + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
@@ -25,6 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from .unified_memory import (
+    DEFAULT_UNIFIED_CLAMP,
+    cpu_of_unified,
+    pool_limit_bytes,
+    unified_gpu,
+    unified_problem,
+    unified_share,
+)
+
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 MAX_DEVICES = 15  # llama.cpp's -ts takes at most this many entries
@@ -38,13 +45,6 @@ KV_TYPES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 # ggml_backend_sched keeps this many copies of the compute graph when pipeline parallelism is on.
 PIPELINE_COPIES = 4
 DEFAULT_BANDWIDTH_GBS = {"cpu": 20.0, "cuda": 300.0, "metal": 100.0, "rocm": 300.0, "vulkan": 100.0}
-# The share of unified memory a plan may use when nobody says otherwise (RAMDECK_UNIFIED_MEMORY_CLAMP and the
-# plan form start from it). macOS lets Metal wire roughly 67-84% of memory by default, depending on the
-# machine; 70% leaves the system and its other programs room on every Apple Silicon Mac we know of.
-DEFAULT_UNIFIED_CLAMP = 0.70
-# The CPU cores of an Apple chip reach about half of its memory bandwidth (the GPU reaches all of it), so a
-# coordinator described by its unified device alone gets a CPU at half that device's speed.
-UNIFIED_CPU_BANDWIDTH_SHARE = 0.5
 
 
 class ClusterError(ValueError):
@@ -152,11 +152,6 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
     return nodes
 
 
-def unified_gpu(node: Node) -> Device | None:
-    """The node's unified-memory GPU (Apple's MTL0), if it has one."""
-    return next((d for d in node.devices if d.unified and d.name != "CPU"), None)
-
-
 def offload_devices(node: Node) -> list[Device]:
     """The devices llama.cpp can list in --device: everything but the coordinator's CPU."""
     return [d for d in node.devices if not (node.coordinator and d.name == "CPU")]
@@ -179,18 +174,9 @@ def validate_cluster(nodes: Sequence[Node]) -> None:
         dev_names = [d.name for d in node.devices]
         if len(set(dev_names)) != len(dev_names):
             raise ClusterError(f"Node {node.name!r} lists a device twice.")
-        # Devices on one unified memory would each be granted the same memory: one pool per node.
-        unified = [d.name for d in node.devices if d.unified and d.name != "CPU"]
-        if len(unified) > 1:
-            raise ClusterError(
-                f"Node {node.name!r} lists several unified-memory devices ({', '.join(unified)}); they share "
-                "one memory, so list one."
-            )
-        if unified and not node.coordinator and "CPU" in dev_names:
-            raise ClusterError(
-                f"Worker {node.name!r} lists a CPU device beside its unified-memory device {unified[0]}: "
-                f"they are the same memory. List only {unified[0]} (ggml-rpc-server on a Mac serves MTL0)."
-            )
+        problem = unified_problem(node)
+        if problem:
+            raise ClusterError(problem)
     offload = sum(len(offload_devices(n)) for n in nodes)
     if offload > MAX_DEVICES:
         raise ClusterError(
@@ -267,41 +253,13 @@ def compute_bytes(
     return ub * (4 * floats + 2 * per_seq)
 
 
-def unified_share(device: Device, settings: Settings) -> tuple[int, str]:
-    """(bytes, basis): the share of a unified-memory device a plan may use, and what sets it.
-
-    min(wired limit if one is set, clamp x total): the clamp keeps room for the system, and a wired limit
-    an operator set caps what Metal may allocate at all. The basis ("clamp" or "wired_limit") is what
-    the plan page says it planned with.
-    """
-    clamped = int(settings.clamp * device.total_bytes)
-    if 0 < device.wired_limit_bytes < clamped:
-        return device.wired_limit_bytes, "wired_limit"
-    return clamped, "clamp"
-
-
-def limit_basis(device: Device, settings: Settings) -> str:
-    """What limits a device: "free" memory, or for unified memory the "clamp" or the "wired_limit"."""
-    if not device.unified:
-        return "free"
-    share, basis = unified_share(device, settings)
-    return basis if share <= device.free_bytes else "free"
-
-
 def capacity_bytes(device: Device, settings: Settings) -> tuple[int, int]:
     """(limit, capacity): the memory a device may use at all, and that minus the safety margin."""
     limit = device.free_bytes
     if device.unified:
-        limit = min(limit, unified_share(device, settings)[0])
+        limit = min(limit, unified_share(device, settings.clamp)[0])
     limit = max(0, limit)
     return limit, _less_margin(limit, settings)
-
-
-def pool_limit_bytes(device: Device, settings: Settings) -> int:
-    """All a unified-memory node may give llama.cpp, CPU and GPU together: min(free, clamp x total).
-
-    The wired limit is not part of it: it caps what Metal wires, not what the CPU's buffers take."""
-    return max(0, min(device.free_bytes, int(settings.clamp * device.total_bytes)))
 
 
 def _less_margin(limit: int, settings: Settings) -> int:
@@ -406,7 +364,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     if unified is not None:
         # The CPU and the unified GPU draw on one memory: each keeps its own limit (the GPU's wired limit
         # is not the CPU's) and the two together stay within the pool, so nothing is counted twice.
-        pool_limit = pool_limit_bytes(unified, settings)
+        pool_limit = pool_limit_bytes(unified, settings.clamp)
         cpu.limit = min(cpu.limit, pool_limit)
         cpu.capacity = _less_margin(cpu.limit, settings)
         pool = {
@@ -429,21 +387,6 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         cpu_base,
         warnings,
         **pool,
-    )
-
-
-def cpu_of_unified(device: Device | None) -> Device:
-    """The CPU of a coordinator described by its unified-memory device alone: the same memory, and the
-    share of its bandwidth a CPU reaches. (validate_cluster has made sure there is such a device.)"""
-    assert device is not None
-    return Device(
-        node=device.node,
-        name="CPU",
-        kind="cpu",
-        total_bytes=device.total_bytes,
-        free_bytes=device.free_bytes,
-        bandwidth_gbs=device.bandwidth_gbs * UNIFIED_CPU_BANDWIDTH_SHARE,
-        unified=True,
     )
 
 

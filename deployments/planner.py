@@ -57,11 +57,11 @@ from .memory_model import (
     evaluate,
     kv_bytes_per_block,
     kv_cells,
-    limit_basis,
     offload_devices,
     pipeline_parallel,
     validate_cluster,
 )
+from .unified_memory import limit_basis
 from .waterfill import INF, search
 
 __all__ = [
@@ -203,7 +203,9 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "unified": slot.device.unified,
                 # What limits it: "free" memory, the "clamp" or the "wired_limit" on unified memory, or the
                 # "pool" it shares with the coordinator's unified GPU (its CPU's share).
-                "limit_basis": "pool" if in_pool and is_cpu else limit_basis(slot.device, problem.settings),
+                "limit_basis": "pool"
+                if in_pool and is_cpu
+                else limit_basis(slot.device, problem.settings.clamp),
                 "in_unified_pool": in_pool,
                 "wired_limit_bytes": slot.device.wired_limit_bytes,
                 "bandwidth_gbs": slot.device.bandwidth_gbs,

@@ -15,9 +15,9 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-# The planner's default share of unified memory: a constant of a pure-Python module (no Django), imported
-# here so the setting and the planner cannot disagree about it.
-from deployments.memory_model import DEFAULT_UNIFIED_CLAMP
+# The planner's default share of unified memory: a constant of a pure-Python module (no Django, no imports),
+# imported here so the setting and the planner cannot disagree about it.
+from deployments.unified_memory import DEFAULT_UNIFIED_CLAMP
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RAMDECK_VAR_DIR", BASE_DIR / "var"))
