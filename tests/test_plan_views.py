@@ -216,7 +216,9 @@ def test_a_mac_coordinates_from_the_plan_page_on_one_pool(model, mac, viewer_cli
     ]
     pool = plan["unified_pool"]
     assert pool["limit_bytes"] == int(0.70 * 64 * MIB) and pool["used_bytes"] <= pool["capacity_bytes"]
-    assert 'id="unified-pool"' in page and "share one unified memory" in page
+    assert "mac's CPU and MTL0 share one unified memory" in page
+    assert "(70% of 64.0 MiB)" in page
+    assert "Draws on mac's unified memory, the pool it shares with MTL0." in page
 
 
 def test_the_pool_overview_plans_with_the_clamp_setting(model, mac, settings):
