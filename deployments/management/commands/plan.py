@@ -2,6 +2,10 @@
 
 Exit status: 0 the model fits, 3 it does not (the JSON is still printed, with "fits": false), 2 bad input
 (a message on stderr naming the problem). Scripts depend on these names and codes.
+
+A Mac is one device, its unified memory: {"name": "MTL0", "kind": "metal", "unified": true, "total_mib": RAM,
+"wired_limit_mib": N} (the wired limit only when one is set with sysctl iogpu.wired_limit_mb). As the
+coordinator it needs no CPU device: its CPU draws on the same memory, within --clamp of it.
 """
 
 from __future__ import annotations
