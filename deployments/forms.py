@@ -7,9 +7,10 @@ import re
 from urllib.parse import unquote, urlsplit
 
 from django import forms
+from django.conf import settings as site_settings
 
 from jobs.models import Job, JobKind
-from nodes.models import Node
+from nodes.models import Device, Node
 
 from . import planner
 from .models import ModelFile
@@ -116,8 +117,9 @@ class PlanForm(forms.Form):
         label="KV cache", choices=[(k, k) for k in planner.KV_TYPES], initial="f16"
     )
     clamp = forms.FloatField(
-        label="Unified-memory clamp", min_value=0.1, max_value=1.0, initial=0.70,
-        help_text="Share of a Mac's memory the plan may use.",
+        label="Unified-memory clamp", min_value=0.1, max_value=1.0,
+        help_text="Share of a Mac's memory the plan may use (its CPU and GPU together); a lower wired "
+        "limit set on the Mac wins.",
     )  # fmt: skip
     name = forms.CharField(max_length=200, required=False, help_text="Name of the deployment (optional).")
 
@@ -129,6 +131,11 @@ class PlanForm(forms.Form):
         self.fields["coordinator"].queryset = (
             coordinators_qs if coordinators_qs is not None else Node.objects.filter(may_coordinate=True)
         )
+        self.fields["clamp"].initial = site_settings.RAMDECK_UNIFIED_MEMORY_CLAMP
+        # The clamp only matters to unified memory (Apple Silicon): the page shows it when the pool has some.
+        self.shows_clamp = Device.objects.filter(
+            node__in=self.fields["nodes"].queryset, unified_memory=True
+        ).exists()
 
     def settings(self) -> planner.Settings:
         data = self.cleaned_data

@@ -4,8 +4,10 @@ Pure Python, no Django. Memory per device follows llama.cpp's own accounting (ch
 tests/test_planner_vs_llamacpp.py):
     weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
     device; + the input embedding on the coordinator's CPU) <= capacity,
-    capacity = min(free, clamp x total) for unified-memory devices, min(free, total) otherwise,
-               minus a margin.
+    capacity = min(free, total) minus a margin; for a unified-memory device (Apple's MTL0)
+               min(free, wired limit if one is set, clamp x total) minus a margin, and on a coordinator
+               its CPU and that device together within min(free, clamp x total) minus a margin
+               (deployments/unified_memory.py; `Problem.pool_*`).
 Speed (single-stream decode is memory-bandwidth bound):
     seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
                         + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
@@ -20,6 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from .unified_memory import (
+    DEFAULT_UNIFIED_CLAMP,
+    cpu_of_unified,
+    pool_limit_bytes,
+    unified_gpu,
+    unified_problem,
+    unified_share,
+)
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -49,6 +60,9 @@ class Device:
     free_bytes: int
     bandwidth_gbs: float
     unified: bool = False
+    # macOS's iogpu wired limit of a Metal device when an operator set one (sysctl iogpu.wired_limit_mb);
+    # 0 when macOS's own default applies.
+    wired_limit_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class Settings:
     ctx: int = 4096
     parallel: int = 1
     cache_type: str = "f16"
-    clamp: float = 0.70
+    clamp: float = DEFAULT_UNIFIED_CLAMP
     ubatch: int = 512
     # Kept free on every device on top of the estimates, as a fraction of its memory limit.
     margin_fraction: float = 0.03
@@ -104,6 +118,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 free = int(float(dev.get("free_mib", dev["total_mib"])) * MIB)
                 kind = str(dev.get("kind", "cpu")).lower()
                 bandwidth = float(dev.get("bandwidth_gbs") or DEFAULT_BANDWIDTH_GBS.get(kind, 20.0))
+                wired = int(float(dev.get("wired_limit_mib") or 0) * MIB)
                 devices.append(
                     Device(
                         node=name,
@@ -113,11 +128,12 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                         free_bytes=min(free, total),
                         bandwidth_gbs=bandwidth,
                         unified=bool(dev.get("unified", False)),
+                        wired_limit_bytes=wired,
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ClusterError(f"Node {name!r}, device #{j + 1}: bad or missing {exc}.") from None
-            if bandwidth <= 0 or total < 0:
+            if bandwidth <= 0 or total < 0 or wired < 0:
                 raise ClusterError(
                     f"Node {name!r}, device {dev['name']!r}: bandwidth and memory must be positive."
                 )
@@ -136,12 +152,21 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
     return nodes
 
 
+def offload_devices(node: Node) -> list[Device]:
+    """The devices llama.cpp can list in --device: everything but the coordinator's CPU."""
+    return [d for d in node.devices if not (node.coordinator and d.name == "CPU")]
+
+
 def validate_cluster(nodes: Sequence[Node]) -> None:
     coordinators = [n for n in nodes if n.coordinator]
     if len(coordinators) != 1:
         raise ClusterError(f"Exactly one node must be the coordinator (found {len(coordinators)}).")
-    if not any(d.name == "CPU" for d in coordinators[0].devices):
-        raise ClusterError(f"The coordinator {coordinators[0].name!r} needs a CPU device (its RAM).")
+    coordinator = coordinators[0]
+    if not any(d.name == "CPU" for d in coordinator.devices) and unified_gpu(coordinator) is None:
+        raise ClusterError(
+            f"The coordinator {coordinator.name!r} needs a CPU device (its RAM) or a unified-memory device "
+            "(a Mac's MTL0), whose memory its CPU shares."
+        )
     names = [n.name for n in nodes]
     if len(set(names)) != len(names):
         raise ClusterError("Node names must be unique.")
@@ -149,7 +174,10 @@ def validate_cluster(nodes: Sequence[Node]) -> None:
         dev_names = [d.name for d in node.devices]
         if len(set(dev_names)) != len(dev_names):
             raise ClusterError(f"Node {node.name!r} lists a device twice.")
-    offload = sum(len(n.devices) - (1 if n.coordinator else 0) for n in nodes)
+        problem = unified_problem(node)
+        if problem:
+            raise ClusterError(problem)
+    offload = sum(len(offload_devices(n)) for n in nodes)
     if offload > MAX_DEVICES:
         raise ClusterError(
             f"{offload} devices besides the coordinator's CPU; llama.cpp allows at most {MAX_DEVICES}."
@@ -227,13 +255,15 @@ def compute_bytes(
 
 def capacity_bytes(device: Device, settings: Settings) -> tuple[int, int]:
     """(limit, capacity): the memory a device may use at all, and that minus the safety margin."""
-    limit = (
-        min(device.free_bytes, int(settings.clamp * device.total_bytes))
-        if device.unified
-        else device.free_bytes
-    )
+    limit = device.free_bytes
+    if device.unified:
+        limit = min(limit, unified_share(device, settings.clamp)[0])
     limit = max(0, limit)
-    return limit, max(0, int(limit * (1 - settings.margin_fraction)))
+    return limit, _less_margin(limit, settings)
+
+
+def _less_margin(limit: int, settings: Settings) -> int:
+    return max(0, int(limit * (1 - settings.margin_fraction)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -272,6 +302,16 @@ class Problem:
     prefix: np.ndarray  # prefix sums of block_bytes, float64
     cpu_base: int  # input embedding and other non-block tensors, on the coordinator's CPU
     warnings: list[str] = field(default_factory=list)
+    # A coordinator with unified memory: the index in `slots` of its unified GPU, which shares one pool
+    # with the CPU; the CPU's and that GPU's bytes together stay within `pool_capacity` (the pool's limit
+    # `pool_limit` minus the margin).
+    pool_slot: int | None = None
+    pool_limit: int = 0
+    pool_capacity: int = 0
+
+    def pool_used(self, cpu_bytes: int, gpu_bytes: int) -> bool:
+        """Whether the CPU's and the unified GPU's bytes fit their shared pool (always, without one)."""
+        return self.pool_slot is None or cpu_bytes + gpu_bytes <= self.pool_capacity
 
 
 def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
@@ -312,19 +352,26 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             compute=_compute_table(profile, settings, coordinator_cpu=False),
         )
 
-    cpu_device = next(d for d in coordinator.devices if d.name == "CPU")
+    unified = unified_gpu(coordinator)
+    cpu_device = next((d for d in coordinator.devices if d.name == "CPU"), None) or cpu_of_unified(unified)
     cpu = slot(cpu_device, coordinator)
-    unified_gpus = [d for d in coordinator.devices if d.unified and d.name != "CPU"]
-    if unified_gpus:
-        # The CPU and a unified GPU share one pool of RAM: do not count it twice.
-        shared = sum(capacity_bytes(d, settings)[0] for d in unified_gpus)
-        cpu.limit = max(0, min(cpu.limit, cpu_device.total_bytes - shared))
-        cpu.capacity = int(cpu.limit * (1 - settings.margin_fraction))
     cpu.compute = _compute_table(profile, settings, coordinator_cpu=True)
     slots = [slot(d, coordinator) for d in coordinator.devices if d.name != "CPU"]
     for node in nodes:
         if not node.coordinator:
             slots += [slot(d, node) for d in node.devices]
+    pool: dict[str, Any] = {}
+    if unified is not None:
+        # The CPU and the unified GPU draw on one memory: each keeps its own limit (the GPU's wired limit
+        # is not the CPU's) and the two together stay within the pool, so nothing is counted twice.
+        pool_limit = pool_limit_bytes(unified, settings.clamp)
+        cpu.limit = min(cpu.limit, pool_limit)
+        cpu.capacity = _less_margin(cpu.limit, settings)
+        pool = {
+            "pool_slot": next(i for i, s in enumerate(slots) if s.device is unified),
+            "pool_limit": pool_limit,
+            "pool_capacity": _less_margin(pool_limit, settings),
+        }
     cpu_base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
     return Problem(
         profile,
@@ -339,6 +386,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         prefix,
         cpu_base,
         warnings,
+        **pool,
     )
 
 
@@ -407,4 +455,9 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
             seconds += slot.overhead_s
         parts.append((slot, start, count, weights, kv, compute, output))
         start += count
+    if problem.pool_slot is not None:
+        used = {id(p[0]): p[3] + p[4] + p[5] for p in parts}
+        fits = fits and problem.pool_used(
+            used[id(problem.cpu)], used.get(id(problem.slots[problem.pool_slot]), 0)
+        )
     return Evaluation(fits, seconds, parts)

@@ -9,8 +9,9 @@ The model of memory (per device, llama.cpp's own accounting, checked against rea
 tests/test_planner_vs_llamacpp.py):
     weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
     device; + the input embedding on the coordinator's CPU) <= capacity,
-    capacity = min(free, clamp x total) for unified-memory devices, min(free, total) otherwise,
-               minus a margin.
+    capacity = min(free, total) minus a margin; for a unified-memory device (Apple's MTL0)
+               min(free, wired limit if one is set, clamp x total) minus a margin; on a coordinator
+               with unified memory its CPU and that device also share one pool, min(free, clamp x total).
 
 The model of speed (single-stream decode is memory-bandwidth bound):
     seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
@@ -56,9 +57,11 @@ from .memory_model import (
     evaluate,
     kv_bytes_per_block,
     kv_cells,
+    offload_devices,
     pipeline_parallel,
     validate_cluster,
 )
+from .unified_memory import limit_basis
 from .waterfill import INF, search
 
 __all__ = [
@@ -113,13 +116,19 @@ def default_split_devices(problem: Problem) -> list[int]:
     return chosen
 
 
+def reported_free(slot: Slot) -> int:
+    """The free memory llama.cpp sees on a device. Metal reports its working-set limit, which is the wired
+    limit when one is set and otherwise close to the clamped share the planner allows."""
+    return slot.limit if slot.device.unified else slot.device.free_bytes
+
+
 def baseline_split(problem: Problem) -> Split:
     """llama.cpp's split proportional to reported free memory with every layer offloaded."""
     devices = default_split_devices(problem)
     n = len(problem.block_bytes)
     if not devices:
         return Split(n, [], [])
-    shares = llamacpp.layer_assignment([problem.slots[i].device.free_bytes for i in devices], n, n + 1)
+    shares = llamacpp.layer_assignment([reported_free(problem.slots[i]) for i in devices], n, n + 1)
     counts = [0] * len(devices)
     for dev in shares[:n]:
         counts[dev] += 1
@@ -171,6 +180,7 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
             int(problem.profile["output_bytes"]) if output else 0
         )
         used = weights + kv + compute
+        in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
         out.append(
             {
                 "node": slot.node.name,
@@ -191,6 +201,13 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "total_bytes": slot.device.total_bytes,
                 "free_bytes": slot.device.free_bytes,
                 "unified": slot.device.unified,
+                # What limits it: "free" memory, the "clamp" or the "wired_limit" on unified memory, or the
+                # "pool" it shares with the coordinator's unified GPU (its CPU's share).
+                "limit_basis": "pool"
+                if in_pool and is_cpu
+                else limit_basis(slot.device, problem.settings.clamp),
+                "in_unified_pool": in_pool,
+                "wired_limit_bytes": slot.device.wired_limit_bytes,
                 "bandwidth_gbs": slot.device.bandwidth_gbs,
                 "fits": used <= slot.capacity,
                 "ms_per_token": round(
@@ -220,15 +237,36 @@ def _tps(seconds: float) -> float | None:
     return round(1.0 / seconds, 3) if seconds > 0 and seconds < INF else None
 
 
+def unified_pool(problem: Problem, placements: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The coordinator's unified memory shared by its CPU and GPU: what they may use together and use."""
+    if problem.pool_slot is None:
+        return None
+    gpu = problem.slots[problem.pool_slot].device
+    used = sum(p["used_bytes"] for p in placements if p["in_unified_pool"])
+    return {
+        "node": problem.coordinator.name,
+        "devices": ["CPU", gpu.name],
+        "total_bytes": gpu.total_bytes,
+        "limit_bytes": problem.pool_limit,
+        "capacity_bytes": problem.pool_capacity,
+        "used_bytes": used,
+        "fits": used <= problem.pool_capacity,
+    }
+
+
 def _baseline(problem: Problem) -> dict[str, Any]:
     split = baseline_split(problem)
     ev = evaluate(problem, split)
     placements = _placements(problem, split, ev)
+    over = [f"{p['node']}/{p['device']}" for p in placements if not p["fits"]]
+    pool = unified_pool(problem, placements)
+    if pool and not pool["fits"]:
+        over.append(f"{pool['node']} (its CPU and {pool['devices'][1]} together)")
     return {
         "fits": ev.fits,
         "placements": placements,
         "predicted_tokens_per_s": _tps(ev.seconds_per_token),
-        "over_capacity": [f"{p['node']}/{p['device']}" for p in placements if not p["fits"]],
+        "over_capacity": over,
     }
 
 
@@ -308,7 +346,7 @@ def _size(n: int) -> str:
 
 def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> int | None:
     """The least free memory one more (slowest-class) node would need for the model to fit, to 1%."""
-    offload = sum(len(n.devices) - (1 if n.coordinator else 0) for n in nodes)
+    offload = sum(len(offload_devices(n)) for n in nodes)
     if offload >= MAX_DEVICES:
         return None
     hi = int(
@@ -367,6 +405,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         "suggestions": [],
         "baseline": _baseline(problem),
         "unused_devices": [],
+        "unified_pool": None,
     }
     if split is None:
         result["suggestions"] = suggestions(profile, nodes, settings)
@@ -390,6 +429,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         )
     result.update(
         placements=placements,
+        unified_pool=unified_pool(problem, placements),
         predicted_tokens_per_s=_tps(seconds),
         pipeline_parallel=pipeline_parallel(split),
         llama_server_args=llamacpp.llama_server_args(placements, _settings_dict(settings), n_layer),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib import messages
 from django.db import transaction
 from django.shortcuts import get_object_or_404, redirect, render
@@ -52,6 +53,7 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
                 free_bytes=min(d.free_bytes, d.total_bytes),
                 bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
                 unified=d.unified_memory,
+                wired_limit_bytes=d.wired_limit_bytes or 0,
             )
             for d in node.devices.all()
         )
@@ -109,7 +111,8 @@ def pool_fit(model: ModelFile, pool: list[Node]) -> dict:
         for ctx in POOL_CONTEXTS:
             if ctx > trained:
                 continue
-            fits, tps = planner.quick_fit(model.profile, nodes, planner.Settings(ctx=ctx))
+            cfg = planner.Settings(ctx=ctx, clamp=settings.RAMDECK_UNIFIED_MEMORY_CLAMP)
+            fits, tps = planner.quick_fit(model.profile, nodes, cfg)
             if fits:
                 return {"fits": True, "ctx": ctx, "tps": tps, "coordinator": coordinator.name}
     except planner.ClusterError as exc:
@@ -225,7 +228,7 @@ def _plan_form(request, model: ModelFile, data) -> PlanForm:
         "ctx": min(4096, model.profile.get("context_length") or 4096),
         "parallel": 1,
         "cache_type": "f16",
-        "clamp": 0.70,
+        "clamp": settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
         "coordinator": coordinator.pk if coordinator else "",
         "nodes": [n.pk for n in pool],
         "name": "",

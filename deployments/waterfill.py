@@ -6,7 +6,9 @@ put in a canonical order (nodes by their fastest device, devices by bandwidth) a
 "blocks placed so far" picks the exact block count of every device (0 = leave it out) minimising predicted
 time under the memory limits (deployments/memory_model.py). When all blocks have the same size (as in real
 models, up to quantisation mixes), device order only matters through which device is last, so the result is
-optimal over every order and split; tests/test_planner.py proves it against exhaustive search.
+optimal over every order and split; tests/test_planner.py proves it against exhaustive search. The same
+holds for a coordinator whose CPU and unified GPU (a Mac) share one pool (`_canonical_groups`,
+`_pool_gpu_last`).
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ from .memory_model import PIPELINE_COPIES, Problem, Split
 
 
 def _canonical_groups(problem: Problem) -> list[list[int]]:
-    """Slot indices grouped by node: nodes by their fastest device, devices by bandwidth (then by name)."""
+    """Slot indices grouped by node: nodes by their fastest device, devices by bandwidth (then by name).
+
+    A coordinator's unified GPU, which shares one pool with the CPU, comes first in a group of its own:
+    unless it holds the output layer its slice then starts where the CPU's ends, so the search knows the
+    CPU's bytes when it sizes that slice (local devices need not be next to each other; remote ones do,
+    for their node's round trips).
+    """
     by_node: dict[str, list[int]] = {}
     for i, s in enumerate(problem.slots):
-        by_node.setdefault(s.node.name, []).append(i)
+        if i != problem.pool_slot:
+            by_node.setdefault(s.node.name, []).append(i)
     groups = [
         sorted(idx, key=lambda i: (-problem.slots[i].bandwidth, problem.slots[i].device.name))
         for idx in by_node.values()
     ]
     groups.sort(key=lambda g: (-problem.slots[g[0]].bandwidth, problem.slots[g[0]].node.name))
-    return groups
+    return ([[problem.pool_slot]] if problem.pool_slot is not None else []) + groups
 
 
 def _order_for_last(groups: list[list[int]], last: int) -> list[list[int]]:
@@ -56,49 +65,81 @@ class _Search:
         self.upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # k > j
         self.diag = np.eye(n + 1, dtype=bool)
         self.out_bytes = float(problem.profile["output_bytes"])
-        self._cache: dict[tuple[int, bool, int], np.ndarray] = {}
+        self._cache: dict[tuple, np.ndarray] = {}
 
-    def matrix(self, i: int, last: bool, copies: int) -> np.ndarray:
-        """Cost of giving blocks j..k-1 to slot i (inf where it does not fit or is not a use)."""
-        key = (i, last, copies)
+    def used(self, i: int, last: bool, copies: int) -> np.ndarray:
+        """Bytes slot i holds with blocks j..k-1 (and the output layer when last), by (j, k)."""
+        s = self.p.slots[i]
+        fixed = s.compute_for("out" if last else "mid", copies) + (self.out_bytes if last else 0.0)
+        if last:
+            # Rows j >= n - 1: the output device holds at most the last block (smaller compute buffer).
+            fixed = np.full((self.n + 1, 1), fixed)
+            fixed[self.n - 1 :] = s.compute_for("tail", copies) + self.out_bytes
+        return self.span + fixed
+
+    def matrix(self, i: int, last: bool, copies: int, cpu_bytes: float | None = None) -> np.ndarray:
+        """Cost of giving blocks j..k-1 to slot i (inf where it does not fit or is not a use).
+
+        For the unified GPU that shares the coordinator's pool, the CPU's bytes count too: `cpu_bytes` when
+        the caller knows them, else those of a CPU holding blocks 0..j-1 (the slice follows the CPU's).
+        """
+        key = (i, last, copies, cpu_bytes)
         if key not in self._cache:
             s = self.p.slots[i]
-            fixed = s.compute_for("out" if last else "mid", copies) + (self.out_bytes if last else 0.0)
-            if last:
-                # Rows j >= n - 1: the output device holds at most the last block (smaller compute buffer).
-                fixed = np.full((self.n + 1, 1), fixed)
-                fixed[self.n - 1 :] = s.compute_for("tail", copies) + self.out_bytes
-            ok = (self.span + fixed <= s.capacity) & (self.upper | (self.diag if last else False))
+            used = self.used(i, last, copies)
+            ok = (used <= s.capacity) & (self.upper | (self.diag if last else False))
+            if i == self.p.pool_slot:
+                cpu = self.cpu_used(copies)[:, None] if cpu_bytes is None else cpu_bytes
+                ok &= cpu + used <= self.p.pool_capacity
             cost = (self.span + (self.out_bytes if last else 0.0)) / s.bandwidth
             self._cache[key] = np.where(ok, cost, INF)
         return self._cache[key]
 
+    def cpu_used(self, copies: int) -> np.ndarray:
+        """Bytes on the coordinator's CPU with blocks 0..j-1 and not the output layer, by j."""
+        c = self.p.cpu
+        used = self.p.prefix + (self.p.cpu_base + c.compute_for("mid", copies))
+        # With no block of its own the CPU's compute buffer is much smaller.
+        used[0] = self.p.cpu_base + c.compute_for("idle", copies)
+        return used
+
     def cpu_costs(self, copies: int, output: bool) -> np.ndarray:
         c = self.p.cpu
-        fixed = (
-            self.p.cpu_base
-            + c.compute_for("out" if output else "mid", copies)
-            + (self.out_bytes if output else 0)
-        )
         pre = self.p.prefix
-        if not output:
-            # With no block of its own the CPU's compute buffer is much smaller.
-            fixed = np.full(len(pre), float(fixed))
-            fixed[0] = self.p.cpu_base + c.compute_for("idle", copies)
-        ok = pre + fixed <= c.capacity
-        return np.where(ok, (pre + (self.out_bytes if output else 0.0)) / c.bandwidth, INF)
+        if output:
+            used = pre + (self.p.cpu_base + c.compute_for("out", copies) + self.out_bytes)
+        else:
+            used = self.cpu_used(copies)
+        return np.where(used <= c.capacity, (pre + (self.out_bytes if output else 0.0)) / c.bandwidth, INF)
 
     def run(
-        self, order: list[list[int]], start: np.ndarray, copies: int, record: bool, *, has_last: bool = True
+        self,
+        order: list[list[int]],
+        start: np.ndarray,
+        copies: int,
+        record: bool,
+        *,
+        has_last: bool = True,
+        pool_cpu_bytes: float | None = None,
     ):
         """Returns final cost array and, when recording, the choices for backtracking.
 
         The last slot of `order` holds the output layer unless `has_last` is false (a shared prefix).
+        Without recording, `start` may carry leading dimensions (a batch of start vectors).
+        `pool_cpu_bytes`: the CPU's bytes when the pool's GPU does not follow the CPU (see `matrix`).
         """
         f = start
         trace: list[tuple] = []
         cols = np.arange(self.n + 1)
         last_slot = order[-1][-1] if has_last and order else -1
+
+        def best(step: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+            """The cheapest way into every column, and when recording which row it came from."""
+            if not record:
+                return step.min(-2), None
+            rows = step.argmin(0)
+            return step[rows, cols], rows
+
         for group in order:
             # A remote node with one device is a local device plus its overhead: no second state needed.
             remote = self.p.slots[group[0]].remote and len(group) > 1
@@ -106,33 +147,25 @@ class _Search:
                 a, b = f, np.full_like(f, INF)
             for i in group:
                 is_last = i == last_slot
-                m = self.matrix(i, is_last, copies)
+                m = self.matrix(i, is_last, copies, pool_cpu_bytes if i == self.p.pool_slot else None)
                 if remote:
-                    ovh = self.p.slots[i].overhead_s
-                    from_a = a[:, None] + ovh + m
-                    from_b = b[:, None] + m
-                    if record:
-                        ja, jb = from_a.argmin(0), from_b.argmin(0)
-                        va, vb = from_a[ja, cols], from_b[jb, cols]
-                    else:
-                        va, vb = from_a.min(0), from_b.min(0)
+                    va, ja = best(a[..., :, None] + self.p.slots[i].overhead_s + m)
+                    vb, jb = best(b[..., :, None] + m)
                     keep_b = np.full_like(b, INF) if is_last else b
-                    choice = np.stack(
-                        [keep_b, va, vb]
-                    )  # 0: skip this slot, 1: first use of the node, 2: more
-                    pick = choice.argmin(0)
-                    nb = choice[pick, cols]
-                    na = np.full_like(a, INF) if is_last else a
+                    # 0: skip this slot, 1: first use of the node, 2: more
+                    choice = np.stack([keep_b, va, vb])
                     if record:
+                        pick = choice.argmin(0)
+                        nb = choice[pick, cols]
                         trace.append(("r", i, pick, ja, jb))
+                    else:
+                        nb = choice.min(0)
+                    na = np.full_like(a, INF) if is_last else a
                     a, b = na, nb
                 else:
-                    step = f[:, None] + (m + self.p.slots[i].overhead_s if self.p.slots[i].remote else m)
-                    if record:
-                        j = step.argmin(0)
-                        v = step[j, cols]
-                    else:
-                        v = step.min(0)
+                    v, j = best(
+                        f[..., :, None] + (m + self.p.slots[i].overhead_s if self.p.slots[i].remote else m)
+                    )
                     if is_last:
                         pick = np.ones(self.n + 1, dtype=int)
                         nf = v
@@ -196,7 +229,8 @@ def search(problem: Problem) -> tuple[Split | None, float]:
     everything = s.cpu_costs(1, output=True)
     consider(float(everything[n]), Split(n, [], []))
     groups = _canonical_groups(problem)
-    best_run: tuple[float, list[list[int]], np.ndarray, int] | None = None
+    # (cost, order, start, copies, the CPU's bytes for the pool's GPU when it does not follow the CPU)
+    best_run: tuple[float, list[list[int]], np.ndarray, int, float | None] | None = None
     start = s.cpu_costs(1, output=False)
     # Mode 1: some blocks stay on the CPU (no pipeline parallelism): CPU count >= 1.
     start1 = start.copy()
@@ -228,14 +262,53 @@ def search(problem: Problem) -> tuple[Split | None, float]:
                 (prefixes[1][k], PIPELINE_COPIES, rest, order, start3),
             ]
             for st_k, copies, tail_order, full_order, st in runs:
-                f, _ = s.run(tail_order, st_k, copies, record=False)
-                if f[n] < INF and (best_run is None or f[n] < best_run[0] * (1 - 1e-12)):
+                pool_cpu = None
+                if last == problem.pool_slot and len(full_order) > 1:
+                    cost, st, pool_cpu = _pool_gpu_last(s, full_order, st, copies)
+                else:
+                    cost = float(s.run(tail_order, st_k, copies, record=False)[0][n])
+                if cost < INF and (best_run is None or cost < best_run[0] * (1 - 1e-12)):
                     # A mode-3 optimum on a single device is never strictly better than mode 2 on it.
-                    best_run = (float(f[n]), full_order, st, copies)
+                    best_run = (cost, full_order, st, copies, pool_cpu)
     if best_run is not None:
-        cost, ord_, st, copies = best_run
-        _, trace = s.run(ord_, st, copies, record=True)
+        cost, ord_, st, copies, pool_cpu = best_run
+        _, trace = s.run(ord_, st, copies, record=True, pool_cpu_bytes=pool_cpu)
         consider(cost, Split(*s.backtrack(trace, n)))
     if best is None:
         return None, INF
     return best[1], best[0]
+
+
+def _pool_gpu_last(
+    s: _Search, order: list[list[int]], start: np.ndarray, copies: int
+) -> tuple[float, np.ndarray, float]:
+    """(least cost, the start for recording it, the CPU's bytes) with the pool's GPU last in `order`.
+
+    That GPU shares its pool with the CPU, whose bytes depend on its block count j, and the devices between
+    them hide j from a search over blocks placed so far: every j is searched as a start of its own (a batch),
+    unless the pool holds the CPU's and the GPU's bytes together whatever j is (the usual case).
+    """
+    n, p = s.n, s.p
+    gpu = p.slots[p.pool_slot]
+    # The GPU holds blocks a..n-1 and the output layer, for every a.
+    used = s.used(p.pool_slot, True, copies)[:, n]
+    cpu = s.cpu_used(copies)
+    fits = used <= gpu.capacity
+    # CPU block counts that leave the pool room for at least the output layer on the GPU.
+    start = np.where(cpu + used[n] <= p.pool_capacity, start, INF)
+    rows = np.flatnonzero(start < INF)
+    if rows.size == 0 or not fits.any():
+        return INF, start, 0.0
+    # At worst the GPU starts where the CPU stops (it holds more the earlier it starts).
+    first = int(np.argmax(fits))
+    if (cpu[rows] + used[np.maximum(rows, first)]).max() <= p.pool_capacity:
+        return float(s.run(order, start, copies, record=False, pool_cpu_bytes=0.0)[0][n]), start, 0.0
+    batch = np.full((rows.size, n + 1), INF)
+    batch[np.arange(rows.size), rows] = start[rows]
+    f, _ = s.run(order[:-1], batch, copies, record=False, has_last=False)
+    cost = (s.span[:, n] + s.out_bytes) / gpu.bandwidth
+    ok = fits & (cpu[rows][:, None] + used <= p.pool_capacity)
+    totals = np.where(ok, f + cost, INF).min(1)
+    b = int(totals.argmin())
+    j = int(rows[b])
+    return float(totals[b]), np.where(np.arange(n + 1) == j, start, INF), float(cpu[j])

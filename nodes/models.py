@@ -224,7 +224,15 @@ class Device(models.Model):
     description = models.CharField(max_length=200, blank=True)
     total_bytes = models.BigIntegerField()
     free_bytes = models.BigIntegerField()
+    # Unified memory (Apple Silicon): total and free are the Mac's raw memory; the planner decides the
+    # usable share from the clamp and this limit.
     unified_memory = models.BooleanField(default=False)
+    wired_limit_bytes = models.BigIntegerField(
+        null=True,
+        blank=True,
+        help_text="Metal's wired limit when an operator set one (sysctl iogpu.wired_limit_mb); "
+        "empty: macOS's default.",
+    )
     bandwidth_gbs = models.FloatField(null=True, blank=True, help_text="From the table of known chips.")
     bandwidth_override_gbs = models.FloatField(
         null=True, blank=True, help_text="Set by an operator; wins over the table and measurements."

@@ -35,6 +35,9 @@ class DeviceInfo:
     free_bytes: int
     unified_memory: bool = False
     bandwidth_gbs: float | None = None
+    # Apple Silicon: the iogpu wired limit an operator set (what Metal may wire at most); None: macOS's own
+    # default applies. The planner takes the usable share from it and the clamp (memory_model.py).
+    wired_limit_bytes: int | None = None
 
 
 @dataclass
@@ -323,7 +326,19 @@ def parse_binaries(sections: dict[str, str]) -> dict[str, str]:
 # -- the report ---------------------------------------------------------------------------------------------
 
 
-def build_report(text: str, *, rpc_port: int, unified_clamp: float = 0.70) -> ProbeReport:
+def parse_wired_limit(values: dict[str, str]) -> int | None:
+    """The Metal wired limit from sysctl, in bytes; None when it is macOS's default (0) or unknown.
+
+    macOS 14 and later name it iogpu.wired_limit_mb (MiB); macOS 13 named it debug.iogpu.wired_limit and
+    counted bytes."""
+    for key, unit in (("iogpu.wired_limit_mb", MIB), ("debug.iogpu.wired_limit", 1)):
+        value = values.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value) * unit
+    return None
+
+
+def build_report(text: str, *, rpc_port: int) -> ProbeReport:
     """Everything the probe script printed, as a report with llama.cpp-named devices."""
     sections = split_sections(text)
     system, kernel, arch = parse_uname(sections.get("uname", ""))
@@ -331,7 +346,7 @@ def build_report(text: str, *, rpc_port: int, unified_clamp: float = 0.70) -> Pr
     report.binaries = parse_binaries(sections)
     report.llama_version, report.llama_commit = parse_llama_version(sections.get("llama-server-version", ""))
     if system == "Darwin":
-        _fill_macos(report, sections, unified_clamp)
+        _fill_macos(report, sections)
     elif system == "Linux":
         _fill_linux(report, sections)
     else:
@@ -379,7 +394,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
     _set_port_holder(report, parse_ss(sections.get("listeners", "")))
 
 
-def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: float) -> None:
+def _fill_macos(report: ProbeReport, sections: dict[str, str]) -> None:
     report.platform = "macos"
     report.os_name = parse_sw_vers(sections.get("sw_vers", "")) or "macOS"
     values = parse_sysctl(sections.get("sysctl", ""))
@@ -401,16 +416,23 @@ def _fill_macos(report: ProbeReport, sections: dict[str, str], unified_clamp: fl
         report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
         return
     chip = apple["Chipset Model"] if apple else report.cpu_model
-    wired_mb = int(values.get("iogpu.wired_limit_mb", "0") or 0)
-    # Metal may use only part of unified memory: the wired limit when an operator raised it, else the
-    # console's conservative share (macOS's own default lies between 67% and 84%).
-    usable = wired_mb * MIB if wired_mb > 0 else int(total * unified_clamp)
     cores = apple.get("Total Number of Cores", "") if apple else ""
     description = f"{chip} ({cores}-core GPU)" if cores else chip
-    # llama.cpp reports Metal's free memory as the working-set limit minus its own allocations, so a
-    # fresh server offers all of `usable`.
+    # Raw unified memory and the wired limit: the planner alone decides the usable share (the clamp, the
+    # wired limit). Free is all of it: Metal's own "free" is its working-set limit minus what it holds, and
+    # macOS pages out or compresses other programs' memory to make room, so their pages limit nothing.
+    # This one device is the whole Mac: its CPU draws on the same memory (the planner knows).
     report.devices.append(
-        DeviceInfo("MTL0", "metal", description, usable, usable, True, apple_bandwidth(chip))
+        DeviceInfo(
+            "MTL0",
+            "metal",
+            description,
+            total,
+            total,
+            unified_memory=True,
+            bandwidth_gbs=apple_bandwidth(chip),
+            wired_limit_bytes=parse_wired_limit(values),
+        )
     )
 
 

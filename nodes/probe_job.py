@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.db import transaction
 
 from jobs.models import Job, JobKind
@@ -48,7 +47,6 @@ async def probe(ctx: JobContext) -> str:
             ctx.transport,
             node.platform_hint,
             rpc_port=node.rpc_port,
-            unified_clamp=settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
             known_server=(build.llama_server_path, build.version) if build and build.version else None,
         )
     except ProbeUnsupported as exc:
@@ -84,6 +82,8 @@ def summary_lines(report: ProbeReport) -> list[str]:
     for device in report.devices:
         speed = f", {device.bandwidth_gbs:g} GB/s" if device.bandwidth_gbs else ""
         unified = ", unified memory" if device.unified_memory else ""
+        if device.wired_limit_bytes:
+            unified += f", wired limit {device.wired_limit_bytes / GIB:.1f} GiB"
         lines.append(
             f"Device {device.name}: {device.description}, {device.free_bytes / GIB:.1f} of "
             f"{device.total_bytes / GIB:.1f} GiB free{speed}{unified}"

@@ -20,8 +20,10 @@ case "$1" in
 Darwin)
   sec sw_vers; sw_vers 2>/dev/null
   sec sysctl
+  # The Metal wired limit is iogpu.wired_limit_mb on macOS 14 and later, debug.iogpu.wired_limit on 13;
+  # sysctl prints the names it knows and complains (to stderr) about the other.
   sysctl hw.memsize hw.ncpu hw.physicalcpu hw.pagesize machdep.cpu.brand_string \
-    iogpu.wired_limit_mb 2>/dev/null
+    iogpu.wired_limit_mb debug.iogpu.wired_limit 2>/dev/null
   sec vm_stat; vm_stat 2>/dev/null
   sec displays; system_profiler SPDisplaysDataType 2>/dev/null
   sec listeners; lsof -nP -iTCP:"$port" -sTCP:LISTEN 2>/dev/null

@@ -32,7 +32,6 @@ async def collect(
     platform_hint: str = "auto",
     *,
     rpc_port: int = 50052,
-    unified_clamp: float = 0.70,
     timeout: float = PROBE_TIMEOUT_S,
     known_server: tuple[str, str] | None = None,
 ) -> ProbeReport:
@@ -57,7 +56,7 @@ async def collect(
     if result.exit_status != 0:
         tail = "; ".join(line.text for line in result.lines[-3:])
         raise TransportError(f"The probe script failed with exit status {result.exit_status}: {tail}")
-    report = build_report(result.stdout, rpc_port=rpc_port, unified_clamp=unified_clamp)
+    report = build_report(result.stdout, rpc_port=rpc_port)
     report.rtt_ms = rtt_ms
     if known_path and not report.llama_version and report.binaries.get(LLAMA_SERVER_BINARY) == known_path:
         report.llama_version = known_version
@@ -101,6 +100,7 @@ def _device_fields(info: DeviceInfo) -> dict:
         "free_bytes": info.free_bytes,
         "unified_memory": info.unified_memory,
         "bandwidth_gbs": info.bandwidth_gbs,
+        "wired_limit_bytes": info.wired_limit_bytes,
     }
 
 

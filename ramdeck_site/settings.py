@@ -15,6 +15,10 @@ from pathlib import Path
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+# The planner's default share of unified memory: a constant of a pure-Python module (no Django, no imports),
+# imported here so the setting and the planner cannot disagree about it.
+from deployments.unified_memory import DEFAULT_UNIFIED_CLAMP
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RAMDECK_VAR_DIR", BASE_DIR / "var"))
 # What RAMDeck fetches or builds once per user (the pinned llama.cpp source, the tests' llama.cpp build):
@@ -271,7 +275,10 @@ RAMDECK_SSH_KEEPALIVE_S = env_float("RAMDECK_SSH_KEEPALIVE_S", 15.0, minimum=1, 
 RAMDECK_COMMAND_TIMEOUT_S = env_float("RAMDECK_COMMAND_TIMEOUT_S", 3 * 3600, minimum=1, maximum=86400)
 RAMDECK_KILL_GRACE_S = env_float("RAMDECK_KILL_GRACE_S", 5.0, minimum=0.1, maximum=120)
 RAMDECK_MAX_UPLOAD_BYTES = env_int("RAMDECK_MAX_UPLOAD_BYTES", 64 * 1024, minimum=1024)
-RAMDECK_UNIFIED_MEMORY_CLAMP = env_float("RAMDECK_UNIFIED_MEMORY_CLAMP", 0.70, minimum=0.1, maximum=1.0)
+# The share of Apple unified memory a plan may use unless the plan form says otherwise (its default).
+RAMDECK_UNIFIED_MEMORY_CLAMP = env_float(
+    "RAMDECK_UNIFIED_MEMORY_CLAMP", DEFAULT_UNIFIED_CLAMP, minimum=0.1, maximum=1.0
+)
 RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def run_plan(
-    tmp_path: Path, model: Path | str, cluster: dict | str, *extra: str
+    tmp_path: Path, model: Path | str, cluster: dict | str, *extra: str, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     cluster_path = tmp_path / "cluster.json"
     cluster_path.write_text(cluster if isinstance(cluster, str) else json.dumps(cluster))
@@ -94,7 +95,14 @@ def run_plan(
         str(cluster_path),
         *extra,
     ]
-    return subprocess.run(argv + ["--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        argv + ["--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_a_fitting_model_prints_the_plan_and_exits_zero(tmp_path, model):
@@ -175,3 +183,59 @@ def test_bad_input_exits_two_with_a_message(tmp_path, model, model_name, cluster
     assert proc.returncode == 2
     assert message in proc.stderr
     assert proc.stdout == ""
+
+
+MAC_COORDINATOR = {
+    "nodes": [
+        {
+            "name": "mac",
+            "coordinator": True,
+            "address": "192.168.1.20",
+            "devices": [
+                {"name": "MTL0", "kind": "metal", "unified": True, "total_mib": 32768, "bandwidth_gbs": 200}
+            ],
+        },
+        {
+            "name": "old-pc",
+            "address": "192.168.1.101",
+            "rtt_ms": 0.4,
+            "devices": [{"name": "CPU", "kind": "cpu", "total_mib": 16384, "bandwidth_gbs": 25}],
+        },
+    ]
+}
+
+
+def test_a_mac_described_by_its_mtl0_alone_coordinates(tmp_path, model):
+    proc = run_plan(tmp_path, model, MAC_COORDINATOR)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["fits"] and plan["coordinator"] == "mac"
+    cpu, metal = plan["placements"][:2]
+    assert (cpu["node"], cpu["llama_device"], cpu["limit_basis"]) == ("mac", "CPU", "pool")
+    assert (metal["node"], metal["llama_device"], metal["endpoint"]) == ("mac", "MTL0", None)
+    assert cpu["weights_bytes"] > 0  # the input embedding, from the Mac's one memory
+    pool = plan["unified_pool"]
+    assert pool["limit_bytes"] == int(0.70 * 32768 * 1024 * 1024)
+    assert cpu["used_bytes"] + metal["used_bytes"] == pool["used_bytes"] <= pool["capacity_bytes"]
+    args = plan["llama_server_args"]
+    assert args[args.index("--device") + 1] == "MTL0"
+
+
+def test_the_clamp_defaults_to_the_setting_and_a_wired_limit_in_the_cluster_file_caps_metal(tmp_path, model):
+    cluster = json.loads(json.dumps(MAC_COORDINATOR))
+    proc = run_plan(tmp_path, model, cluster, env={"RAMDECK_UNIFIED_MEMORY_CLAMP": "0.5"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["unified_pool"]["limit_bytes"] == 16384 * 1024 * 1024
+    cluster["nodes"][0]["devices"][0]["wired_limit_mib"] = 8192
+    plan = json.loads(run_plan(tmp_path, model, cluster, "--clamp", "0.9").stdout)
+    metal = next(p for p in plan["placements"] if p["device"] == "MTL0")
+    assert (metal["limit_bytes"], metal["limit_basis"]) == (8192 * 1024 * 1024, "wired_limit")
+    assert plan["unified_pool"]["limit_bytes"] == int(0.9 * 32768 * 1024 * 1024)
+
+
+def test_a_coordinator_with_neither_cpu_nor_unified_memory_is_bad_input(tmp_path, model):
+    cluster = {"nodes": [{"name": "box", "coordinator": True, "devices": [
+        {"name": "CUDA0", "kind": "cuda", "total_mib": 24576}]}]}  # fmt: skip
+    proc = run_plan(tmp_path, model, cluster)
+    assert proc.returncode == 2
+    assert "needs a CPU device (its RAM) or a unified-memory device" in proc.stderr

@@ -145,3 +145,86 @@ def test_a_plan_that_does_not_fit_cannot_be_confirmed(model, operator_client):
     response = operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
     assert response.status_code == 409
     assert not Deployment.objects.exists()
+
+
+# -- Apple unified memory: one clamp, from the setting to the form to the plan -------------------------------
+
+
+@pytest.fixture
+def mac(pool):
+    """A Mac in the pool, as its probe stores it: raw unified memory (64 MiB here, for the tiny model)."""
+    node = NodeFactory(name="mac", address="10.77.0.3", rpc_port=50052, rtt_ms=0.3, may_coordinate=True,
+                       last_seen_at=timezone.now())  # fmt: skip
+    DeviceFactory(node=node, name="MTL0", kind=DeviceKind.METAL, total_bytes=64 * MIB, free_bytes=64 * MIB,
+                  unified_memory=True, bandwidth_gbs=400)  # fmt: skip
+    return node
+
+
+def plan_page(client, model, **query):
+    response = client.get(reverse("deployments:plan", args=[model.pk]), query)
+    assert response.status_code == 200
+    return response.context["plan"], response.content.decode()
+
+
+def metal_of(plan: dict) -> dict:
+    return next(p for p in plan["placements"] if p["device"] == "MTL0")
+
+
+def test_the_clamp_setting_is_the_plan_forms_default_and_what_it_plans_with(
+    model, mac, viewer_client, settings
+):
+    settings.RAMDECK_UNIFIED_MEMORY_CLAMP = 0.5
+    plan, page = plan_page(viewer_client, model, ctx=1024)
+    assert 'id="clamp-field"' in page and 'name="clamp" value="0.5"' in page
+    assert plan["settings"]["clamp"] == 0.5
+    metal = metal_of(plan)
+    assert (metal["limit_bytes"], metal["limit_basis"]) == (32 * MIB, "clamp")
+    assert "Planned with 50% of 64.0 MiB unified memory: 32.0 MiB." in page
+
+
+def test_a_clamp_edited_on_the_form_changes_the_plan(model, mac, viewer_client):
+    default, page = plan_page(viewer_client, model, ctx=1024)
+    assert metal_of(default)["limit_bytes"] == int(0.70 * 64 * MIB)
+    assert "Planned with 70% of 64.0 MiB unified memory: 44.8 MiB." in page
+    edited, page = plan_page(viewer_client, model, ctx=1024, clamp=0.25)
+    assert metal_of(edited)["limit_bytes"] == int(0.25 * 64 * MIB)
+    assert 0 < metal_of(edited)["layers"] < metal_of(default)["layers"]
+    assert edited["predicted_tokens_per_s"] < default["predicted_tokens_per_s"]
+    assert "Planned with 25% of 64.0 MiB unified memory: 16.0 MiB." in page
+
+
+def test_a_wired_limit_below_the_clamp_is_what_the_page_says_it_plans_with(model, mac, viewer_client):
+    mac.devices.filter(name="MTL0").update(wired_limit_bytes=24 * MIB)
+    plan, page = plan_page(viewer_client, model, ctx=1024)
+    assert (metal_of(plan)["limit_bytes"], metal_of(plan)["limit_basis"]) == (24 * MIB, "wired_limit")
+    assert "Planned with the Mac's wired limit, 24.0 MiB (iogpu.wired_limit_mb)" in page
+
+
+def test_the_clamp_field_is_hidden_when_no_unified_memory_is_in_the_pool(model, viewer_client):
+    plan, page = plan_page(viewer_client, model, ctx=1024)
+    assert plan["fits"]
+    assert 'id="clamp-field"' not in page
+    assert '<input type="hidden" name="clamp" value="0.7">' in page  # still sent with every recompute
+
+
+def test_a_mac_coordinates_from_the_plan_page_on_one_pool(model, mac, viewer_client):
+    plan, page = plan_page(viewer_client, model, ctx=1024, coordinator=mac.pk)
+    assert plan["fits"] and plan["coordinator"] == "mac"
+    assert [(p["node"], p["llama_device"]) for p in plan["placements"][:2]] == [
+        ("mac", "CPU"),
+        ("mac", "MTL0"),
+    ]
+    pool = plan["unified_pool"]
+    assert pool["limit_bytes"] == int(0.70 * 64 * MIB) and pool["used_bytes"] <= pool["capacity_bytes"]
+    assert "mac's CPU and MTL0 share one unified memory" in page
+    assert "(70% of 64.0 MiB)" in page
+    assert "Draws on mac's unified memory, the pool it shares with MTL0." in page
+
+
+def test_the_pool_overview_plans_with_the_clamp_setting(model, mac, settings):
+    settings.RAMDECK_UNIFIED_MEMORY_CLAMP = 1.0
+    roomy = views.pool_fit(model, views._pool_nodes())
+    settings.RAMDECK_UNIFIED_MEMORY_CLAMP = 0.1
+    tight = views.pool_fit(model, views._pool_nodes())
+    assert roomy["fits"] and tight["fits"]
+    assert (roomy["ctx"], roomy["tps"]) > (tight["ctx"], tight["tps"])

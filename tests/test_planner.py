@@ -185,6 +185,114 @@ def test_plans_are_deterministic(instance):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A Mac coordinator: its CPU and its MTL0 draw on one unified pool
+
+
+@st.composite
+def mac_instances(draw):
+    """A Mac coordinator described by its MTL0 alone (or with its CPU listed too), perhaps with a wired limit,
+    and perhaps workers; up to five devices with the coordinator's CPU, as in `instances`."""
+    n_layer = draw(st.integers(1, 5))
+    block_mib = draw(st.sampled_from([100.0, 400.0, 1000.0]))
+    profile = make_profile(
+        n_layer=n_layer, block_mib=block_mib, output_mib=draw(st.sampled_from([50.0, 500.0]))
+    )
+    unit = block_mib / 1024  # GiB per block
+    bandwidths = st.sampled_from([10.0, 40.0, 100.0, 400.0, 900.0])
+    clamp = draw(st.sampled_from([0.5, 0.7, 0.9, 1.0]))
+    ram = (unit * draw(st.floats(0.0, n_layer + 3.5)) + 0.6) / clamp
+    wired = draw(st.sampled_from([0.0, 0.3, 0.6, 0.8, 0.95])) * ram
+    mtl0 = Device(
+        "mac", "MTL0", "metal", int(ram * GIB), int(ram * GIB), draw(bandwidths), True, int(wired * GIB)
+    )
+    devices = [mtl0]
+    if draw(st.booleans()):
+        devices.append(dev("mac", "CPU", ram, draw(bandwidths), free=ram * draw(st.floats(0.3, 1.0))))
+    nodes = [Node("mac", "10.0.0.1", tuple(devices), coordinator=True)]
+    slots = 1
+    for r in range(draw(st.integers(0, 3))):
+        name = f"r{r}"
+        workers = [dev(name, "CPU", unit * draw(st.floats(0.0, n_layer + 2.5)) + 0.3, draw(bandwidths))]
+        if slots + 2 <= 4 and draw(st.booleans()):
+            workers.append(dev(name, "CUDA0", unit * draw(st.floats(0.0, n_layer + 2.5)) + 0.3,
+                               draw(bandwidths), kind="cuda"))  # fmt: skip
+        if slots + len(workers) > 4:
+            break
+        slots += len(workers)
+        nodes.append(
+            Node(name, f"10.0.0.{r + 2}", tuple(workers), rtt_ms=draw(st.sampled_from([0.1, 1.0, 10.0])))
+        )
+    cfg = Settings(
+        ctx=draw(st.sampled_from([512, 2048])),
+        clamp=clamp,
+        margin_fraction=draw(st.sampled_from([0.0, 0.03])),
+    )
+    return profile, nodes, cfg
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mac_instances())
+def test_planner_is_optimal_with_a_mac_coordinator(instance):
+    profile, nodes, cfg = instance
+    problem = planner.build_problem(profile, nodes, cfg)
+    assert problem.pool_slot is not None and len(problem.slots) + 1 <= 5
+    split, seconds = planner.search(problem)
+    brute = exhaustive(problem)
+    if brute == math.inf:
+        assert split is None
+    else:
+        assert split is not None
+        assert seconds == pytest.approx(brute, rel=1e-9)
+        ev = planner.evaluate(problem, split)
+        assert ev.fits and ev.seconds_per_token == pytest.approx(seconds, rel=1e-9)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mac_instances())
+def test_a_mac_coordinator_never_overcommits_its_one_pool(instance):
+    profile, nodes, cfg = instance
+    result = planner.plan(profile, nodes, cfg)
+    mtl0 = nodes[0].devices[0]
+    ram = mtl0.total_bytes
+    pool_limit = int(cfg.clamp * ram)
+    gpu_limit = min(pool_limit, mtl0.wired_limit_bytes or pool_limit)
+    for plan_or_baseline in (result, result["baseline"]):
+        on_mac = [p for p in plan_or_baseline["placements"] if p["node"] == "mac"]
+        if plan_or_baseline["fits"]:
+            # All llama.cpp takes on the Mac, its CPU's share included: within clamp x RAM less the margin.
+            assert sum(p["used_bytes"] for p in on_mac) <= pool_limit * (1 - cfg.margin_fraction)
+            for p in on_mac:
+                assert p["used_bytes"] <= p["capacity_bytes"]
+                if p["device"] == "MTL0":
+                    assert p["limit_bytes"] <= gpu_limit
+    if result["fits"]:
+        assert result["placements"][0]["device"] == "CPU" and result["placements"][0]["node"] == "mac"
+        assert result["unified_pool"]["used_bytes"] <= result["unified_pool"]["capacity_bytes"]
+        assert_args_reproduce_placements(result)
+
+
+def test_a_mac_coordinator_alone_needs_no_cpu_device_but_a_worker_may_not_list_both():
+    mac = Node(
+        "mac", "10.0.0.1", (dev("mac", "MTL0", 32, 400, kind="metal", unified=True),), coordinator=True
+    )
+    problem = planner.build_problem(make_profile(), [mac], Settings())
+    assert problem.cpu.device.name == "CPU" and problem.cpu.limit == problem.pool_limit == int(0.7 * 32 * GIB)
+    pc = Node("pc", "10.0.0.1", (dev("pc", "CPU", 32, 40),), coordinator=True)
+    both = Node(
+        "mac", "10.0.0.2", (dev("mac", "MTL0", 32, 400, "metal", unified=True), dev("mac", "CPU", 32, 100))
+    )
+    with pytest.raises(planner.ClusterError, match="same memory"):
+        planner.build_problem(make_profile(), [pc, both], Settings())
+    twice = Node("mac", "10.0.0.2", (dev("mac", "MTL0", 32, 400, "metal", unified=True),
+                                      dev("mac", "MTL1", 32, 400, "metal", unified=True)))  # fmt: skip
+    with pytest.raises(planner.ClusterError, match="several unified-memory devices"):
+        planner.build_problem(make_profile(), [pc, twice], Settings())
+    gpu_only = Node("box", "10.0.0.1", (dev("box", "CUDA0", 24, 900, "cuda"),), coordinator=True)
+    with pytest.raises(planner.ClusterError, match="needs a CPU device"):
+        planner.build_problem(make_profile(), [gpu_only], Settings())
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Scenarios
 
 

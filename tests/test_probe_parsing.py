@@ -84,23 +84,26 @@ def test_a_docker_container_on_cgroup_v1_without_memavailable_uses_limit_minus_u
     assert report.binaries == {} and report.rpc_server_binary == ""
 
 
-def test_an_apple_m2_pro_is_one_unified_metal_device_within_the_clamp():
-    report = report_of("macos_m2_pro.txt", unified_clamp=0.70)
+def test_an_apple_m2_pro_is_one_unified_metal_device_with_its_raw_memory():
+    report = report_of("macos_m2_pro.txt")
     assert report.platform == "macos"
     assert report.os_name == "macOS 14.4.1"
     assert (report.cpu_model, report.cpu_cores, report.ram_total_bytes) == ("Apple M2 Pro", 12, 32 * GIB)
     assert report.ram_available_bytes == (73829 + 801234 + 12010) * 16384
     [metal] = report.devices
     assert (metal.name, metal.kind, metal.unified_memory) == ("MTL0", "metal", True)
-    assert metal.total_bytes == int(32 * GIB * 0.70)
+    # Raw memory: the planner, not the probe, takes the usable share (it used to be clamped in both).
+    assert metal.total_bytes == metal.free_bytes == 32 * GIB
+    assert metal.wired_limit_bytes is None  # iogpu.wired_limit_mb: 0 is macOS's default
     assert metal.description == "Apple M2 Pro (19-core GPU)"
     assert metal.bandwidth_gbs == 200.0
     assert (report.rpc_port_pid, report.llama_version, report.llama_commit) == (71337, "6800", "6de8ed75")
 
 
-def test_a_raised_iogpu_wired_limit_wins_over_the_clamp():
-    [metal] = report_of("macos_m2_pro_wired_limit.txt", unified_clamp=0.70).devices
-    assert metal.total_bytes == 28672 * MIB
+def test_a_raised_iogpu_wired_limit_is_reported_beside_the_raw_memory():
+    [metal] = report_of("macos_m2_pro_wired_limit.txt").devices
+    assert metal.total_bytes == 32 * GIB
+    assert metal.wired_limit_bytes == 28672 * MIB
 
 
 def test_an_intel_mac_is_planned_as_a_cpu_machine():

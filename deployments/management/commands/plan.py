@@ -2,6 +2,10 @@
 
 Exit status: 0 the model fits, 3 it does not (the JSON is still printed, with "fits": false), 2 bad input
 (a message on stderr naming the problem). Scripts depend on these names and codes.
+
+A Mac is one device, its unified memory: {"name": "MTL0", "kind": "metal", "unified": true, "total_mib": RAM,
+"wired_limit_mib": N} (the wired limit only when one is set with sysctl iogpu.wired_limit_mb). As the
+coordinator it needs no CPU device: its CPU draws on the same memory, within --clamp of it.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
 from deployments import gguf_profile, planner
@@ -29,8 +34,12 @@ class Command(BaseCommand):
         parser.add_argument("--ctx", type=int, default=4096, help="Context size in tokens (default 4096).")
         parser.add_argument("--parallel", type=int, default=1, help="Parallel slots (default 1).")
         parser.add_argument("--cache-type", choices=sorted(planner.KV_TYPES), default="f16")
+        clamp = settings.RAMDECK_UNIFIED_MEMORY_CLAMP
         parser.add_argument(
-            "--clamp", type=float, default=0.70, help="Share of unified memory to use (0.70)."
+            "--clamp",
+            type=float,
+            default=clamp,
+            help=f"Share of unified memory to use (default {clamp:g}, from RAMDECK_UNIFIED_MEMORY_CLAMP).",
         )
         parser.add_argument("--json", action="store_true", help="Print the plan as one JSON object.")
 
