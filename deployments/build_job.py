@@ -36,6 +36,9 @@ COMMON_FLAGS = [
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
+    # Recent trees download llama-server's web UI from Hugging Face at build time; nodes on an offline LAN
+    # cannot, and the console talks to the server's API only.
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DCMAKE_BUILD_TYPE=Release",
 ]
 BACKEND_FLAGS = {"cpu": [], "metal": [], "cuda": ["-DGGML_CUDA=ON"], "vulkan": ["-DGGML_VULKAN=ON"]}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from deployments.build_job import cmake_flags, rpc_target_of, src_dir_name
+from deployments.build_job import cache_has_flags, cmake_flags, rpc_target_of, src_dir_name
 from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
 from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball
 from tests.unavailable import unavailable
@@ -67,11 +67,16 @@ def fetch_tarball() -> Path:
 
 
 def _find(bin_dir: Path) -> LlamaCpp | None:
+    """The binaries in bin_dir when they were built with today's flags (as the console's build job decides
+    whether a build folder is current); None means build, which recompiles only what the flags changed."""
     rpc = next((bin_dir / n for n in RPC_SERVER_BINARIES if (bin_dir / n).is_file()), None)
     server = bin_dir / LLAMA_SERVER_BINARY
-    if rpc and server.is_file():
-        return LlamaCpp(rpc, server)
-    return None
+    cache = bin_dir.parent / "CMakeCache.txt"
+    if not (rpc and server.is_file() and cache.is_file()):
+        return None
+    if not cache_has_flags(cache.read_text(errors="replace"), cmake_flags(BACKEND)):
+        return None
+    return LlamaCpp(rpc, server)
 
 
 def _build(src: Path) -> None:
