@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
@@ -78,3 +79,22 @@ def test_an_admin_still_on_a_published_password_stops_ensure_admin(monkeypatch):
     with pytest.raises(CommandError, match="admin still use a password published"):
         call_command("ensure_admin")
 
+
+def test_the_compose_file_fixes_no_secret_and_publishes_the_console_on_loopback():
+    text = (ROOT / "docker-compose.yml").read_text()
+    compose = yaml.safe_load(text)
+    services = compose["services"]
+    assert {"postgres", "redis", "web", "worker", "beat", "demo-node-1", "demo-node-2"} <= set(services)
+    for published in set().union(*PUBLISHED_SECRETS.values()):
+        assert published not in text
+    env = services["web"]["environment"]
+    for name in PUBLISHED_SECRETS:
+        assert env[name] == f"${{{name}:-}}", f"{name} must default to empty (generated on first start)"
+    assert services["web"]["ports"] == ["${RAMDECK_BIND:-127.0.0.1}:${RAMDECK_PORT:-8000}:8000"]
+    # A user's machine pulls the official images; only the test's override swaps them.
+    assert services["postgres"]["image"] == "postgres:16" and services["redis"]["image"] == "redis:7"
+    assert "--appendonly" in services["redis"]["command"] and "yes" in services["redis"]["command"]
+    for name in ("worker", "beat"):
+        assert services[name]["build"] == services["web"]["build"] == "."
+        assert services[name]["environment"] == env
+    assert "ARG PYTHON_IMAGE=python:3.12-slim-bookworm" in (ROOT / "Dockerfile").read_text()
