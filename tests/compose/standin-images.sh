@@ -87,7 +87,7 @@ PGBIN=/usr/lib/postgresql/15/bin D=${PGDATA:-/var/lib/postgresql/data} U=${POSTG
 mkdir -p "$D" /run/postgresql && chown -R postgres:postgres "$D" /run/postgresql && chmod 700 "$D"
 if [ ! -s "$D/PG_VERSION" ]; then
   printf '%s\n' "$POSTGRES_PASSWORD" > /tmp/pw && chown postgres /tmp/pw
-  su postgres -c "$PGBIN/initdb -D $D -U $U --pwfile=/tmp/pw --auth-local=trust --auth-host=scram-sha-256" >/dev/null && rm /tmp/pw
+  su postgres -c "$PGBIN/initdb -D $D -U $U --pwfile=/tmp/pw --encoding=UTF8 --locale=C.UTF-8 --auth-local=trust --auth-host=scram-sha-256" >/dev/null && rm /tmp/pw
   echo "host all all 0.0.0.0/0 scram-sha-256" >> "$D/pg_hba.conf"
   su postgres -c "$PGBIN/pg_ctl -D $D -o '-c listen_addresses=' -w start" >/dev/null
   DB=${POSTGRES_DB:-$U}

@@ -114,7 +114,12 @@ class Command(BaseCommand):
             ssh_user="root",
             credential=credential,
             may_coordinate=coordinator,
-            notes="A demo node of the docker compose trial: a container on the console's machine.",
+            # ggml-rpc-server takes only an IPv4 address to bind to, and a container's address changes
+            # whenever compose recreates it: the demo nodes listen on every interface of their container,
+            # which only the compose network reaches (the port is not published).
+            rpc_bind_address="0.0.0.0",
+            notes="A demo node of the docker compose trial: a container on the console's machine, reached "
+            "only over the compose network.",
         )
         node.full_clean()
         with transaction.atomic():
