@@ -1,5 +1,8 @@
 # One image for the web server, the Celery worker and beat.
-FROM python:3.12-slim-bookworm
+# The base is a build argument so a machine without access to Docker Hub can build on a local stand-in
+# (tests/compose/override.yml does); everyone else gets the official image.
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 RAMDECK_VAR_DIR=/var/lib/ramdeck
 RUN apt-get update \

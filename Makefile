@@ -22,7 +22,7 @@ run: $(STAMP)
 # per-user cache before the suite starts: about 5 minutes on two cores the first time, nothing after.
 test: $(STAMP) install-system-deps
 	$(PY) -m tests.prepare_llamacpp
-	$(PY) -m ramdeck_site.services --postgres-if-available -- $(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -52,9 +52,12 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 # otherwise the tests that need them say why.
 SYSTEM_DEPS := chromium:chromium /usr/sbin/sshd:openssh-server ip:iproute2 ss:iproute2 curl:curl \
 	cmake:cmake ninja:ninja-build g++:g++ git:git ps:procps stdbuf:coreutils
+# The compose trial's test (-m compose): Debian's Docker engine and Compose v1, and debootstrap for its local
+# stand-in base images. `make test` starts dockerd when none answers and stops it afterwards (--docker above).
+DOCKER_DEPS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
 install-system-deps:
 	@missing=""; \
-	for pair in $(SYSTEM_DEPS); do \
+	for pair in $(SYSTEM_DEPS) $(DOCKER_DEPS); do \
 	  tool=$${pair%%:*}; pkg=$${pair##*:}; \
 	  if ! command -v $$tool >/dev/null 2>&1 && [ ! -x "$$tool" ]; then \
 	    case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \

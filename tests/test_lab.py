@@ -117,3 +117,47 @@ def test_the_lab_says_why_it_cannot_run(monkeypatch):
     assert netlab.unavailable_reason() == "the network-namespace lab needs root"
     with pytest.raises(netlab.LabUnavailable):
         netlab.Lab()
+
+
+def forward_rules() -> str:
+    return subprocess.run(["iptables", "-w", "-S", "FORWARD"], capture_output=True, text=True).stdout
+
+
+def test_routed_hosts_reach_each_other_past_a_dropping_forward_chain_and_the_rules_go_with_the_lab(lab):
+    """dockerd sets the FORWARD policy to DROP; a DROP rule for just these two hosts, appended after the
+    lab's rules, stands in for it here without touching anyone else's traffic."""
+    from tests.deploy_fixtures import route_between
+
+    first, second = lab.add_host(), lab.add_host()
+    route_between([first, second])
+    tag = f"--comment {netlab.PREFIX}-{os.getpid()}"
+    assert forward_rules().count(tag) == 2
+    dropping = ["FORWARD", "-s", first.address, "-d", second.address, "-j", "DROP"]
+    subprocess.run(["iptables", "-w", "-A", *dropping], check=True)
+    try:
+        greeting = subprocess.run(
+            first.exec_argv(
+                [
+                    "python3",
+                    "-c",
+                    f"import socket; print(socket.create_connection(('{second.address}', 22), 5).recv(4))",
+                ]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        subprocess.run(["iptables", "-w", "-D", *dropping], check=True)
+    assert greeting.stdout.strip() == "b'SSH-'", greeting.stderr
+    lab.close()
+    assert tag not in forward_rules()
+
+
+def test_forward_rules_of_a_crashed_run_are_removed():
+    pid = dead_pid()
+    for rule in netlab._forward_rules(pid):
+        subprocess.run(["iptables", "-w", "-I", "FORWARD", *rule], check=True)
+    removed = netlab.cleanup_leftovers()
+    assert f"iptables FORWARD rules of {netlab.PREFIX}-{pid}" in removed
+    assert f"--comment {netlab.PREFIX}-{pid}" not in forward_rules()

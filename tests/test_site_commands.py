@@ -156,18 +156,3 @@ def test_services_wrapper_passes_on_the_exit_status():
         timeout=60,
     )
     assert result.returncode == 1
-
-
-def test_compose_file_runs_the_console_on_postgres_and_redis_from_one_image():
-    import yaml
-
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services_ = compose["services"]
-    assert {"postgres", "redis", "web", "worker", "beat"} <= set(services_)
-    assert services_["web"]["ports"] == ["8000:8000"]
-    for name in ("worker", "beat"):
-        assert services_[name]["build"] == services_["web"]["build"] == "."
-        assert services_[name]["environment"] == services_["web"]["environment"]
-    env = services_["web"]["environment"]
-    assert env["DATABASE_URL"].startswith("postgres://") and env["REDIS_URL"].startswith("redis://redis")
-    assert "RAMDECK_ADMIN_PASSWORD" in env

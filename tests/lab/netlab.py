@@ -7,6 +7,10 @@ lets `cleanup_leftovers` remove what a crashed earlier run left behind without t
 
 Only the network is separate: the namespaces share this host's file system, users and process table, so
 `ip netns pids` is how teardown finds (and ends, by PID) every process that was started inside a host.
+
+Traffic between two lab hosts is routed through this host, so it crosses iptables' FORWARD chain, whose
+policy a running dockerd (or any host firewall) sets to DROP. Each lab inserts ACCEPT rules for the lab
+subnet, tagged with its PID, while it runs, and deletes exactly those rules when it closes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ PASSWORD_USER = "ramdeck-lab"
 PASSWORD_USER_PASSWORD = "lab-only password 7f3e"
 
 _serial = itertools.count()
+
+
+def _forward_rules(pid: int) -> list[list[str]]:
+    """The lab's FORWARD rules: accept packets from and to the lab subnet, tagged with the lab's PID."""
+    tag = ["-m", "comment", "--comment", f"{PREFIX}-{pid}", "-j", "ACCEPT"]
+    return [["-s", f"{SUBNET}.0.0/16", *tag], ["-d", f"{SUBNET}.0.0/16", *tag]]
+
+
+def _iptables(action: str, rule: Sequence[str], *, check: bool = True) -> None:
+    # -w waits for the xtables lock: dockerd and other labs change the tables too.
+    _run(["iptables", "-w", action, "FORWARD", *rule], check=check)
 
 
 class LabUnavailable(Exception):
@@ -190,6 +205,11 @@ class Lab:
         self._client_key = self.workdir / "client_ed25519"
         _keygen(self._client_key, "ramdeck-lab")
         self._closed = False
+        self._forwarding: list[list[str]] = []
+        if shutil.which("iptables"):
+            for rule in _forward_rules(self.pid):
+                _iptables("-I", rule)
+                self._forwarding.append(rule)
 
     # -- the credentials tests log in with ------------------------------------------------------------
 
@@ -341,6 +361,10 @@ class Lab:
             except Exception as exc:  # Keep going: every host must be torn down.
                 errors.append(f"{host.netns}: {exc}")
         shutil.rmtree(self.workdir, ignore_errors=True)
+        for rule in self._forwarding:
+            # By exact rule (one copy each: another lab of this process may hold the same ones).
+            _iptables("-D", rule, check=False)
+        self._forwarding = []
         if errors:
             raise RuntimeError("lab teardown left things behind: " + "; ".join(errors))
 
@@ -454,6 +478,14 @@ def cleanup_leftovers() -> list[str]:
             if not _pid_alive(int(group.name.split("-")[1])):
                 _remove_cgroup(group)
                 removed.append(str(group))
+    if shutil.which("iptables"):
+        rules = _run(["iptables", "-w", "-S", "FORWARD"], check=False).stdout
+        for pid in {int(p) for p in re.findall(rf"--comment {PREFIX}-(\d+)\b", rules)}:
+            if not _pid_alive(pid):
+                for rule in _forward_rules(pid):
+                    while _run(["iptables", "-w", "-D", "FORWARD", *rule], check=False).returncode == 0:
+                        pass
+                removed.append(f"iptables FORWARD rules of {PREFIX}-{pid}")
     for stale in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-*"):
         with contextlib.suppress(ValueError):
             if not _pid_alive(int(stale.name.split("-")[1])):
