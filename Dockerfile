@@ -4,7 +4,9 @@
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 RAMDECK_VAR_DIR=/var/lib/ramdeck
+# The cache (the pinned llama.cpp source the console uploads to nodes) lives in the volume, fetched once.
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 RAMDECK_VAR_DIR=/var/lib/ramdeck \
+    RAMDECK_CACHE_DIR=/var/lib/ramdeck/cache
 RUN apt-get update \
     && apt-get install -y --no-install-recommends openssh-client iproute2 \
     && rm -rf /var/lib/apt/lists/*
