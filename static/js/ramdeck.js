@@ -17,3 +17,44 @@ document.addEventListener("click", (event) => {
 document.addEventListener("DOMContentLoaded", () => {
   setTimeout(() => document.querySelectorAll(".message.success").forEach((el) => el.remove()), 8000);
 });
+
+// The navigation menu on narrow screens. Without this script the links simply stay open (the CSS folds
+// them only once `has-menu` is set), so nothing becomes unreachable.
+document.addEventListener("DOMContentLoaded", () => {
+  const bar = document.getElementById("topbar");
+  const toggle = document.getElementById("menu-toggle");
+  if (!bar || !toggle) return;
+  bar.classList.add("has-menu");
+  const setOpen = (open) => {
+    bar.classList.toggle("nav-open", open);
+    toggle.setAttribute("aria-expanded", String(open));
+  };
+  toggle.addEventListener("click", () => setOpen(!bar.classList.contains("nav-open")));
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && bar.classList.contains("nav-open")) {
+      setOpen(false);
+      toggle.focus();
+    }
+  });
+});
+
+// Boxes that scroll sideways (wide tables, long commands) say so: `scrolls-x` shows a shadow and a hint
+// at the edge that has more; it is recomputed on scroll, on resize and after htmx swaps new content in.
+const SCROLL_BOXES = "table, pre, .log, .table-wrap, .table-scroll";
+function markScrollable(root = document) {
+  root.querySelectorAll(SCROLL_BOXES).forEach((box) => {
+    const more = box.scrollWidth - box.clientWidth;
+    box.classList.toggle("scrolls-x", more > 1);
+    box.classList.toggle("scrolled-end", more > 1 && box.scrollLeft >= more - 1);
+  });
+}
+document.addEventListener("DOMContentLoaded", () => markScrollable());
+window.addEventListener("resize", () => markScrollable());
+document.addEventListener("htmx:afterSettle", () => markScrollable());
+document.addEventListener(
+  "scroll",
+  (event) => {
+    if (event.target instanceof Element && event.target.matches(SCROLL_BOXES)) markScrollable(event.target.parentElement ?? document);
+  },
+  true,
+);
