@@ -79,7 +79,7 @@ def household(transactional_db, tmp_path):
                        last_seen_at=now, reachability=Reachability.REACHABLE, rtt_ms=0.1,
                        notes="The family desktop under the stairs; leave it on at night.")  # fmt: skip
     cpu = "AMD Ryzen 7 5800X3D 8-Core Processor with 3D V-Cache"
-    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=24 * MIB, free_bytes=24 * MIB,
+    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=64 * MIB, free_bytes=60 * MIB,
                   bandwidth_gbs=5, description=cpu)  # fmt: skip
     attic = NodeFactory(
         name="old-gaming-pc-in-the-attic",
@@ -294,13 +294,16 @@ def _check(page, url: str, label: str, width: int, problems: list[str], *, shot:
 
 
 def _screenshot(page, path: Path) -> None:
-    """The whole page as a phone shows it. Playwright's full_page widens the shot to the content of boxes
-    that scroll sideways, so the window is made as tall as the page instead, then put back."""
+    """The whole page as a phone shows it, in slices of at most 1,400 px (a tall page in one picture is too
+    small to read). Playwright's full_page widens the shot to the content of boxes that scroll sideways,
+    so the window is made as tall as the page instead, then put back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     viewport = page.viewport_size
     height = page.evaluate("document.documentElement.scrollHeight")
     page.set_viewport_size({"width": viewport["width"], "height": max(height, viewport["height"])})
-    page.screenshot(path=path)
+    for number, top in enumerate(range(0, height, 1400), 1):
+        clip = {"x": 0, "y": top, "width": viewport["width"], "height": min(1400, height - top)}
+        page.screenshot(path=path if number == 1 else path.with_stem(f"{path.stem}-{number}"), clip=clip)
     page.set_viewport_size(viewport)
 
 
@@ -355,3 +358,33 @@ def _post_only_url(name: str, data: dict) -> str:
         "deployments:stale_reap": [StaleProcess.objects.get().pk],
     }
     return reverse(name, args=args_by_route.get(name, []))
+
+
+def test_on_a_phone_the_navigation_is_a_menu_and_the_name_stays_visible(live_server_url, browser):
+    UserFactory(username="oscar-operator", role="operator")
+    context = browser.new_context(viewport={"width": 390, "height": 800})
+    page = context.new_page()
+    try:
+        log_in(page, live_server_url, "oscar-operator", PASSWORD)
+        expect(page.locator(".topbar .who")).to_be_visible()
+        expect(page.locator(".topbar .who")).to_contain_text("oscar-operator")
+        toggle = page.locator("#menu-toggle")
+        expect(toggle).to_have_attribute("aria-expanded", "false")
+        expect(page.locator("#site-menu")).to_be_hidden()
+        # The bar is one row: the brand, the name and the menu button.
+        assert page.locator(".topbar").bounding_box()["height"] < 70
+        toggle.click()
+        expect(toggle).to_have_attribute("aria-expanded", "true")
+        expect(page.locator("#account-links")).to_contain_text("Log out")
+        page.locator("#site-menu").get_by_role("link", name="Jobs").click()
+        page.wait_for_url(f"{live_server_url}/jobs/")
+        expect(page.locator("#site-menu")).to_be_hidden()
+        page.locator("#menu-toggle").click()
+        page.keyboard.press("Escape")
+        expect(page.locator("#site-menu")).to_be_hidden()
+        # On a wide screen there is no menu button: the links are in the bar.
+        page.set_viewport_size({"width": 1280, "height": 800})
+        expect(page.locator("#menu-toggle")).to_be_hidden()
+        expect(page.locator("#site-menu")).to_be_visible()
+    finally:
+        context.close()
