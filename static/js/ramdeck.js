@@ -58,3 +58,18 @@ document.addEventListener(
   },
   true,
 );
+
+// Tables marked `cards` become one card per row on a phone (static/css/ramdeck.css); each cell is given
+// its column's heading as a label, so a value is never shown without saying what it is.
+function labelCardCells(root = document) {
+  root.querySelectorAll("table.cards").forEach((table) => {
+    const headings = [...table.querySelectorAll("thead th")].map((th) => th.textContent.trim());
+    table.querySelectorAll("tbody tr").forEach((row) => {
+      [...row.cells].forEach((cell, index) => {
+        if (cell.colSpan === 1 && !cell.hasAttribute("data-label")) cell.dataset.label = headings[index] ?? "";
+      });
+    });
+  });
+}
+document.addEventListener("DOMContentLoaded", () => labelCardCells());
+document.addEventListener("htmx:afterSettle", (event) => labelCardCells(event.target.closest("table") ?? event.target));
