@@ -6,6 +6,7 @@ Also: the styled 403 and 404 pages, and the navigation menu that folds on a phon
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,8 @@ def test_every_page_fits_the_window_without_sideways_scroll(live_server_url, bro
             assert response.status == 405, f"{name} answers GET with {response.status}; a page after all?"
         for name, path in pages.items():
             _check(page, live_server_url + path, name, width, problems, shot=name in SHOTS)
+        if width == 390:
+            _phone_tables_say_what_they_hide(page, live_server_url, household)
         _check(page, f"{live_server_url}/nodes/no-such-node/", "404", width, problems, shot=True)
         expect(page.locator("#error-404")).to_be_visible()
         # A viewer meets the 403 page where only operators may go.
@@ -341,6 +344,21 @@ def test_every_page_fits_the_window_without_sideways_scroll(live_server_url, bro
     finally:
         context.close()
     assert not problems, "\n".join(problems)
+
+
+def _phone_tables_say_what_they_hide(page, base_url: str, data: dict) -> None:
+    """A table that scrolls says so, and says when the end is reached; a card shows each value's column."""
+    page.goto(base_url + reverse("deployments:run", args=[data["deployment"].pk]))
+    table = page.locator("#verification table")
+    expect(table).to_have_class(re.compile(r"\bscrolls-x\b"))
+    assert table.evaluate("t => getComputedStyle(t, '::before').content") == '"scroll →"'
+    table.evaluate("t => { t.scrollLeft = t.scrollWidth; }")
+    expect(table).to_have_class(re.compile(r"\bscrolled-end\b"))
+    page.goto(base_url + reverse("deployments:node_builds", args=[data["desk"].name]))
+    first_card = page.locator("#builds table.cards tbody tr").first
+    expect(first_card.locator("td").nth(1)).to_have_attribute("data-label", "Source")
+    expect(page.locator("#builds thead")).to_be_hidden()
+    expect(first_card).to_contain_text("llama-server")
 
 
 def _post_only_url(name: str, data: dict) -> str:
