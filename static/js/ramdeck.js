@@ -72,4 +72,5 @@ function labelCardCells(root = document) {
   });
 }
 document.addEventListener("DOMContentLoaded", () => labelCardCells());
-document.addEventListener("htmx:afterSettle", (event) => labelCardCells(event.target.closest("table") ?? event.target));
+// After a swap the whole page is labelled again: an outerHTML swap's event target may be the replaced element.
+document.addEventListener("htmx:afterSettle", () => labelCardCells());
