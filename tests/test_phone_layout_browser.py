@@ -394,6 +394,8 @@ def test_on_a_phone_the_navigation_is_a_menu_and_the_name_stays_visible(live_ser
         toggle.click()
         expect(toggle).to_have_attribute("aria-expanded", "true")
         expect(page.locator("#account-links")).to_contain_text("Log out")
+        if os.environ.get("RAMDECK_SCREENSHOTS"):
+            _screenshot(page, ARTIFACTS / "menu-open-390.png")
         page.locator("#site-menu").get_by_role("link", name="Jobs").click()
         page.wait_for_url(f"{live_server_url}/jobs/")
         expect(page.locator("#site-menu")).to_be_hidden()
