@@ -1,11 +1,12 @@
-"""The 403, 404 and 500 pages are the console's own (pytest-django runs with DEBUG=False, as production)."""
+"""The 403 (and its CSRF variant), 404 and 500 pages are the console's own (pytest-django runs with
+DEBUG=False, as production does)."""
 
 from __future__ import annotations
 
 import pytest
 from django.conf import settings
 from django.contrib.staticfiles import finders
-from django.test import RequestFactory
+from django.test import Client, RequestFactory
 from django.urls import reverse
 
 pytestmark = pytest.mark.django_db
@@ -55,3 +56,15 @@ def test_the_favicon_is_an_svg_that_every_page_links(client):
     with open(path) as handle:
         assert handle.read().startswith("<svg")
     assert 'href="/static/img/favicon.svg"' in client.get(reverse("login")).content.decode()
+
+
+def test_a_form_sent_without_its_csrf_token_gets_the_styled_page_and_changes_nothing(admin_user):
+    from nodes.models import Node
+
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(admin_user)
+    response = client.post(reverse("nodes:create"), {"name": "sneaky", "address": "192.0.2.9"})
+    assert response.status_code == 403
+    body = response.content.decode()
+    assert 'id="error-403-csrf"' in body and "This form has expired" in body
+    assert not Node.objects.filter(name="sneaky").exists()
