@@ -49,6 +49,7 @@ class ProbeReport:
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
+    cpu_quota_cores: float | None = None  # A cgroup CPU quota in cores (0.25 = a quarter of one core).
     devices: list[DeviceInfo] = field(default_factory=list)
     binaries: dict[str, str] = field(default_factory=dict)  # name -> path
     llama_version: str = ""
@@ -108,6 +109,10 @@ _FILE_SECTIONS = [
     ("cgroup-v2-current", "/memory.current"),
     ("cgroup-v1-limit", "/memory.limit_in_bytes"),
     ("cgroup-v1-usage", "/memory.usage_in_bytes"),
+    ("cgroup-stat", "/memory.stat"),
+    ("cgroup-v2-cpu-max", "/cpu.max"),
+    ("cgroup-v1-cpu-quota", "/cpu.cfs_quota_us"),
+    ("cgroup-v1-cpu-period", "/cpu.cfs_period_us"),
 ]
 
 
@@ -204,15 +209,43 @@ def parse_cgroup_bytes(text: str) -> int | None:
     return None if value >= _UNLIMITED else value
 
 
+def inactive_file_bytes(stat: str) -> int:
+    """Page cache the kernel may drop at once, from a cgroup's memory.stat (v1 names the hierarchical sum
+    `total_inactive_file`, v2 `inactive_file`); 0 when the file was not readable."""
+    values = dict(re.findall(r"^(\w+) (\d+)$", stat, flags=re.M))
+    return int(values.get("total_inactive_file") or values.get("inactive_file") or 0)
+
+
 def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
-    """(limit, usage) of the cgroup the probe ran in; v2 wins when both hierarchies answer."""
+    """(limit, working set) of the cgroup the probe ran in; v2 wins when both hierarchies answer.
+
+    The working set is the usage minus the inactive file cache, as container runtimes count it: a group's
+    usage includes every file page its processes read (a model just copied there, say), which the kernel
+    drops as soon as something needs the room, so usage alone would report a warm machine as full."""
     limit = parse_cgroup_bytes(sections.get("cgroup-v2-max", ""))
-    if limit is not None:
-        return limit, parse_cgroup_bytes(sections.get("cgroup-v2-current", ""))
-    limit = parse_cgroup_bytes(sections.get("cgroup-v1-limit", ""))
-    if limit is not None:
-        return limit, parse_cgroup_bytes(sections.get("cgroup-v1-usage", ""))
-    return None, None
+    usage_key = "cgroup-v2-current"
+    if limit is None:
+        limit = parse_cgroup_bytes(sections.get("cgroup-v1-limit", ""))
+        usage_key = "cgroup-v1-usage"
+    if limit is None:
+        return None, None
+    usage = parse_cgroup_bytes(sections.get(usage_key, ""))
+    if usage is not None:
+        usage = max(0, usage - inactive_file_bytes(sections.get("cgroup-stat", "")))
+    return limit, usage
+
+
+def cgroup_cpu_quota(sections: dict[str, str]) -> float | None:
+    """The CPU quota of the probe's cgroup in cores (v2 `cpu.max` "QUOTA PERIOD", v1 cfs_quota_us and
+    cfs_period_us); None when there is none ("max", -1) or it cannot be read."""
+    parts = sections.get("cgroup-v2-cpu-max", "").split()
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]):
+        return round(int(parts[0]) / int(parts[1]), 4)
+    quota = sections.get("cgroup-v1-cpu-quota", "").strip()
+    period = sections.get("cgroup-v1-cpu-period", "").strip()
+    if quota.isdigit() and period.isdigit() and int(period):
+        return round(int(quota) / int(period), 4)
+    return None
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int, int]]:
@@ -359,6 +392,12 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         total = limit
         available = min(available, max(0, limit - (usage or 0)))
     report.ram_total_bytes, report.ram_available_bytes = total, available
+    report.cpu_quota_cores = cgroup_cpu_quota(sections)
+    if report.cpu_quota_cores is not None:
+        report.warnings.append(
+            f"A CPU quota limits this node to {report.cpu_quota_cores:g} cores' worth of time: calibrate it "
+            "to measure what that leaves."
+        )
     gbs, why = cpu_bandwidth(report.cpu_model)
     report.devices.append(
         DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)
