@@ -13,8 +13,10 @@ tests/test_planner_vs_llamacpp.py):
                minus a margin.
 
 The model of speed (single-stream decode is memory-bandwidth bound):
-    seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
-                        + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
+    seconds per token = the coordinator's fixed cost of a pass
+                        + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + for every remote node in use: its hop cost + RPC_ROUND_TRIPS_PER_TOKEN x its RTT,
+with the figures the calibrate job measured where there are some (deployments/memory_model.py).
 
 The search: llama.cpp keeps the first blocks on the coordinator's CPU and gives the rest to the listed devices
 as contiguous slices, the output layer with the last one. For each choice of last device, the other devices
@@ -34,6 +36,8 @@ from typing import Any
 from . import llamacpp
 from .memory_model import (
     DEFAULT_BANDWIDTH_GBS,
+    DEFAULT_HOP_MS,
+    DEFAULT_PASS_OVERHEAD_MS,
     DEFAULT_RTT_MS,
     GIB,
     KV_TYPES,
@@ -63,6 +67,8 @@ from .waterfill import INF, search
 
 __all__ = [
     "DEFAULT_BANDWIDTH_GBS",
+    "DEFAULT_HOP_MS",
+    "DEFAULT_PASS_OVERHEAD_MS",
     "DEFAULT_RTT_MS",
     "GIB",
     "KV_TYPES",
@@ -191,7 +197,8 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "total_bytes": slot.device.total_bytes,
                 "free_bytes": slot.device.free_bytes,
                 "unified": slot.device.unified,
-                "bandwidth_gbs": slot.device.bandwidth_gbs,
+                "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
+                "bandwidth_source": slot.device.bandwidth_source,
                 "fits": used <= slot.capacity,
                 "ms_per_token": round(
                     1000 * read / slot.bandwidth + (slot.overhead_s * 1000 if count or output else 0), 4
@@ -330,6 +337,37 @@ def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings:
     return -(-hi // MIB) * MIB
 
 
+def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
+    """The fixed costs the prediction counts, for the page: the coordinator's pass and each remote node's
+    hop (its measured or default hop plus its round trips)."""
+    used = {problem.slots[i].node.name for i in (split.order if split else [])}
+    hops = {}
+    for slot in problem.slots:
+        if slot.remote and slot.node.name in used:
+            hops[slot.node.name] = round(slot.overhead_s * 1000, 3)
+    return {"pass_overhead_ms": round(problem.fixed_s * 1000, 3), "hop_ms": hops}
+
+
+def _measurement_warnings(nodes: Sequence[Node], problem: Problem) -> list[str]:
+    guessed = sorted(
+        {f"{d.node}/{d.name}" for n in nodes for d in n.devices if d.bandwidth_source in ("table", "default")}
+    )
+    out = []
+    if guessed:
+        out.append(
+            "The speed of "
+            + ", ".join(guessed)
+            + " comes from a table of typical figures, not a measurement: "
+            "calibrate those nodes for a prediction you can trust."
+        )
+    if problem.coordinator.pass_overhead_ms is None:
+        out.append(
+            f"The coordinator {problem.coordinator.name} is not calibrated: its cost per pass is assumed "
+            f"to be {DEFAULT_PASS_OVERHEAD_MS:g} ms."
+        )
+    return out
+
+
 def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
@@ -339,7 +377,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
     settings = settings or Settings()
     problem = build_problem(profile, nodes, settings)
     split, seconds = search(problem)
-    warnings = list(problem.warnings)
+    warnings = list(problem.warnings) + _measurement_warnings(nodes, problem)
     n_layer = int(profile["block_count"])
     trained = int(profile.get("context_length") or 0)
     if trained and settings.ctx > trained:
@@ -392,6 +430,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         placements=placements,
         predicted_tokens_per_s=_tps(seconds),
         pipeline_parallel=pipeline_parallel(split),
+        speed_model=speed_model(problem, split),
         llama_server_args=llamacpp.llama_server_args(placements, _settings_dict(settings), n_layer),
         rpc_servers=_rpc_servers(placements, problem),
     )

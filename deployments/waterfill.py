@@ -238,4 +238,5 @@ def search(problem: Problem) -> tuple[Split | None, float]:
         consider(cost, Split(*s.backtrack(trace, n)))
     if best is None:
         return None, INF
-    return best[1], best[0]
+    # The coordinator's fixed cost per pass is the same for every split: added once, after the search.
+    return best[1], best[0] + problem.fixed_s
