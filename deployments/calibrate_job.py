@@ -32,6 +32,7 @@ import hashlib
 import os
 import posixpath
 import secrets
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,9 +50,15 @@ from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.runner import JobCancelled, JobFailed
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
-# caches hold, small enough to upload in seconds and to fit any device that can run a model at all.
+# caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
+# tiny one (~1 MB, two blocks) whose time per token is almost all fixed cost: through one rpc-server and
+# through two it shows what a pass costs and what one more hop in the chain adds.
 WIDTH = {"n_embd": 1024, "n_head": 8, "n_head_kv": 2, "n_ff": 2816, "n_ctx_train": 2048}
-MODELS = {"shallow": TinyLlama(n_layer=2, seed=11, **WIDTH), "deep": TinyLlama(n_layer=6, seed=12, **WIDTH)}
+MODELS = {
+    "shallow": TinyLlama(n_layer=2, seed=11, **WIDTH),
+    "deep": TinyLlama(n_layer=6, seed=12, **WIDTH),
+    "tiny": TinyLlama(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx_train=2048, seed=13),
+}
 CTX = 512
 PROMPT = "The quick brown fox jumps over the lazy dog."
 SAMPLES = 3
@@ -61,6 +68,8 @@ MIN_TOKENS, MAX_TOKENS = 16, 192
 HEALTH_TIMEOUT_S = 120.0
 # The deep model must take measurably longer per token than the shallow one, else the difference is noise.
 MIN_SLOWDOWN = 1.05
+# A line whose fixed cost is more than this share of the shallow model's time explains too little by bytes.
+MAX_FIXED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,9 @@ class Run:
 
     @property
     def seconds_per_token(self) -> float:
-        # The best sample: other work on the machine only ever slows a sample down, so the fastest one is
-        # the closest to what the device itself does (a CPU quota slows every sample alike).
-        return 1.0 / max(self.tokens_per_s)
+        # The median sample: what the device does under the machine's usual load, as a deployment will
+        # run (one disturbed sample does not move it).
+        return 1.0 / statistics.median(self.tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -96,13 +105,18 @@ class Line:
 
 
 def fit(shallow: Run, deep: Run) -> Line:
-    """The line through two runs. When the deeper model is not clearly slower, no bandwidth is claimed and
-    the whole time of the shallow run counts as fixed cost."""
+    """The line through two runs. No bandwidth is claimed (and the whole time of the shallow run counts as
+    fixed cost) when the deeper model is not clearly slower, or when the line would leave most of the
+    shallow run's time unexplained by its bytes: then the runs were too disturbed to trust their slope (or
+    the device is too fast for these models to tell)."""
     t_a, t_b = shallow.seconds_per_token, deep.seconds_per_token
     if t_b < t_a * MIN_SLOWDOWN or deep.read_bytes <= shallow.read_bytes:
         return Line(None, t_a)
     bandwidth = (deep.read_bytes - shallow.read_bytes) / (t_b - t_a)
-    return Line(bandwidth, max(0.0, t_a - shallow.read_bytes / bandwidth))
+    fixed = t_a - shallow.read_bytes / bandwidth
+    if fixed > MAX_FIXED_SHARE * t_a:
+        return Line(None, t_a)
+    return Line(bandwidth, max(0.0, fixed))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,6 +323,29 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
     return pid, log_path
 
 
+async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
+                       workdir: str) -> dict:  # fmt: skip
+    """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
+    rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
+    parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops."""
+    alone = await run(tiny, ["--device", "none", "-ngl", "0", "-t", "1", "--poll", "0"], "llama-server alone")
+    one = await run(tiny, ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"], f"{device} through one")
+    second = 40000 + secrets.randbelow(20000)
+    other_pid, _ = await _start_rpc_server(ctx, procs, build, "127.0.0.1", second, device, workdir)
+    chain = ["--rpc", f"{endpoint},127.0.0.1:{second}", "--device", "RPC0,RPC1", "-ngl", "999", "-ts", "1,2"]
+    two = await run(tiny, chain, f"{device} through two")
+    await procs.end(other_pid)
+    hop = max(0.0, one.seconds_per_token - alone.seconds_per_token)
+    pipeline = max(0.0, two.seconds_per_token - one.seconds_per_token - hop)
+    return {
+        "device": device,
+        "runs": [asdict(alone), asdict(one), asdict(two)],
+        "pass_ms": _ms(alone.seconds_per_token),
+        "hop_ms": _ms(hop),
+        "pipeline_ms": _ms(pipeline),
+    }
+
+
 async def calibrate_body(ctx) -> str:
     node = ctx.node
     if node is None:
@@ -327,14 +364,32 @@ async def calibrate_body(ctx) -> str:
     models = await sync_to_async(prepared_models, thread_sensitive=False)()
     workdir = await run_dir(ctx)
     paths = await upload_models(ctx, models, posixpath.join(posixpath.dirname(workdir), "calibrate"))
-    shallow, deep = models
+    shallow, deep, tiny = models
     procs = Processes(ctx)
     results: dict = {"job": ctx.job.pk, "build": build.version, "devices": {}, "hop": None, "local": None}
     link = None
 
     async def run(model: CalibrationModel, placement: list[str], label: str) -> Run:
+        if "--rpc" in placement and "-t" not in placement:
+            # The device under test does the work; llama-server, which a deployment runs on another
+            # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
+            # its spinning threads would spend the quota the rpc-server is measured by).
+            placement = [*placement, "-t", "1", "--poll", "0"]
         return await timed_run(ctx, procs, build, paths[model.name], model, placement, workdir, label)
 
+    # The deep model, its context and compute buffers, and llama-server beside it on the same node.
+    needed = int(1.5 * deep.size_bytes)
+    small = [d for d in devices if d.free_bytes < needed]
+    for device in small:
+        await ctx.log(
+            f"{device.name} has {device.free_bytes / 1e6:.0f} MB free; the calibration needs about "
+            f"{needed / 1e6:.0f} MB: not measured (its figure stays as it was)"
+        )
+    devices = [d for d in devices if d.free_bytes >= needed]
+    if not devices:
+        raise JobFailed(
+            f"No device of {node.name} has the {needed / 1e6:.0f} MB free that the calibration models need."
+        )
     try:
         for device in devices:
             rpc_pid, rpc_log = await _start_rpc_server(
@@ -347,17 +402,9 @@ async def calibrate_body(ctx) -> str:
             if link is None:
                 link = await _measure_link(ctx, node, port)
             if results["hop"] is None:
-                # The same work through two rpc-servers (one block each) instead of one: the difference is
-                # what one more server in the chain costs per token.
-                second = 40000 + secrets.randbelow(20000)
-                other_pid, _ = await _start_rpc_server(
-                    ctx, procs, build, "127.0.0.1", second, device.name, workdir
+                results["hop"] = await _fixed_costs(
+                    ctx, procs, build, run, tiny, device.name, endpoint, workdir
                 )
-                chain = ["--rpc", f"{endpoint},127.0.0.1:{second}", "--device", "RPC0,RPC1"]
-                two = await run(shallow, [*chain, "-ngl", "999", "-ts", "1,2"], f"{device.name} through two")
-                await procs.end(other_pid)
-                hop = max(0.0, two.seconds_per_token - runs[0].seconds_per_token)
-                results["hop"] = {"device": device.name, "run": asdict(two), "hop_ms": _ms(hop)}
             await procs.end(rpc_pid)
             await ctx.transport.run(["rm", "-f", rpc_log], timeout=30)
             line = fit(*runs)
@@ -366,7 +413,7 @@ async def calibrate_body(ctx) -> str:
                 "bandwidth_gbs": _gbs(line.bandwidth_bps),
                 "overhead_ms": _ms(line.fixed_s),
             }
-        if node.may_coordinate or node.is_local:
+        if (node.may_coordinate or node.is_local) and "CPU" in results["devices"]:
             # A coordinator's own CPU computes inside llama-server (its threads, not an rpc-server's).
             alone = ["--device", "none", "-ngl", "0"]
             label = "CPU inside llama-server"
@@ -404,16 +451,12 @@ async def _measure_link(ctx, node, port: int) -> rpc_link.LinkFigures | None:
 def store(node, results: dict) -> list[str]:
     """Write the figures to the node and its devices in one transaction; one summary line per figure.
 
-    The fixed cost of a pass through the first device's rpc-server is split in two: the hop (measured with
-    two servers) and the rest, which is llama-server's own cost per token when this node coordinates."""
+    The fixed costs come from the tiny model's runs (`_fixed_costs`)."""
     from nodes.models import Node
 
     lines = []
-    hop = (results.get("hop") or {}).get("hop_ms")
-    first = results["devices"].get((results.get("hop") or {}).get("device"), {})
-    overhead = None
-    if first.get("overhead_ms") is not None:
-        overhead = round(max(0.0, first["overhead_ms"] - (hop or 0.0)), 3)
+    fixed = results.get("hop") or {}
+    hop, overhead, pipeline = fixed.get("hop_ms"), fixed.get("pass_ms"), fixed.get("pipeline_ms")
     local = results.get("local") or {}
     link = results.get("link") or {}
     with transaction.atomic():
@@ -438,6 +481,7 @@ def store(node, results: dict) -> list[str]:
         locked.calibrated_at = timezone.now()
         locked.pass_overhead_ms = overhead
         locked.rpc_hop_ms = hop
+        locked.pipeline_overhead_ms = pipeline
         locked.link_rtt_ms = link.get("rtt_ms")
         locked.link_throughput_mbs = link.get("throughput_mbs")
         locked.calibration = results
@@ -446,13 +490,17 @@ def store(node, results: dict) -> list[str]:
                 "calibrated_at",
                 "pass_overhead_ms",
                 "rpc_hop_ms",
+                "pipeline_overhead_ms",
                 "link_rtt_ms",
                 "link_throughput_mbs",
                 "calibration",
             ]
         )
     if overhead is not None:
-        lines.append(f"pass {overhead:.2f} ms per token, RPC hop {hop or 0:.2f} ms")
+        lines.append(
+            f"pass {overhead:.2f} ms per token, RPC hop {hop or 0:.2f} ms, "
+            f"split across servers {pipeline or 0:.2f} ms"
+        )
     if link.get("rtt_ms") is not None:
         lines.append(f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s")
     return lines

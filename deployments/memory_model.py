@@ -10,7 +10,8 @@ Speed (single-stream decode is memory-bandwidth bound):
     seconds per token = the coordinator's fixed cost of a pass
                         + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
                         + for every remote node in use: its RPC hop cost
-                                                        + RPC_ROUND_TRIPS_PER_TOKEN x its round-trip time.
+                                                        + RPC_ROUND_TRIPS_PER_TOKEN x its round-trip time
+                        + the coordinator's cost of pipeline parallelism, when the split turns it on.
 Bandwidths, the pass cost and the hop cost are what the calibrate job measured (deployments/calibrate_job.py)
 where it has; otherwise the table of known chips and the defaults below, and the plan says so.
 `evaluate` prices one split; deployments/waterfill.py searches for the best; deployments/planner.py turns
@@ -38,6 +39,9 @@ DEFAULT_RTT_MS = 1.0
 # (its handling of the requests). Typical of what calibration measures on desktop CPUs.
 DEFAULT_PASS_OVERHEAD_MS = 1.0
 DEFAULT_HOP_MS = 0.5
+# What llama.cpp's pipeline parallelism (every layer offloaded to several devices) adds per token beyond the
+# devices' own hops: the activations travel through the coordinator between devices, and it waits on events.
+DEFAULT_PIPELINE_OVERHEAD_MS = 0.5
 # Bytes per element, as (block bytes, block elements) of the ggml type.
 KV_TYPES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 # ggml_backend_sched keeps this many copies of the compute graph when pipeline parallelism is on.
@@ -63,6 +67,9 @@ class Device:
     # A CPU computing inside llama-server itself (when its node coordinates) runs on llama-server's threads,
     # not an rpc-server's: calibration measures that separately.
     local_bandwidth_gbs: float | None = None
+    # What llama.cpp itself reports as free, when that differs from free_bytes: its default split follows
+    # it. A CPU's is all of the machine's RAM, whatever a container limit or other programs leave.
+    reported_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class Node:
     # Measured by calibration; None: the defaults above.
     pass_overhead_ms: float | None = None
     hop_ms: float | None = None
+    pipeline_overhead_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                     f"Node {name!r}, device {dev['name']!r}: bandwidth and memory must be positive."
                 )
         rtt = raw.get("rtt_ms")
-        costs = {key: raw.get(key) for key in ("pass_overhead_ms", "hop_ms")}
+        costs = {key: raw.get(key) for key in ("pass_overhead_ms", "hop_ms", "pipeline_overhead_ms")}
         for key, value in costs.items():
             if value is not None and (not isinstance(value, int | float) or value < 0):
                 raise ClusterError(f"Node {name!r}: {key} must be a number of milliseconds, 0 or more.")
@@ -156,6 +164,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 rtt_ms=float(rtt) if rtt is not None else None,
                 pass_overhead_ms=costs["pass_overhead_ms"],
                 hop_ms=costs["hop_ms"],
+                pipeline_overhead_ms=costs["pipeline_overhead_ms"],
             )
         )
     validate_cluster(nodes)
@@ -300,6 +309,8 @@ class Problem:
     warnings: list[str] = field(default_factory=list)
     # The coordinator's fixed cost of one decode pass, paid by every split alike.
     fixed_s: float = 0.0
+    # What pipeline parallelism adds per token, paid by the splits that turn it on.
+    pipeline_s: float = 0.0
 
 
 def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
@@ -360,6 +371,8 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     cpu_base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
     pass_ms = coordinator.pass_overhead_ms
     fixed_s = (pass_ms if pass_ms is not None else DEFAULT_PASS_OVERHEAD_MS) / 1000.0
+    pipeline_ms = coordinator.pipeline_overhead_ms
+    pipeline_s = (pipeline_ms if pipeline_ms is not None else DEFAULT_PIPELINE_OVERHEAD_MS) / 1000.0
     return Problem(
         profile,
         settings,
@@ -374,6 +387,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         cpu_base,
         warnings,
         fixed_s,
+        pipeline_s,
     )
 
 
@@ -427,7 +441,7 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
         for k, (i, c) in enumerate(zip(split.order, split.counts, strict=True))
     ]
     start = 0
-    seconds += problem.fixed_s
+    seconds += problem.fixed_s + (problem.pipeline_s if copies > 1 else 0.0)
     used_nodes: set[str] = set()
     for slot, count, output in entries:
         weights = sum(problem.weights[start : start + count]) + (out_bytes if output else 0)

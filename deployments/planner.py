@@ -38,6 +38,7 @@ from .memory_model import (
     DEFAULT_BANDWIDTH_GBS,
     DEFAULT_HOP_MS,
     DEFAULT_PASS_OVERHEAD_MS,
+    DEFAULT_PIPELINE_OVERHEAD_MS,
     DEFAULT_RTT_MS,
     GIB,
     KV_TYPES,
@@ -69,6 +70,7 @@ __all__ = [
     "DEFAULT_BANDWIDTH_GBS",
     "DEFAULT_HOP_MS",
     "DEFAULT_PASS_OVERHEAD_MS",
+    "DEFAULT_PIPELINE_OVERHEAD_MS",
     "DEFAULT_RTT_MS",
     "GIB",
     "KV_TYPES",
@@ -120,12 +122,15 @@ def default_split_devices(problem: Problem) -> list[int]:
 
 
 def baseline_split(problem: Problem) -> Split:
-    """llama.cpp's split proportional to reported free memory with every layer offloaded."""
+    """llama.cpp's split proportional to the free memory its devices report, with every layer offloaded."""
     devices = default_split_devices(problem)
     n = len(problem.block_bytes)
     if not devices:
         return Split(n, [], [])
-    shares = llamacpp.layer_assignment([problem.slots[i].device.free_bytes for i in devices], n, n + 1)
+    reported = [
+        problem.slots[i].device.reported_free_bytes or problem.slots[i].device.free_bytes for i in devices
+    ]
+    shares = llamacpp.layer_assignment(reported, n, n + 1)
     counts = [0] * len(devices)
     for dev in shares[:n]:
         counts[dev] += 1
@@ -345,7 +350,12 @@ def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
     for slot in problem.slots:
         if slot.remote and slot.node.name in used:
             hops[slot.node.name] = round(slot.overhead_s * 1000, 3)
-    return {"pass_overhead_ms": round(problem.fixed_s * 1000, 3), "hop_ms": hops}
+    pipeline = problem.pipeline_s * 1000 if split is not None and pipeline_parallel(split) else 0.0
+    return {
+        "pass_overhead_ms": round(problem.fixed_s * 1000, 3),
+        "hop_ms": hops,
+        "pipeline_overhead_ms": round(pipeline, 3),
+    }
 
 
 def _measurement_warnings(nodes: Sequence[Node], problem: Problem) -> list[str]:

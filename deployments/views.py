@@ -42,6 +42,9 @@ def _get_model(pk: int) -> ModelFile:
 
 def _planner_device(node: Node, d) -> planner.Device:
     source = d.bandwidth_source
+    # ggml-rpc-server reports all of the machine's RAM for a CPU, whatever limit the probe found: llama.cpp's
+    # own default split follows that.
+    physical = (node.facts or {}).get("ram_physical_bytes") if d.kind == "cpu" else None
     return planner.Device(
         node=node.name,
         name=d.name,
@@ -54,6 +57,7 @@ def _planner_device(node: Node, d) -> planner.Device:
         # Blocks on a coordinator's own CPU run inside llama-server: its measured figure there, unless an
         # admin set the device's figure by hand.
         local_bandwidth_gbs=d.measured_local_bandwidth_gbs if source == "measured" else None,
+        reported_free_bytes=physical if physical and physical != d.free_bytes else None,
     )
 
 
@@ -79,6 +83,7 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
                 rtt_ms=rtt,
                 pass_overhead_ms=node.pass_overhead_ms if calibrated else None,
                 hop_ms=node.rpc_hop_ms if calibrated else None,
+                pipeline_overhead_ms=node.pipeline_overhead_ms if calibrated else None,
             )
         )
     return out

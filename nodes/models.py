@@ -129,6 +129,11 @@ class Node(models.Model):
     rpc_hop_ms = models.FloatField(
         null=True, blank=True, help_text="Extra cost per token of computing through this node's rpc-server."
     )
+    pipeline_overhead_ms = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Extra cost per token, when this node coordinates, of splitting across several servers.",
+    )
     link_rtt_ms = models.FloatField(
         null=True, blank=True, help_text="Console to this node's RPC port: one request and its answer."
     )
@@ -268,13 +273,16 @@ class Device(models.Model):
 
     @property
     def hardware_signature(self) -> str:
-        """What the probe says this device is. A CPU's figure also depends on the cores the node may use
-        and on its CPU quota, so those are part of it."""
-        parts = [self.kind, self.description, str(self.total_bytes)]
-        if self.kind == DeviceKind.CPU:
-            facts = self.node.facts or {}
-            parts += [f"cores={facts.get('cpu_cores', '')}", f"quota={facts.get('cpu_quota_cores', '')}"]
-        return "|".join(parts)[:400]
+        """What the probe says this device is. A CPU's figure also depends on the cores the node may use,
+        its CPU quota and its RAM (other modules may mean other memory channels), so those are part of it;
+        a memory limit on the node is not (it changes what fits, not how fast it runs)."""
+        if self.kind != DeviceKind.CPU:
+            return f"{self.kind}|{self.description}|{self.total_bytes}"[:400]
+        facts = self.node.facts or {}
+        ram = facts.get("ram_physical_bytes") or facts.get("ram_total_bytes", "")
+        parts = [self.kind, self.description, f"ram={ram}"]
+        parts += [f"cores={facts.get('cpu_cores', '')}", f"quota={facts.get('cpu_quota_cores', '')}"]
+        return "|".join(str(part) for part in parts)[:400]
 
     @property
     def measurement_state(self) -> str:

@@ -49,6 +49,7 @@ class ProbeReport:
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
+    ram_physical_bytes: int = 0  # The machine's RAM, whatever limit applies to the probe's cgroup.
     cpu_quota_cores: float | None = None  # A cgroup CPU quota in cores (0.25 = a quarter of one core).
     devices: list[DeviceInfo] = field(default_factory=list)
     binaries: dict[str, str] = field(default_factory=dict)  # name -> path
@@ -209,19 +210,22 @@ def parse_cgroup_bytes(text: str) -> int | None:
     return None if value >= _UNLIMITED else value
 
 
-def inactive_file_bytes(stat: str) -> int:
-    """Page cache the kernel may drop at once, from a cgroup's memory.stat (v1 names the hierarchical sum
-    `total_inactive_file`, v2 `inactive_file`); 0 when the file was not readable."""
-    values = dict(re.findall(r"^(\w+) (\d+)$", stat, flags=re.M))
-    return int(values.get("total_inactive_file") or values.get("inactive_file") or 0)
+def file_cache_bytes(stat: str) -> int:
+    """The group's page cache of files, which the kernel drops when a process needs the room, from its
+    memory.stat: v1 names the hierarchical sums `total_active_file` and `total_inactive_file`, v2 `file`;
+    0 when the file was not readable."""
+    values = {key: int(value) for key, value in re.findall(r"^(\w+) (\d+)$", stat, flags=re.M)}
+    if "total_active_file" in values or "total_inactive_file" in values:
+        return values.get("total_active_file", 0) + values.get("total_inactive_file", 0)
+    return values.get("active_file", 0) + values.get("inactive_file", 0)
 
 
 def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
-    """(limit, working set) of the cgroup the probe ran in; v2 wins when both hierarchies answer.
+    """(limit, usage without the file cache) of the cgroup the probe ran in; v2 wins when both answer.
 
-    The working set is the usage minus the inactive file cache, as container runtimes count it: a group's
-    usage includes every file page its processes read (a model just copied there, say), which the kernel
-    drops as soon as something needs the room, so usage alone would report a warm machine as full."""
+    A group's usage includes every file page its processes read (a model file a llama-server mapped, one
+    just copied there): that cache is given up as soon as a process needs the room, as MemAvailable counts
+    it outside containers, so usage alone would report a warm machine as full."""
     limit = parse_cgroup_bytes(sections.get("cgroup-v2-max", ""))
     usage_key = "cgroup-v2-current"
     if limit is None:
@@ -231,7 +235,7 @@ def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
         return None, None
     usage = parse_cgroup_bytes(sections.get(usage_key, ""))
     if usage is not None:
-        usage = max(0, usage - inactive_file_bytes(sections.get("cgroup-stat", "")))
+        usage = max(0, usage - file_cache_bytes(sections.get("cgroup-stat", "")))
     return limit, usage
 
 
@@ -385,6 +389,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         # nproc honours CPU affinity (containers pinned to some cores); cpuinfo lists the whole machine.
         report.cpu_cores = int(sections["nproc"])
     total, available = parse_meminfo(sections.get("meminfo", ""))
+    report.ram_physical_bytes = total
     limit, usage = cgroup_memory(sections)
     if limit is not None and limit < total:
         # A container sees the host's /proc/meminfo; what it may use is its cgroup limit.

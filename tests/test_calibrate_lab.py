@@ -87,7 +87,7 @@ def calibrate_at_once(nodes: list[Node]) -> list[Job]:
 def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_hosts, settings, tmp_path):
     settings.VAR_DIR = tmp_path
     fast_host, slow_host = lab_hosts(2)
-    lab.throttle_cpu(slow_host, QUOTA)
+    lab.throttle_cpu(slow_host, QUOTA, period_us=10_000)  # a steady slowdown, as a slower CPU
     fast = ready_node(lab, fast_host, "fast-pc", may_coordinate=True)
     slow = ready_node(lab, slow_host, "slow-pc")
     assert slow.facts["cpu_quota_cores"] == QUOTA and fast.facts["cpu_quota_cores"] is None
@@ -105,7 +105,7 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
         cpu = node.devices.get(name="CPU")
         assert cpu.measurement_state == "fresh" and cpu.bandwidth_source == "measured"
         assert cpu.effective_bandwidth_gbs == cpu.measured_bandwidth_gbs
-        assert cpu.measured_overhead_ms > 0
+        assert cpu.measured_overhead_ms >= 0
         # Only a node that may coordinate runs blocks inside llama-server: only it is measured that way.
         assert (cpu.measured_local_bandwidth_gbs or 0) > 0 if node.may_coordinate else True
         assert node.calibrated_at and node.pass_overhead_ms >= 0 and node.rpc_hop_ms >= 0
@@ -115,7 +115,7 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
         assert our_processes(host) == [] and listeners_in(host, 50052) == ""
 
     # The probe sees other hardware (the quota changed): the figure is stale and the table is used again.
-    lab.throttle_cpu(slow_host, 0.5)
+    lab.throttle_cpu(slow_host, 0.5, period_us=10_000)
     assert run(Job.objects.create(kind=JobKind.PROBE, node=slow)).state == JobState.SUCCEEDED
     slow_cpu = Node.objects.get(pk=slow.pk).devices.get(name="CPU")
     assert slow_cpu.measurement_state == "hardware_changed" and slow_cpu.measurement_is_stale

@@ -14,18 +14,24 @@ MB = 1_000_000
 
 def test_two_depths_give_the_bandwidth_as_slope_and_the_fixed_cost_as_intercept():
     # 2 ms fixed + bytes at 10 GB/s: 40 MB -> 6 ms, 120 MB -> 14 ms.
-    line = fit(Run("shallow", 40 * MB, [150.0, 1000 / 6, 160.0]), Run("deep", 120 * MB, [1000 / 14, 70.0]))
+    line = fit(Run("shallow", 40 * MB, [150.0, 1000 / 6, 180.0]), Run("deep", 120 * MB, [1000 / 14]))
     assert line.bandwidth_bps == pytest.approx(10e9)
     assert line.fixed_s == pytest.approx(0.002)
 
 
-def test_the_best_sample_counts_since_other_work_only_slows_a_run_down():
-    assert Run("shallow", 40 * MB, [100.0, 250.0, 200.0]).seconds_per_token == pytest.approx(0.004)
+def test_the_median_sample_counts_so_one_disturbed_sample_does_not_move_it():
+    assert Run("shallow", 40 * MB, [20.0, 250.0, 200.0]).seconds_per_token == pytest.approx(0.005)
 
 
 def test_runs_that_cannot_be_told_apart_claim_no_bandwidth():
     line = fit(Run("shallow", 40 * MB, [200.0]), Run("deep", 120 * MB, [198.0]))
     assert line.bandwidth_bps is None and line.fixed_s == pytest.approx(0.005)
+
+
+def test_a_line_that_leaves_most_of_the_time_to_fixed_cost_is_not_trusted():
+    # 23 ms and 25 ms for 46 and 136 MB: "45 GB/s and 22 ms fixed" is noise, not a measurement.
+    line = fit(Run("shallow", 46 * MB, [1000 / 23]), Run("deep", 136 * MB, [1000 / 25]))
+    assert line.bandwidth_bps is None and line.fixed_s == pytest.approx(0.023)
 
 
 @pytest.mark.django_db

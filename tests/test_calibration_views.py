@@ -62,6 +62,16 @@ def test_an_old_measurement_is_marked_stale_but_still_used(viewer_client, settin
     assert "stale: old" in html
 
 
+def test_a_memory_limit_changes_what_fits_not_the_speed_so_the_figure_stays_fresh():
+    device = calibrated_cpu()
+    Device.objects.filter(pk=device.pk).update(total_bytes=512 * 2**20, free_bytes=400 * 2**20)
+    assert Device.objects.get(pk=device.pk).measurement_state == "fresh"
+    node = device.node
+    node.facts = {**node.facts, "ram_physical_bytes": 64 * 2**30}  # other memory modules: other channels
+    node.save()
+    assert Device.objects.get(pk=device.pk).measurement_state == "hardware_changed"
+
+
 def test_a_measurement_of_other_hardware_is_stale_and_the_table_is_used_again(viewer_client):
     device = calibrated_cpu()
     node = device.node

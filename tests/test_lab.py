@@ -77,6 +77,10 @@ async def test_a_throttled_host_runs_what_sshd_starts_in_its_cpu_cgroup(lab, lab
         result = await ssh.run(["cat", "/proc/self/cgroup"])
     cpu_line = next(line.text for line in result.lines if ":cpu:" in line.text or ":cpu," in line.text)
     assert cpu_line.endswith(f"/{lab_host.netns}")
+    # A short period makes the same share a steady slowdown; the kernel's smallest quota is 1 ms.
+    lab.throttle_cpu(lab_host, 0.05, period_us=10_000)
+    assert (group / "cpu.cfs_quota_us").read_text().strip() == "1000"
+    assert (group / "cpu.cfs_period_us").read_text().strip() == "20000"
 
 
 def test_leftovers_of_a_crashed_run_are_removed_and_a_live_runs_are_not(lab_host):

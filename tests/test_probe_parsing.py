@@ -264,14 +264,14 @@ def test_the_rpc_port_holder_of_another_user_is_reported_without_pid():
 
 def test_a_cgroup_v1_limit_counts_the_working_set_and_the_cpu_quota_is_reported():
     # What the probe prints on a lab host held to 512 MiB and a quarter of a core (cgroup v1): the group's
-    # usage includes 300 MiB of page cache the kernel may drop, which is not counted as used.
+    # usage includes 300 MiB of file cache the kernel gives up when a process needs it: not counted as used.
     text = (
         "@@@ uname\nLinux 6.1.0 x86_64\n@@@ files\n"
         "==> /proc/meminfo <==\nMemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n\n"
         "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.limit_in_bytes <==\n536870912\n\n"
         "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.usage_in_bytes <==\n419430400\n\n"
         "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.stat <==\ncache 314572800\n"
-        "inactive_file 1\ntotal_inactive_file 314572800\n\n"
+        "inactive_file 1\ntotal_active_file 209715200\ntotal_inactive_file 104857600\n\n"
         "==> /sys/fs/cgroup/cpu/rdlab-1-0/cpu.cfs_quota_us <==\n25000\n\n"
         "==> /sys/fs/cgroup/cpu/rdlab-1-0/cpu.cfs_period_us <==\n100000\n"
         "@@@ end\n"

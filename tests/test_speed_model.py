@@ -55,7 +55,11 @@ def test_the_prediction_counts_the_pass_the_bytes_the_hop_and_the_round_trips():
     kv = sum(p["kv_bytes"] for p in plan["placements"])
     seconds = 0.002 + (read + kv) / 20e9 + 0.0015 + 3 * 0.0002
     assert 1 / plan["predicted_tokens_per_s"] == pytest.approx(seconds, rel=1e-3)
-    assert plan["speed_model"] == {"pass_overhead_ms": 2.0, "hop_ms": {"pc": 2.1}}
+    assert plan["speed_model"] == {
+        "pass_overhead_ms": 2.0,
+        "hop_ms": {"pc": 2.1},
+        "pipeline_overhead_ms": 0.0,
+    }
 
 
 def test_an_uncalibrated_cluster_pays_the_default_costs_and_the_plan_says_its_figures_are_guesses():
@@ -67,9 +71,32 @@ def test_an_uncalibrated_cluster_pays_the_default_costs_and_the_plan_says_its_fi
     assert plan["speed_model"] == {
         "pass_overhead_ms": planner.DEFAULT_PASS_OVERHEAD_MS,
         "hop_ms": {"pc": planner.DEFAULT_HOP_MS},
+        "pipeline_overhead_ms": 0.0,
     }
     assert any("desk/CPU, pc/CPU comes from a table" in w for w in plan["warnings"])
     assert any("desk is not calibrated" in w for w in plan["warnings"])
+
+
+def test_a_split_across_servers_pays_the_coordinators_pipeline_cost_and_avoids_it_when_dear():
+    def cluster(pipeline_ms: float) -> list[planner.Node]:
+        # The coordinator holds no block; no worker holds the whole model: every block goes to the
+        # workers, which is llama.cpp's pipeline parallelism, unless the coordinator's slow CPU takes some.
+        return [
+            planner.Node("desk", "127.0.0.1", (cpu("desk", 150, 1.0),), coordinator=True,
+                         pass_overhead_ms=1.0, pipeline_overhead_ms=pipeline_ms),
+            planner.Node("a", "10.0.0.2", (cpu("a", 200, 20.0),), rtt_ms=0.0, hop_ms=0.5),
+            planner.Node("b", "10.0.0.3", (cpu("b", 200, 20.0),), rtt_ms=0.0, hop_ms=0.5),
+        ]  # fmt: skip
+
+    cheap = planner.plan(profile(), cluster(2.0), planner.Settings(ctx=256))
+    assert cheap["pipeline_parallel"] and cheap["speed_model"]["pipeline_overhead_ms"] == 2.0
+    seconds = (
+        0.001 + 0.002 + 2 * 0.0005 + (4 * 50e6 + 1e6 + sum(p["kv_bytes"] for p in cheap["placements"])) / 20e9
+    )
+    assert 1 / cheap["predicted_tokens_per_s"] == pytest.approx(seconds, rel=1e-3)
+    # 60 ms of pipeline cost: one block on the coordinator's slow CPU (50 ms) is cheaper.
+    dear = planner.plan(profile(), cluster(60.0), planner.Settings(ctx=256))
+    assert not dear["pipeline_parallel"] and dear["placements"][0]["layers"] == 1
 
 
 def test_a_hop_that_costs_more_than_it_saves_keeps_the_model_on_the_coordinator():
@@ -209,3 +236,17 @@ def test_a_cluster_file_carries_calibrated_costs_and_bad_ones_are_named():
     data["nodes"][1]["hop_ms"] = "slow"
     with pytest.raises(planner.ClusterError, match="Node 'pc': hop_ms must be a number of milliseconds"):
         planner.cluster_from_dict(data)
+
+
+def test_the_default_split_follows_what_llama_cpp_reports_not_the_container_limit():
+    # Both rpc-servers report the machine's 16 GiB; one node's cgroup leaves it 600 MiB. llama.cpp splits by
+    # what it is told (half each), so that is the baseline the plan is compared with.
+    ram = 16 * 1024 * MIB
+    nodes = [
+        planner.Node("desk", "127.0.0.1", (cpu("desk", 16, 1.0),), coordinator=True),
+        planner.Node("a", "10.0.0.2", (cpu("a", 600, 20.0, reported_free_bytes=ram),), rtt_ms=0.0),
+        planner.Node("b", "10.0.0.3", (cpu("b", 8192, 2.0, reported_free_bytes=ram),), rtt_ms=0.0),
+    ]
+    plan = planner.plan(profile(), nodes, planner.Settings(ctx=256))
+    layers = {p["node"]: p["layers"] for p in plan["baseline"]["placements"]}
+    assert layers == {"desk": 0, "a": 3, "b": 1}  # 5 slots (4 blocks + output) split half and half

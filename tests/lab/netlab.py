@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import re
 import shlex
@@ -329,15 +330,20 @@ class Lab:
     def link_up(self, host: LabHost) -> None:
         _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "up"]))
 
-    def throttle_cpu(self, host: LabHost, fraction: float) -> Path:
-        """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1)."""
+    def throttle_cpu(self, host: LabHost, fraction: float, *, period_us: int = 100_000) -> Path:
+        """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1).
+
+        The quota is granted per period: within one, the host runs at full speed until it has used its
+        share, then waits for the next. A short period (10 ms; the kernel's smallest quota is 1 ms) makes
+        that a steady slowdown, like a slower CPU; the default 100 ms gives bursts of full speed, which is
+        how a quota'd container behaves but not a slow machine."""
         if not CGROUP_CPU_ROOT.is_dir():
             raise LabUnavailable("cgroup v1 cpu controller is not mounted at /sys/fs/cgroup/cpu")
         group = CGROUP_CPU_ROOT / host.netns
         group.mkdir(exist_ok=True)
-        period = 100_000
+        period = max(period_us, math.ceil(1000 / fraction))
         (group / "cpu.cfs_period_us").write_text(str(period))
-        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * fraction))))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(period * fraction))))
         host.cgroup = group
         for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
             if pid:
@@ -423,28 +429,31 @@ class Lab:
 
 
 def with_cgroup_mounts(argv: Sequence[str]) -> list[str]:
-    """argv, preceded by mounting this machine's cgroup hierarchies where they are mounted here.
+    """argv, preceded by mounting this machine's cgroup file systems where they are mounted here.
 
     `ip netns exec` gives the command a fresh /sys (for the namespace's own network devices), in which
     /sys/fs/cgroup is empty: a lab host would not see its own limits, where every real machine does (the
-    probe reads them). Mounting a v1 hierarchy again attaches to the existing one, so the groups and their
+    probe reads them). Mounting a hierarchy again attaches to the existing one, so the groups and their
     limits are the same ones; the mounts belong to the command's private mount namespace and end with it.
+    A mount that fails is skipped: the command still runs, only without that view.
     """
-    lines = ["mountpoint -q /sys/fs/cgroup || mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup"]
+    lines = []
     with contextlib.suppress(OSError):
         for entry in Path("/proc/self/mounts").read_text().splitlines():
             fields = entry.split()
-            if len(fields) < 4 or not fields[1].startswith("/sys/fs/cgroup/"):
+            if len(fields) < 4 or not (
+                fields[1] == "/sys/fs/cgroup" or fields[1].startswith("/sys/fs/cgroup/")
+            ):
                 continue
             target, fstype = shlex.quote(fields[1]), fields[2]
-            if fstype == "cgroup":
-                options = shlex.quote(
-                    ",".join(o for o in fields[3].split(",") if o not in ("rw", "relatime"))
-                )
+            options = shlex.quote(",".join(o for o in fields[3].split(",") if o not in ("rw", "relatime")))
+            if fstype == "tmpfs":
+                lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {target}")
+            elif fstype == "cgroup":
                 lines.append(f"mkdir -p {target} && mount -t cgroup -o {options} cgroup {target}")
             elif fstype == "cgroup2":
                 lines.append(f"mkdir -p {target} && mount -t cgroup2 cgroup2 {target}")
-    script = "; ".join(lines) + '; exec "$@"'
+    script = "".join(f"{line} 2>/dev/null; " for line in lines) + 'exec "$@"'
     return ["sh", "-c", script, "with-cgroups", *argv]
 
 
