@@ -401,10 +401,17 @@ async def measure_body(ctx) -> str:
             f"(predicted_per_second={decode!r}, prompt_per_second={prompt!r}); cannot measure"
         )
     predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
-    await sync_to_async(deployment.record)(measured_decode_tps=decode, measured_prompt_tps=prompt)
-    await ctx.log(
-        f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}); prompt {prompt:.1f} tokens/s"
+    await sync_to_async(deployment.record)(
+        measured_decode_tps=decode, measured_prompt_tps=prompt, predicted_decode_tps=predicted
     )
+    error = deployment.speed_error
+    off = f" ({error:+.0%} against the prediction)" if error is not None else ""
+    await ctx.log(
+        f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}){off}; prompt {prompt:.1f} tokens/s"
+    )
+    advice = await sync_to_async(deployment.recalibration_advice)()
+    if advice:
+        await ctx.log(f"The prediction is off by more than 25%: calibrate {', '.join(advice)} again.")
     return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s"
 
 

@@ -63,6 +63,7 @@ def _context(request, deployment: Deployment) -> dict:
         "predicted_tps": predicted,
         "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),
         "measured_ratio": (measured / predicted) if measured and predicted else None,
+        "speed_advice": deployment.recalibration_advice(),
         "verification": deployment.verification or {},
         "is_active": deployment.state in ACTIVE_STATES,
         "is_moving": deployment.state

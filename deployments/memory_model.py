@@ -9,8 +9,13 @@ tests/test_planner_vs_llamacpp.py):
                its CPU and that device together within min(free, clamp x total) minus a margin
                (deployments/unified_memory.py; `Problem.pool_*`).
 Speed (single-stream decode is memory-bandwidth bound):
-    seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
-                        + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
+    seconds per token = the coordinator's fixed cost of a pass
+                        + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + for every remote node in use: its RPC hop cost
+                                                        + RPC_ROUND_TRIPS_PER_TOKEN x its round-trip time
+                        + the coordinator's cost of pipeline parallelism, when the split turns it on.
+Bandwidths, the pass cost and the hop cost are what the calibrate job measured (deployments/calibrate_job.py)
+where it has; otherwise the table of known chips and the defaults below, and the plan says so.
 `evaluate` prices one split; deployments/waterfill.py searches for the best; deployments/planner.py turns
 it into a plan.
 """
@@ -40,6 +45,14 @@ MAX_DEVICES = 15  # llama.cpp's -ts takes at most this many entries
 # costs three round-trip times per token on top of its memory-bandwidth time.
 RPC_ROUND_TRIPS_PER_TOKEN = 3
 DEFAULT_RTT_MS = 1.0
+# An uncalibrated node's fixed costs per token: llama-server's own work for one decode pass (sampling, graph
+# building, the scheduler) on the coordinator, and what one rpc-server in the chain adds beyond the network
+# (its handling of the requests). Typical of what calibration measures on desktop CPUs.
+DEFAULT_PASS_OVERHEAD_MS = 1.0
+DEFAULT_HOP_MS = 0.5
+# What llama.cpp's pipeline parallelism (every layer offloaded to several devices) adds per token beyond the
+# devices' own hops: the activations travel through the coordinator between devices, and it waits on events.
+DEFAULT_PIPELINE_OVERHEAD_MS = 0.5
 # Bytes per element, as (block bytes, block elements) of the ggml type.
 KV_TYPES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 # ggml_backend_sched keeps this many copies of the compute graph when pipeline parallelism is on.
@@ -63,6 +76,14 @@ class Device:
     # macOS's iogpu wired limit of a Metal device when an operator set one (sysctl iogpu.wired_limit_mb);
     # 0 when macOS's own default applies.
     wired_limit_bytes: int = 0
+    # Where bandwidth_gbs comes from: "measured", "operator", "table" or "default".
+    bandwidth_source: str = "table"
+    # A CPU computing inside llama-server itself (when its node coordinates) runs on llama-server's threads,
+    # not an rpc-server's: calibration measures that separately.
+    local_bandwidth_gbs: float | None = None
+    # What llama.cpp itself reports as free, when that differs from free_bytes: its default split follows
+    # it. A CPU's is all of the machine's RAM, whatever a container limit or other programs leave.
+    reported_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,10 @@ class Node:
     coordinator: bool = False
     rpc_port: int = 50052
     rtt_ms: float | None = None
+    # Measured by calibration; None: the defaults above.
+    pass_overhead_ms: float | None = None
+    hop_ms: float | None = None
+    pipeline_overhead_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 kind = str(dev.get("kind", "cpu")).lower()
                 bandwidth = float(dev.get("bandwidth_gbs") or DEFAULT_BANDWIDTH_GBS.get(kind, 20.0))
                 wired = int(float(dev.get("wired_limit_mib") or 0) * MIB)
+                local = dev.get("local_bandwidth_gbs")
                 devices.append(
                     Device(
                         node=name,
@@ -129,6 +155,8 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                         bandwidth_gbs=bandwidth,
                         unified=bool(dev.get("unified", False)),
                         wired_limit_bytes=wired,
+                        bandwidth_source=str(dev.get("bandwidth_source") or "table"),
+                        local_bandwidth_gbs=float(local) if local else None,
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -138,6 +166,10 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                     f"Node {name!r}, device {dev['name']!r}: bandwidth and memory must be positive."
                 )
         rtt = raw.get("rtt_ms")
+        costs = {key: raw.get(key) for key in ("pass_overhead_ms", "hop_ms", "pipeline_overhead_ms")}
+        for key, value in costs.items():
+            if value is not None and (not isinstance(value, int | float) or value < 0):
+                raise ClusterError(f"Node {name!r}: {key} must be a number of milliseconds, 0 or more.")
         nodes.append(
             Node(
                 name=name,
@@ -146,6 +178,9 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 coordinator=bool(raw.get("coordinator", False)),
                 rpc_port=int(raw.get("rpc_port") or 50052),
                 rtt_ms=float(rtt) if rtt is not None else None,
+                pass_overhead_ms=costs["pass_overhead_ms"],
+                hop_ms=costs["hop_ms"],
+                pipeline_overhead_ms=costs["pipeline_overhead_ms"],
             )
         )
     validate_cluster(nodes)
@@ -280,7 +315,7 @@ class Slot:
     limit: int
     capacity: int
     bandwidth: float  # bytes per second
-    overhead_s: float  # per-token RPC cost of its node
+    overhead_s: float  # per-token RPC cost of its node: its hop plus the network's round trips
     # Bytes of one compute-graph copy by (role, pipeline parallelism on); see `compute_bytes`.
     compute: dict[tuple[str, bool], int] = field(default_factory=dict)
 
@@ -312,6 +347,10 @@ class Problem:
     def pool_used(self, cpu_bytes: int, gpu_bytes: int) -> bool:
         """Whether the CPU's and the unified GPU's bytes fit their shared pool (always, without one)."""
         return self.pool_slot is None or cpu_bytes + gpu_bytes <= self.pool_capacity
+    # The coordinator's fixed cost of one decode pass, paid by every split alike.
+    fixed_s: float = 0.0
+    # What pipeline parallelism adds per token, paid by the splits that turn it on.
+    pipeline_s: float = 0.0
 
 
 def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
@@ -335,6 +374,10 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     def slot(device: Device, node: Node) -> Slot:
         limit, capacity = capacity_bytes(device, settings)
         remote = not node.coordinator
+        hop = (node.hop_ms if node.hop_ms is not None else DEFAULT_HOP_MS) if remote else 0.0
+        bandwidth = device.bandwidth_gbs
+        if not remote and device.name == "CPU" and device.local_bandwidth_gbs:
+            bandwidth = device.local_bandwidth_gbs
         rtt = node.rtt_ms
         if remote and rtt is None:
             rtt = DEFAULT_RTT_MS
@@ -347,8 +390,8 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             remote=remote,
             limit=limit,
             capacity=capacity,
-            bandwidth=device.bandwidth_gbs * 1e9,
-            overhead_s=RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0) / 1000.0 if remote else 0.0,
+            bandwidth=bandwidth * 1e9,
+            overhead_s=(hop + RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0)) / 1000.0 if remote else 0.0,
             compute=_compute_table(profile, settings, coordinator_cpu=False),
         )
 
@@ -373,6 +416,10 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             "pool_capacity": _less_margin(pool_limit, settings),
         }
     cpu_base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
+    pass_ms = coordinator.pass_overhead_ms
+    fixed_s = (pass_ms if pass_ms is not None else DEFAULT_PASS_OVERHEAD_MS) / 1000.0
+    pipeline_ms = coordinator.pipeline_overhead_ms
+    pipeline_s = (pipeline_ms if pipeline_ms is not None else DEFAULT_PIPELINE_OVERHEAD_MS) / 1000.0
     return Problem(
         profile,
         settings,
@@ -386,6 +433,8 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         prefix,
         cpu_base,
         warnings,
+        fixed_s=fixed_s,
+        pipeline_s=pipeline_s,
         **pool,
     )
 
@@ -440,6 +489,7 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
         for k, (i, c) in enumerate(zip(split.order, split.counts, strict=True))
     ]
     start = 0
+    seconds += problem.fixed_s + (problem.pipeline_s if copies > 1 else 0.0)
     used_nodes: set[str] = set()
     for slot, count, output in entries:
         weights = sum(problem.weights[start : start + count]) + (out_bytes if output else 0)

@@ -67,6 +67,8 @@ ACTIVE_STATES = (
     DeploymentState.STOPPING,
 )
 TERMINAL_STATES = (DeploymentState.STOPPED, DeploymentState.FAILED)
+# A measured decode speed further than this from the prediction (either way) suggests re-calibrating.
+SPEED_ERROR_LIMIT = 0.25
 
 
 class Deployment(models.Model):
@@ -98,6 +100,8 @@ class Deployment(models.Model):
     verification = models.JSONField(default=dict, blank=True)
     measured_decode_tps = models.FloatField(null=True, blank=True)
     measured_prompt_tps = models.FloatField(null=True, blank=True)
+    # The plan's prediction, stored beside the measurement when the measure step ran.
+    predicted_decode_tps = models.FloatField(null=True, blank=True)
     processes = models.JSONField(default=dict, blank=True)
     # What the monitor saw last (deployments/monitor.py): {"checked_at", "processes": [per-process status:
     # alive, pid, uptime, memory], "metrics": llama-server's /metrics numbers}. Pages only read it.
@@ -115,6 +119,44 @@ class Deployment(models.Model):
     @property
     def is_active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def speed_error(self) -> float | None:
+        """(measured - predicted) / predicted decode speed: -0.5 is half as fast as predicted."""
+        predicted = self.predicted_decode_tps or (self.plan or {}).get("predicted_tokens_per_s")
+        if not self.measured_decode_tps or not predicted:
+            return None
+        return (self.measured_decode_tps - predicted) / predicted
+
+    @property
+    def speed_is_off(self) -> bool:
+        error = self.speed_error
+        return error is not None and abs(error) > SPEED_ERROR_LIMIT
+
+    def recalibration_advice(self) -> list[str]:
+        """Which nodes to calibrate again when the measured speed is far from the prediction.
+
+        One measurement cannot say which device was off, so: the nodes of the plan whose figures are not
+        measurements of their present hardware (table guesses, stale or missing calibrations) if there are
+        any, else the node the prediction leaned on most (the largest share of the predicted time)."""
+        if not self.speed_is_off:
+            return []
+        from nodes.models import Node
+
+        share: dict[str, float] = {}
+        for item in (self.plan or {}).get("placements", []):
+            if item.get("layers") or item.get("output_layer"):
+                share[item["node"]] = share.get(item["node"], 0.0) + float(item.get("ms_per_token") or 0)
+        share.setdefault(self.coordinator.name, 0.0)
+        nodes = Node.objects.filter(name__in=share).prefetch_related("devices")
+        unmeasured = sorted(
+            n.name
+            for n in nodes
+            if n.calibrated_at is None or any(d.measurement_state != "fresh" for d in n.devices.all())
+        )
+        if unmeasured:
+            return unmeasured
+        return [max(share, key=lambda name: share[name])] if share else []
 
     def set_api_key(self, key: str) -> None:
         self.api_key_encrypted = crypto.encrypt(key)

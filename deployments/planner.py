@@ -14,8 +14,10 @@ tests/test_planner_vs_llamacpp.py):
                with unified memory its CPU and that device also share one pool, min(free, clamp x total).
 
 The model of speed (single-stream decode is memory-bandwidth bound):
-    seconds per token = sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
-                        + RPC_ROUND_TRIPS_PER_TOKEN x round-trip time for every remote node in use.
+    seconds per token = the coordinator's fixed cost of a pass
+                        + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + for every remote node in use: its hop cost + RPC_ROUND_TRIPS_PER_TOKEN x its RTT,
+with the figures the calibrate job measured where there are some (deployments/memory_model.py).
 
 The search: llama.cpp keeps the first blocks on the coordinator's CPU and gives the rest to the listed devices
 as contiguous slices, the output layer with the last one. For each choice of last device, the other devices
@@ -35,6 +37,9 @@ from typing import Any
 from . import llamacpp
 from .memory_model import (
     DEFAULT_BANDWIDTH_GBS,
+    DEFAULT_HOP_MS,
+    DEFAULT_PASS_OVERHEAD_MS,
+    DEFAULT_PIPELINE_OVERHEAD_MS,
     DEFAULT_RTT_MS,
     GIB,
     KV_TYPES,
@@ -66,6 +71,9 @@ from .waterfill import INF, search
 
 __all__ = [
     "DEFAULT_BANDWIDTH_GBS",
+    "DEFAULT_HOP_MS",
+    "DEFAULT_PASS_OVERHEAD_MS",
+    "DEFAULT_PIPELINE_OVERHEAD_MS",
     "DEFAULT_RTT_MS",
     "GIB",
     "KV_TYPES",
@@ -118,12 +126,15 @@ def default_split_devices(problem: Problem) -> list[int]:
 
 def reported_free(slot: Slot) -> int:
     """The free memory llama.cpp sees on a device. Metal reports its working-set limit, which is the wired
-    limit when one is set and otherwise close to the clamped share the planner allows."""
-    return slot.limit if slot.device.unified else slot.device.free_bytes
+    limit when one is set and otherwise close to the clamped share the planner allows; a CPU reports all of
+    the machine's RAM, whatever a container limit or other programs leave (`reported_free_bytes`)."""
+    if slot.device.unified:
+        return slot.limit
+    return slot.device.reported_free_bytes or slot.device.free_bytes
 
 
 def baseline_split(problem: Problem) -> Split:
-    """llama.cpp's split proportional to reported free memory with every layer offloaded."""
+    """llama.cpp's split proportional to the free memory its devices report, with every layer offloaded."""
     devices = default_split_devices(problem)
     n = len(problem.block_bytes)
     if not devices:
@@ -208,7 +219,8 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 else limit_basis(slot.device, problem.settings.clamp),
                 "in_unified_pool": in_pool,
                 "wired_limit_bytes": slot.device.wired_limit_bytes,
-                "bandwidth_gbs": slot.device.bandwidth_gbs,
+                "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
+                "bandwidth_source": slot.device.bandwidth_source,
                 "fits": used <= slot.capacity,
                 "ms_per_token": round(
                     1000 * read / slot.bandwidth + (slot.overhead_s * 1000 if count or output else 0), 4
@@ -368,6 +380,42 @@ def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings:
     return -(-hi // MIB) * MIB
 
 
+def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
+    """The fixed costs the prediction counts, for the page: the coordinator's pass and each remote node's
+    hop (its measured or default hop plus its round trips)."""
+    used = {problem.slots[i].node.name for i in (split.order if split else [])}
+    hops = {}
+    for slot in problem.slots:
+        if slot.remote and slot.node.name in used:
+            hops[slot.node.name] = round(slot.overhead_s * 1000, 3)
+    pipeline = problem.pipeline_s * 1000 if split is not None and pipeline_parallel(split) else 0.0
+    return {
+        "pass_overhead_ms": round(problem.fixed_s * 1000, 3),
+        "hop_ms": hops,
+        "pipeline_overhead_ms": round(pipeline, 3),
+    }
+
+
+def _measurement_warnings(nodes: Sequence[Node], problem: Problem) -> list[str]:
+    guessed = sorted(
+        {f"{d.node}/{d.name}" for n in nodes for d in n.devices if d.bandwidth_source in ("table", "default")}
+    )
+    out = []
+    if guessed:
+        out.append(
+            "The speed of "
+            + ", ".join(guessed)
+            + " comes from a table of typical figures, not a measurement: "
+            "calibrate those nodes for a prediction you can trust."
+        )
+    if problem.coordinator.pass_overhead_ms is None:
+        out.append(
+            f"The coordinator {problem.coordinator.name} is not calibrated: its cost per pass is assumed "
+            f"to be {DEFAULT_PASS_OVERHEAD_MS:g} ms."
+        )
+    return out
+
+
 def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
@@ -377,7 +425,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
     settings = settings or Settings()
     problem = build_problem(profile, nodes, settings)
     split, seconds = search(problem)
-    warnings = list(problem.warnings)
+    warnings = list(problem.warnings) + _measurement_warnings(nodes, problem)
     n_layer = int(profile["block_count"])
     trained = int(profile.get("context_length") or 0)
     if trained and settings.ctx > trained:
@@ -432,6 +480,7 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         unified_pool=unified_pool(problem, placements),
         predicted_tokens_per_s=_tps(seconds),
         pipeline_parallel=pipeline_parallel(split),
+        speed_model=speed_model(problem, split),
         llama_server_args=llamacpp.llama_server_args(placements, _settings_dict(settings), n_layer),
         rpc_servers=_rpc_servers(placements, problem),
     )

@@ -40,34 +40,65 @@ def _get_model(pk: int) -> ModelFile:
     return get_object_or_404(ModelFile.objects.select_related("node"), pk=pk)
 
 
+def _planner_device(node: Node, d) -> planner.Device:
+    source = d.bandwidth_source
+    # ggml-rpc-server reports all of the machine's RAM for a CPU, whatever limit the probe found: llama.cpp's
+    # own default split follows that.
+    physical = (node.facts or {}).get("ram_physical_bytes") if d.kind == "cpu" else None
+    return planner.Device(
+        node=node.name,
+        name=d.name,
+        kind=d.kind,
+        total_bytes=d.total_bytes,
+        free_bytes=min(d.free_bytes, d.total_bytes),
+        bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
+        unified=d.unified_memory,
+        wired_limit_bytes=d.wired_limit_bytes or 0,
+        bandwidth_source="default" if source == "unknown" else source,
+        # Blocks on a coordinator's own CPU run inside llama-server: its measured figure there, unless an
+        # admin set the device's figure by hand.
+        local_bandwidth_gbs=d.measured_local_bandwidth_gbs if source == "measured" else None,
+        reported_free_bytes=physical if physical and physical != d.free_bytes else None,
+    )
+
+
 def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
-    """The planner's view of Node and Device rows: the coordinator first; remote nodes by RPC address."""
+    """The planner's view of Node and Device rows: the coordinator first; remote nodes by RPC address.
+
+    Calibrated figures are used where they are (bandwidths per device; the node's pass and hop costs and
+    its round trip to the RPC port), unless the probe has found other hardware since."""
     out = []
     for node in [coordinator, *[n for n in nodes if n.pk != coordinator.pk]]:
-        devices = tuple(
-            planner.Device(
-                node=node.name,
-                name=d.name,
-                kind=d.kind,
-                total_bytes=d.total_bytes,
-                free_bytes=min(d.free_bytes, d.total_bytes),
-                bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
-                unified=d.unified_memory,
-                wired_limit_bytes=d.wired_limit_bytes or 0,
-            )
-            for d in node.devices.all()
+        rows = list(node.devices.all())
+        calibrated = node.calibrated_at is not None and not any(
+            d.measurement_state == "hardware_changed" for d in rows
         )
+        rtt = node.link_rtt_ms if calibrated and node.link_rtt_ms is not None else node.rtt_ms
         out.append(
             planner.Node(
                 name=node.name,
                 address=node.rpc_endpoint_host,
-                devices=devices,
+                devices=tuple(_planner_device(node, d) for d in rows),
                 coordinator=node.pk == coordinator.pk,
                 rpc_port=node.rpc_port,
-                rtt_ms=node.rtt_ms,
+                rtt_ms=rtt,
+                pass_overhead_ms=node.pass_overhead_ms if calibrated else None,
+                hop_ms=node.rpc_hop_ms if calibrated else None,
+                pipeline_overhead_ms=node.pipeline_overhead_ms if calibrated else None,
             )
         )
     return out
+
+
+def stale_calibration_warnings(nodes: list[Node]) -> list[str]:
+    """Plan warnings for figures the planner uses although they are old."""
+    old = sorted(f"{n.name}/{d.name}" for n in nodes for d in n.devices.all() if d.measurement_state == "old")
+    if not old:
+        return []
+    return [
+        f"The calibration of {', '.join(old)} is older than "
+        f"{settings.RAMDECK_CALIBRATION_MAX_AGE_DAYS:g} days: calibrate again for a prediction you can trust."
+    ]
 
 
 def _pool_nodes() -> list[Node]:
@@ -254,6 +285,7 @@ def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
         plan = planner.plan(model.profile, planner_nodes(selected, coordinator), form.settings())
     except planner.ClusterError as exc:
         return None, str(exc)
+    plan["warnings"] += stale_calibration_warnings([coordinator, *selected])
     return plan, ""
 
 
@@ -332,5 +364,6 @@ def deployment_detail(request, pk: int):
         "plan": plan,
         "commands": _commands(deployment.model_file, plan) if plan.get("fits") else None,
         "run_url": reverse("deployments:run", args=[pk]),
+        "speed_advice": deployment.recalibration_advice(),
     }
     return render(request, "deployments/deployment_detail.html", context)

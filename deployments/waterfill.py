@@ -240,7 +240,7 @@ def search(problem: Problem) -> tuple[Split | None, float]:
     start2[0] = start[0]
     # Mode 3: nothing on the CPU, pipeline parallelism on (x4 compute everywhere).
     start3 = np.full(n + 1, INF)
-    start3[0] = s.cpu_costs(PIPELINE_COPIES, output=False)[0]
+    start3[0] = s.cpu_costs(PIPELINE_COPIES, output=False)[0] + problem.pipeline_s
     modes = ((start1, 1), (start3, PIPELINE_COPIES))
     # The order for a last device in group k starts with groups 1..k-1 in canonical order: share that prefix.
     prefixes = []
@@ -276,7 +276,8 @@ def search(problem: Problem) -> tuple[Split | None, float]:
         consider(cost, Split(*s.backtrack(trace, n)))
     if best is None:
         return None, INF
-    return best[1], best[0]
+    # The coordinator's fixed cost per pass is the same for every split: added once, after the search.
+    return best[1], best[0] + problem.fixed_s
 
 
 def _pool_gpu_last(

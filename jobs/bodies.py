@@ -22,6 +22,7 @@ BODIES: dict[str, str] = {
     "launch": "deployments.lifecycle_steps.launch_body",
     "stop": "deployments.lifecycle_steps.stop_body",
     "download": "deployments.download_job.download_body",
+    "calibrate": "deployments.calibrate_job.calibrate_body",
 }
 
 

@@ -18,6 +18,7 @@ class JobKind(models.TextChoices):
     BENCHMARK = "benchmark", "Benchmark"
     COMMAND = "command", "Command"
     DOWNLOAD = "download", "Download model"
+    CALIBRATE = "calibrate", "Calibrate"
 
 
 class JobState(models.TextChoices):

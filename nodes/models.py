@@ -120,6 +120,26 @@ class Node(models.Model):
     facts = models.JSONField(default=dict, blank=True)
     rtt_ms = models.FloatField(null=True, blank=True)
 
+    # What the last calibration measured (deployments/calibrate_job.py); the devices' own figures are on
+    # their rows. `calibration` keeps the raw samples for the node page and for later comparison.
+    calibrated_at = models.DateTimeField(null=True, blank=True)
+    pass_overhead_ms = models.FloatField(
+        null=True, blank=True, help_text="Fixed cost of one decode pass of llama-server here, per token."
+    )
+    rpc_hop_ms = models.FloatField(
+        null=True, blank=True, help_text="Extra cost per token of computing through this node's rpc-server."
+    )
+    pipeline_overhead_ms = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Extra cost per token, when this node coordinates, of splitting across several servers.",
+    )
+    link_rtt_ms = models.FloatField(
+        null=True, blank=True, help_text="Console to this node's RPC port: one request and its answer."
+    )
+    link_throughput_mbs = models.FloatField(null=True, blank=True, help_text="MB/s into the RPC server.")
+    calibration = models.JSONField(default=dict, blank=True)
+
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -237,7 +257,19 @@ class Device(models.Model):
     bandwidth_override_gbs = models.FloatField(
         null=True, blank=True, help_text="Set by an operator; wins over the table and measurements."
     )
-    measured_bandwidth_gbs = models.FloatField(null=True, blank=True)
+    measured_bandwidth_gbs = models.FloatField(
+        null=True, blank=True, help_text="Bytes of weights read per second of decode through its rpc-server."
+    )
+    measured_local_bandwidth_gbs = models.FloatField(
+        null=True, blank=True, help_text="The CPU inside llama-server itself (when this node coordinates)."
+    )
+    measured_overhead_ms = models.FloatField(
+        null=True, blank=True, help_text="Fixed per-token cost of a pass through its rpc-server (loopback)."
+    )
+    measured_at = models.DateTimeField(null=True, blank=True)
+    # The hardware the figure was measured on (see `hardware_signature`): a probe that finds other hardware
+    # makes the figure stale.
+    measured_signature = models.CharField(max_length=400, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -248,8 +280,69 @@ class Device(models.Model):
         return f"{self.node.name}/{self.name}"
 
     @property
+    def hardware_signature(self) -> str:
+        """What the probe says this device is. A CPU's figure also depends on the cores the node may use,
+        its CPU quota and its RAM (other modules may mean other memory channels), so those are part of it;
+        a memory limit on the node is not (it changes what fits, not how fast it runs)."""
+        if self.kind != DeviceKind.CPU:
+            return f"{self.kind}|{self.description}|{self.total_bytes}"[:400]
+        facts = self.node.facts or {}
+        ram = facts.get("ram_physical_bytes") or facts.get("ram_total_bytes", "")
+        parts = [self.kind, self.description, f"ram={ram}"]
+        parts += [f"cores={facts.get('cpu_cores', '')}", f"quota={facts.get('cpu_quota_cores', '')}"]
+        return "|".join(str(part) for part in parts)[:400]
+
+    @property
+    def measurement_state(self) -> str:
+        """ "none", "fresh", "old" (older than RAMDECK_CALIBRATION_MAX_AGE_DAYS: still used, but re-calibrate)
+        or "hardware_changed" (the probe found other hardware since: not used)."""
+        if self.measured_bandwidth_gbs is None or self.measured_at is None:
+            return "none"
+        if self.measured_signature and self.measured_signature != self.hardware_signature:
+            return "hardware_changed"
+        age_days = (timezone.now() - self.measured_at).total_seconds() / 86400
+        return "old" if age_days > settings.RAMDECK_CALIBRATION_MAX_AGE_DAYS else "fresh"
+
+    @property
+    def measurement_is_stale(self) -> bool:
+        return self.measurement_state in ("old", "hardware_changed")
+
+    @property
+    def usable_measured_bandwidth_gbs(self) -> float | None:
+        """The measured figure unless the hardware changed since it was taken."""
+        return self.measured_bandwidth_gbs if self.measurement_state in ("fresh", "old") else None
+
+    @property
     def effective_bandwidth_gbs(self) -> float | None:
-        return self.bandwidth_override_gbs or self.measured_bandwidth_gbs or self.bandwidth_gbs
+        """What the planner uses: an operator's figure, else a measurement of this hardware, else the
+        table's."""
+        return self.bandwidth_override_gbs or self.usable_measured_bandwidth_gbs or self.bandwidth_gbs
+
+    @property
+    def bandwidth_source(self) -> str:
+        if self.bandwidth_override_gbs:
+            return "operator"
+        if self.usable_measured_bandwidth_gbs:
+            return "measured"
+        return "table" if self.bandwidth_gbs else "unknown"
+
+    def record_measurement(self, *, bandwidth_gbs: float | None, overhead_ms: float | None, **extra) -> None:
+        """Store a calibration's figures for this device, stamped with now and the hardware it ran on."""
+        self.measured_bandwidth_gbs = bandwidth_gbs
+        self.measured_overhead_ms = overhead_ms
+        self.measured_local_bandwidth_gbs = extra.get("local_bandwidth_gbs")
+        self.measured_at = timezone.now()
+        self.measured_signature = self.hardware_signature
+        self.save(
+            update_fields=[
+                "measured_bandwidth_gbs",
+                "measured_overhead_ms",
+                "measured_local_bandwidth_gbs",
+                "measured_at",
+                "measured_signature",
+                "updated_at",
+            ]
+        )
 
     @property
     def used_fraction(self) -> float:

@@ -52,6 +52,8 @@ class ProbeReport:
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
+    ram_physical_bytes: int = 0  # The machine's RAM, whatever limit applies to the probe's cgroup.
+    cpu_quota_cores: float | None = None  # A cgroup CPU quota in cores (0.25 = a quarter of one core).
     devices: list[DeviceInfo] = field(default_factory=list)
     binaries: dict[str, str] = field(default_factory=dict)  # name -> path
     llama_version: str = ""
@@ -111,6 +113,10 @@ _FILE_SECTIONS = [
     ("cgroup-v2-current", "/memory.current"),
     ("cgroup-v1-limit", "/memory.limit_in_bytes"),
     ("cgroup-v1-usage", "/memory.usage_in_bytes"),
+    ("cgroup-stat", "/memory.stat"),
+    ("cgroup-v2-cpu-max", "/cpu.max"),
+    ("cgroup-v1-cpu-quota", "/cpu.cfs_quota_us"),
+    ("cgroup-v1-cpu-period", "/cpu.cfs_period_us"),
 ]
 
 
@@ -207,15 +213,46 @@ def parse_cgroup_bytes(text: str) -> int | None:
     return None if value >= _UNLIMITED else value
 
 
+def file_cache_bytes(stat: str) -> int:
+    """The group's page cache of files, which the kernel drops when a process needs the room, from its
+    memory.stat: v1 names the hierarchical sums `total_active_file` and `total_inactive_file`, v2 `file`;
+    0 when the file was not readable."""
+    values = {key: int(value) for key, value in re.findall(r"^(\w+) (\d+)$", stat, flags=re.M)}
+    if "total_active_file" in values or "total_inactive_file" in values:
+        return values.get("total_active_file", 0) + values.get("total_inactive_file", 0)
+    return values.get("active_file", 0) + values.get("inactive_file", 0)
+
+
 def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
-    """(limit, usage) of the cgroup the probe ran in; v2 wins when both hierarchies answer."""
+    """(limit, usage without the file cache) of the cgroup the probe ran in; v2 wins when both answer.
+
+    A group's usage includes every file page its processes read (a model file a llama-server mapped, one
+    just copied there): that cache is given up as soon as a process needs the room, as MemAvailable counts
+    it outside containers, so usage alone would report a warm machine as full."""
     limit = parse_cgroup_bytes(sections.get("cgroup-v2-max", ""))
-    if limit is not None:
-        return limit, parse_cgroup_bytes(sections.get("cgroup-v2-current", ""))
-    limit = parse_cgroup_bytes(sections.get("cgroup-v1-limit", ""))
-    if limit is not None:
-        return limit, parse_cgroup_bytes(sections.get("cgroup-v1-usage", ""))
-    return None, None
+    usage_key = "cgroup-v2-current"
+    if limit is None:
+        limit = parse_cgroup_bytes(sections.get("cgroup-v1-limit", ""))
+        usage_key = "cgroup-v1-usage"
+    if limit is None:
+        return None, None
+    usage = parse_cgroup_bytes(sections.get(usage_key, ""))
+    if usage is not None:
+        usage = max(0, usage - file_cache_bytes(sections.get("cgroup-stat", "")))
+    return limit, usage
+
+
+def cgroup_cpu_quota(sections: dict[str, str]) -> float | None:
+    """The CPU quota of the probe's cgroup in cores (v2 `cpu.max` "QUOTA PERIOD", v1 cfs_quota_us and
+    cfs_period_us); None when there is none ("max", -1) or it cannot be read."""
+    parts = sections.get("cgroup-v2-cpu-max", "").split()
+    if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]):
+        return round(int(parts[0]) / int(parts[1]), 4)
+    quota = sections.get("cgroup-v1-cpu-quota", "").strip()
+    period = sections.get("cgroup-v1-cpu-period", "").strip()
+    if quota.isdigit() and period.isdigit() and int(period):
+        return round(int(quota) / int(period), 4)
+    return None
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int, int]]:
@@ -367,6 +404,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         # nproc honours CPU affinity (containers pinned to some cores); cpuinfo lists the whole machine.
         report.cpu_cores = int(sections["nproc"])
     total, available = parse_meminfo(sections.get("meminfo", ""))
+    report.ram_physical_bytes = total
     limit, usage = cgroup_memory(sections)
     if limit is not None and limit < total:
         # A container sees the host's /proc/meminfo; what it may use is its cgroup limit.
@@ -374,6 +412,12 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         total = limit
         available = min(available, max(0, limit - (usage or 0)))
     report.ram_total_bytes, report.ram_available_bytes = total, available
+    report.cpu_quota_cores = cgroup_cpu_quota(sections)
+    if report.cpu_quota_cores is not None:
+        report.warnings.append(
+            f"A CPU quota limits this node to {report.cpu_quota_cores:g} cores' worth of time: calibrate it "
+            "to measure what that leaves."
+        )
     gbs, why = cpu_bandwidth(report.cpu_model)
     report.devices.append(
         DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)

@@ -31,10 +31,11 @@ Darwin)
 *)
   # Every file in one `head -v` (one process, "==> path <==" headers); the cgroup paths come from
   # /proc/self/cgroup, read with shell builtins only.
-  cg1="" cg2=""
+  cg1="" cg2="" cgc=""
   while IFS=: read -r id controllers path; do
     [ "$id" = 0 ] && [ -z "$controllers" ] && cg2=$path
     case ",$controllers," in *,memory,*) cg1=$path ;; esac
+    case ",$controllers," in *,cpu,*) cgc=$path ;; esac
   done < /proc/self/cgroup
   sec files
   head -v -n 100000 /etc/os-release /proc/cpuinfo /proc/meminfo /proc/self/status \
@@ -42,6 +43,9 @@ Darwin)
     "/sys/fs/cgroup$cg2/memory.current" /sys/fs/cgroup/memory.current \
     "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" /sys/fs/cgroup/memory/memory.limit_in_bytes \
     "/sys/fs/cgroup/memory$cg1/memory.usage_in_bytes" /sys/fs/cgroup/memory/memory.usage_in_bytes \
+    "/sys/fs/cgroup$cg2/memory.stat" "/sys/fs/cgroup/memory$cg1/memory.stat" \
+    "/sys/fs/cgroup$cg2/cpu.max" "/sys/fs/cgroup/cpu$cgc/cpu.cfs_quota_us" \
+    "/sys/fs/cgroup/cpu$cgc/cpu.cfs_period_us" \
     2>/dev/null
   sec nvidia-smi
   if command -v nvidia-smi >/dev/null 2>&1; then

@@ -8,6 +8,7 @@ app_name = "nodes"
 urlpatterns = [
     path("", views.node_list, name="list"),
     path("new/", views.node_create, name="create"),
+    path("calibrate/", views.calibrate_all, name="calibrate_all"),
     path("credentials/", views.credential_list, name="credentials"),
     path("credentials/new/", views.credential_create, name="credential_create"),
     path("credentials/<int:pk>/edit/", views.credential_edit, name="credential_edit"),
@@ -17,5 +18,7 @@ urlpatterns = [
     path("<slug:name>/delete/", views.node_delete, name="delete"),
     path("<slug:name>/hardware/", views.hardware, name="hardware"),
     path("<slug:name>/probe/", views.probe_now, name="probe"),
+    path("<slug:name>/calibrate/", views.calibrate_now, name="calibrate"),
+    path("<slug:name>/bandwidth/", views.bandwidth_override, name="bandwidth"),
     path("<slug:name>/host-key/approve/", views.approve_host_key, name="approve_host_key"),
 ]

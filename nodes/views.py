@@ -13,7 +13,7 @@ from jobs import audit
 from jobs.models import Job, JobKind
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
-from .forms import CredentialForm, NodeFilterForm, NodeForm
+from .forms import BandwidthOverrideForm, CredentialForm, NodeFilterForm, NodeForm
 from .models import Credential, Node, Reachability
 from .probe_job import start_probe
 
@@ -28,6 +28,7 @@ def hardware_context(node: Node) -> dict:
         "node": node,
         "devices": node.devices.all(),
         "active_probe": Job.objects.active().filter(node=node, kind=JobKind.PROBE).first(),
+        "active_calibration": Job.objects.active().filter(node=node, kind=JobKind.CALIBRATE).first(),
     }
 
 
@@ -235,3 +236,74 @@ def approve_host_key(request, name: str):
     if node.enabled:
         start_probe(node, user=request.user)
     return redirect(node)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calibration (the job is deployments/calibrate_job.py) and the figures an admin sets by hand
+
+
+@role_required(OPERATOR)
+@require_POST
+def calibrate_now(request, name: str):
+    from deployments.calibrate_job import start_calibration
+
+    node = _get_node(name)
+    if not node.enabled or node.pending_host_key:
+        messages.error(request, f"{node.name} is disabled or awaits host-key approval: nothing runs there.")
+        return redirect(node)
+    with transaction.atomic():
+        job = start_calibration(node, user=request.user)
+        if job is not None:
+            audit.record(request, "node.calibrate", node, changes={"job": job.pk})
+    if job is None:
+        messages.info(request, f"A calibration of {node.name} is already queued or running.")
+        return redirect(node)
+    messages.success(request, f"Calibrating {node.name}.")
+    return redirect(job)
+
+
+@role_required(OPERATOR)
+@require_POST
+def calibrate_all(request):
+    """One calibration job per enabled node that has a build and devices; Celery runs them in parallel."""
+    from deployments.calibrate_job import start_calibration
+
+    started = []
+    with transaction.atomic():
+        for node in Node.objects.filter(enabled=True, pending_host_key="").prefetch_related("devices"):
+            if node.current_build is None or not node.devices.all():
+                continue
+            job = start_calibration(node, user=request.user)
+            if job is not None:
+                started.append(node.name)
+        if started:
+            audit.record(request, "node.calibrate_all", changes={"nodes": started}, object_type="node")
+    if started:
+        messages.success(request, f"Calibrating {', '.join(started)} in parallel.")
+    else:
+        messages.info(request, "No node to calibrate: each needs a llama.cpp build and a probe first.")
+    return redirect("nodes:list")
+
+
+@role_required(ADMIN)
+def bandwidth_override(request, name: str):
+    """An admin's own bandwidth figure per device, which wins over measurements and the table. Audited."""
+    node = _get_node(name)
+    devices = list(node.devices.all())
+    form = BandwidthOverrideForm(request.POST or None, devices=devices)
+    if request.method == "POST" and form.is_valid():
+        changes = form.changes()
+        with transaction.atomic():
+            for device, old, new in changes:
+                device.bandwidth_override_gbs = new
+                device.save(update_fields=["bandwidth_override_gbs", "updated_at"])
+                change = {"bandwidth_override_gbs": [old, new]}
+                audit.record(request, "device.bandwidth_override", device, changes=change)
+        if changes:
+            messages.success(request, f"Saved {len(changes)} figure(s) for {node.name}.")
+        else:
+            messages.info(request, "Nothing changed.")
+        return redirect(node)
+    return render(
+        request, "nodes/bandwidth_form.html", {"node": node, "form": form}, status=400 if form.errors else 200
+    )

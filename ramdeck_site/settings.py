@@ -321,6 +321,10 @@ RAMDECK_MAX_UPLOAD_BYTES = env_int("RAMDECK_MAX_UPLOAD_BYTES", 64 * 1024, minimu
 RAMDECK_UNIFIED_MEMORY_CLAMP = env_float(
     "RAMDECK_UNIFIED_MEMORY_CLAMP", DEFAULT_UNIFIED_CLAMP, minimum=0.1, maximum=1.0
 )
+# A calibration older than this is marked stale on the node page (the planner still uses it, with a warning).
+RAMDECK_CALIBRATION_MAX_AGE_DAYS = env_float(
+    "RAMDECK_CALIBRATION_MAX_AGE_DAYS", 30.0, minimum=0, maximum=3650
+)
 RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.com/ggml-org/llama.cpp.git")
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")

@@ -146,7 +146,7 @@ def test_node_page_shows_memory_bars_per_device_and_when_it_was_last_seen(viewer
     assert html.count('class="bar"') == 2
     assert 'style="width: 25%"' in html  # CPU: 4 of 16 GiB used.
     assert "12.0 GiB of 16.0 GiB" in html
-    assert "NVIDIA GeForce RTX 3090" in html and "800 GB/s" in html and "(set by operator)" in html
+    assert "NVIDIA GeForce RTX 3090" in html and "800 GB/s" in html and "(set by an admin)" in html
     assert "Last seen" in html and "round trip 0.8 ms" in html
     assert "Debian GNU/Linux 12" in html
     assert "Probe now" not in html  # Viewers cannot probe.

@@ -77,6 +77,10 @@ async def test_a_throttled_host_runs_what_sshd_starts_in_its_cpu_cgroup(lab, lab
         result = await ssh.run(["cat", "/proc/self/cgroup"])
     cpu_line = next(line.text for line in result.lines if ":cpu:" in line.text or ":cpu," in line.text)
     assert cpu_line.endswith(f"/{lab_host.netns}")
+    # A short period makes the same share a steady slowdown; the kernel's smallest quota is 1 ms.
+    lab.throttle_cpu(lab_host, 0.05, period_us=10_000)
+    assert (group / "cpu.cfs_quota_us").read_text().strip() == "1000"
+    assert (group / "cpu.cfs_period_us").read_text().strip() == "20000"
 
 
 def test_leftovers_of_a_crashed_run_are_removed_and_a_live_runs_are_not(lab_host):
@@ -161,3 +165,49 @@ def test_forward_rules_of_a_crashed_run_are_removed():
     removed = netlab.cleanup_leftovers()
     assert f"iptables FORWARD rules of {netlab.PREFIX}-{pid}" in removed
     assert f"--comment {netlab.PREFIX}-{pid}" not in forward_rules()
+
+
+MIB = 2**20
+
+
+async def test_a_memory_limited_host_reports_its_limit_as_its_ram_and_enforces_it(lab, lab_host):
+    from nodes.probing import collect
+
+    group = lab.limit_memory(lab_host, 512 * MIB)
+    inside = subprocess.run(
+        lab_host.limited_argv(["cat", "/proc/self/cgroup"]), capture_output=True, text=True
+    )
+    assert f":memory:/{group.relative_to(netlab.CGROUP_MEMORY_MOUNT)}\n" in inside.stdout
+    async with SSHTransport(target(lab, lab_host)) as ssh:
+        report = await collect(ssh, "auto", rpc_port=50052)
+        # Touching 800 MiB goes past the limit: the kernel ends the process, as on a small machine.
+        hog = "b = bytearray(800 * 2**20)\nfor i in range(0, len(b), 4096): b[i] = 1"
+        result = await ssh.run(["python3", "-c", hog], timeout=120)
+    assert report.memory_limit_bytes == 512 * MIB
+    [cpu] = report.devices
+    assert cpu.total_bytes == 512 * MIB and 0 < cpu.free_bytes <= 512 * MIB
+    assert result.exit_status != 0
+    lab.close()
+    assert not group.exists()
+
+
+@pytest.mark.llamacpp
+async def test_a_rate_limited_link_shows_in_the_rpc_throughput(lab, lab_host):
+    from deployments.rpc_link import measure_link
+    from tests.deploy_fixtures import wait_listening
+    from tests.llamacpp_build import require_llamacpp
+
+    rpc_server = require_llamacpp().rpc_server
+    argv = [str(rpc_server), "-H", lab_host.address, "-p", "50052"]
+    server = subprocess.Popen(
+        lab_host.limited_argv(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    lab_host.extra_pids.append(server.pid)
+    wait_listening(lab_host, 50052)
+    free = await measure_link(lab_host.address, 50052, transfer_bytes=8 * MIB)
+    lab.limit_link(lab_host, 40)  # 40 Mbit/s: 5 MB/s
+    limited = await measure_link(lab_host.address, 50052, transfer_bytes=8 * MIB)
+    lab.unlimit_link(lab_host)
+    assert limited.throughput_mbs <= 6.0
+    assert free.throughput_mbs > 4 * limited.throughput_mbs
+    assert limited.rtt_ms is not None and limited.protocol == "7.0.0"

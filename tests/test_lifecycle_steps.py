@@ -105,6 +105,22 @@ def test_measure_records_the_speed_llama_server_reports(local_node):
         server.server_close()
     deployment.refresh_from_db()
     assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
+    assert deployment.predicted_decode_tps == 10.0 and deployment.speed_error == pytest.approx(0.25)
+
+
+def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again(local_node):
+    server = _serve({"timings": {"predicted_per_second": 4.0, "prompt_per_second": 80.0}})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        asyncio.run(lifecycle_steps.measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    assert deployment.speed_error == pytest.approx(-0.6) and deployment.speed_is_off
+    assert "(-60% against the prediction)" in ctx.lines[-2]
+    assert ctx.lines[-1] == "The prediction is off by more than 25%: calibrate console-host again."
 
 
 def test_processes_recorded_by_two_steps_are_both_kept(local_node):

@@ -27,8 +27,9 @@ def pool(db):
     now = timezone.now()
     desk = NodeFactory(name="desk", address="127.0.0.1", transport=Transport.LOCAL, may_coordinate=True,
                        last_seen_at=now)  # fmt: skip
+    # Slow enough that a worker's RPC hop (the default 0.5 ms plus round trips) is worth paying.
     DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=24 * MIB, free_bytes=24 * MIB,
-                  bandwidth_gbs=5)  # fmt: skip
+                  bandwidth_gbs=2)  # fmt: skip
     pc = NodeFactory(name="pc", address="10.77.0.2", rpc_port=50052, rtt_ms=0.3, last_seen_at=now)
     DeviceFactory(node=pc, name="CPU", kind=DeviceKind.CPU, total_bytes=14 * MIB, free_bytes=14 * MIB,
                   bandwidth_gbs=50)  # fmt: skip

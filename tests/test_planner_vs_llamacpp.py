@@ -90,7 +90,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def make_cluster(
     cpu: tuple[float, float], workers: list[tuple[float, float]]
 ) -> tuple[list[planner.Node], list]:
-    """(capacity MiB, bandwidth GB/s) for the coordinator's CPU and each worker; workers get free ports."""
+    """(capacity MiB, bandwidth GB/s) for the coordinator's CPU and each worker; workers get free ports.
+
+    No hop cost: these clusters are about where memory goes, and every worker should be worth its hop."""
 
     def device(node: str, mib: float, bw: float) -> planner.Device:
         return planner.Device(node, "CPU", "cpu", int(mib * MIB), int(mib * MIB), bw)
@@ -99,7 +101,9 @@ def make_cluster(
     for i, (mib, bw) in enumerate(workers):
         name = f"w{i + 1}"
         nodes.append(
-            planner.Node(name, "127.0.0.1", (device(name, mib, bw),), rpc_port=free_port(), rtt_ms=0.05)
+            planner.Node(
+                name, "127.0.0.1", (device(name, mib, bw),), rpc_port=free_port(), rtt_ms=0.05, hop_ms=0.0
+            )
         )
     return nodes, workers
 

@@ -263,3 +263,38 @@ def test_the_rpc_port_holder_of_another_user_is_reported_without_pid():
     probe._set_port_holder(report, parse_ss("LISTEN 0 1 [::]:50052 [::]:*\n"))
     assert report.rpc_port_in_use and report.rpc_port_pid is None
     assert report.rpc_port_process == "unknown (not visible to this user)"
+
+
+def test_a_cgroup_v1_limit_counts_the_working_set_and_the_cpu_quota_is_reported():
+    # What the probe prints on a lab host held to 512 MiB and a quarter of a core (cgroup v1): the group's
+    # usage includes 300 MiB of file cache the kernel gives up when a process needs it: not counted as used.
+    text = (
+        "@@@ uname\nLinux 6.1.0 x86_64\n@@@ files\n"
+        "==> /proc/meminfo <==\nMemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n\n"
+        "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.limit_in_bytes <==\n536870912\n\n"
+        "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.usage_in_bytes <==\n419430400\n\n"
+        "==> /sys/fs/cgroup/memory/rdlab-1-0/memory.stat <==\ncache 314572800\n"
+        "inactive_file 1\ntotal_active_file 209715200\ntotal_inactive_file 104857600\n\n"
+        "==> /sys/fs/cgroup/cpu/rdlab-1-0/cpu.cfs_quota_us <==\n25000\n\n"
+        "==> /sys/fs/cgroup/cpu/rdlab-1-0/cpu.cfs_period_us <==\n100000\n"
+        "@@@ end\n"
+    )
+    report = probe.build_report(text, rpc_port=50052)
+    assert report.memory_limit_bytes == 512 * MIB
+    assert (report.ram_total_bytes, report.ram_available_bytes) == (512 * MIB, 412 * MIB)
+    assert report.cpu_quota_cores == 0.25
+    assert any("CPU quota" in warning for warning in report.warnings)
+
+
+@pytest.mark.parametrize(
+    ("sections", "cores"),
+    [
+        ({"cgroup-v2-cpu-max": "max 100000"}, None),
+        ({"cgroup-v2-cpu-max": "150000 100000"}, 1.5),
+        ({"cgroup-v1-cpu-quota": "-1", "cgroup-v1-cpu-period": "100000"}, None),
+        ({"cgroup-v1-cpu-quota": "10000", "cgroup-v1-cpu-period": "100000"}, 0.1),
+        ({}, None),
+    ],
+)
+def test_cpu_quotas(sections, cores):
+    assert probe.cgroup_cpu_quota(sections) == cores

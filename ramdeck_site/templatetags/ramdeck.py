@@ -32,6 +32,15 @@ def percent(value) -> str:
 
 
 @register.filter
+def signed_percent(value) -> str:
+    """-0.54 -> "-54%", 0.1 -> "+10%" (a difference, so its sign matters)."""
+    try:
+        return f"{float(value) * 100:+.0f}%"
+    except (TypeError, ValueError):
+        return ""
+
+
+@register.filter
 def pct_of(part, whole) -> float:
     """Width percentage for bars, clamped to 0..100."""
     try:

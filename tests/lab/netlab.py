@@ -11,6 +11,13 @@ Only the network is separate: the namespaces share this host's file system, user
 Traffic between two lab hosts is routed through this host, so it crosses iptables' FORWARD chain, whose
 policy a running dockerd (or any host firewall) sets to DROP. Each lab inserts ACCEPT rules for the lab
 subnet, tagged with its PID, while it runs, and deletes exactly those rules when it closes.
+
+A host can be made slower and smaller, as a real weak machine is: `throttle_cpu` (cgroup `cpu` controller:
+a share of one core), `limit_memory` (cgroup `memory` controller: the probe reports the limit as the host's
+usable RAM) and `limit_link` (a `tc tbf` rate limit on both ends of its veth; `netem` is not available
+here). The cgroups hold the host's sshd, so every process started over it inherits them. This machine has
+cgroup v1 (one hierarchy per controller under /sys/fs/cgroup); the memory group nests under the memory
+group this process already runs in, so whatever limits the machine itself sets keep applying.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -35,6 +44,7 @@ VETH_PREFIX = "rdl"
 SUBNET = "10.77"
 LOCK_PATH = "/run/ramdeck-lab.lock"
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CGROUP_MEMORY_MOUNT = Path("/sys/fs/cgroup/memory")
 NETNS_ETC = Path("/etc/netns")
 SSHD = "/usr/sbin/sshd"
 # A system user for the tests that need password authentication (namespaces share /etc/passwd).
@@ -174,8 +184,14 @@ class LabHost:
     sshd_proc: subprocess.Popen | None = None
     host_key_path: Path | None = None
     password_auth: bool = False
-    cgroup: Path | None = None
+    cgroup: Path | None = None  # The cpu controller's group (throttle_cpu).
+    memory_cgroup: Path | None = None  # The memory controller's group (limit_memory).
+    link_mbit: float | None = None  # The tbf rate limit on its veth (limit_link).
     extra_pids: list[int] = field(default_factory=list)
+
+    @property
+    def cgroups(self) -> list[Path]:
+        return [group for group in (self.cgroup, self.memory_cgroup) if group is not None]
 
     @property
     def sshd_pid(self) -> int | None:
@@ -190,6 +206,14 @@ class LabHost:
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
         """argv wrapped to run inside this host's namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
+
+    def limited_argv(self, argv: Sequence[str]) -> list[str]:
+        """argv inside this host's namespace AND its cgroups, as if started over its sshd: the shell joins
+        each group before it execs argv, so not one instruction runs outside the limits."""
+        join = 'for g in "$@"; do [ "$g" = -- ] && break; echo $$ > "$g/cgroup.procs"; shift; done; shift; '
+        script = join + 'exec "$@"'
+        groups = [str(group) for group in self.cgroups]
+        return self.exec_argv(with_cgroup_mounts(["sh", "-c", script, "limited", *groups, "--", *argv]))
 
 
 class Lab:
@@ -286,13 +310,13 @@ class Lab:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory.
         log = host.workdir / "sshd.log"
         host.sshd_proc = subprocess.Popen(
-            host.exec_argv([SSHD, "-D", "-f", str(config), "-E", str(log)]),
+            host.exec_argv(with_cgroup_mounts([SSHD, "-D", "-f", str(config), "-E", str(log)])),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        if host.cgroup is not None:
-            (host.cgroup / "cgroup.procs").write_text(str(host.sshd_proc.pid))
+        for group in host.cgroups:
+            (group / "cgroup.procs").write_text(str(host.sshd_proc.pid))
         self._wait_for_sshd(host, log)
 
     def _wait_for_sshd(self, host: LabHost, log: Path) -> None:
@@ -326,15 +350,20 @@ class Lab:
     def link_up(self, host: LabHost) -> None:
         _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "up"]))
 
-    def throttle_cpu(self, host: LabHost, fraction: float) -> Path:
-        """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1)."""
+    def throttle_cpu(self, host: LabHost, fraction: float, *, period_us: int = 100_000) -> Path:
+        """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1).
+
+        The quota is granted per period: within one, the host runs at full speed until it has used its
+        share, then waits for the next. A short period (10 ms; the kernel's smallest quota is 1 ms) makes
+        that a steady slowdown, like a slower CPU; the default 100 ms gives bursts of full speed, which is
+        how a quota'd container behaves but not a slow machine."""
         if not CGROUP_CPU_ROOT.is_dir():
             raise LabUnavailable("cgroup v1 cpu controller is not mounted at /sys/fs/cgroup/cpu")
         group = CGROUP_CPU_ROOT / host.netns
         group.mkdir(exist_ok=True)
-        period = 100_000
+        period = max(period_us, math.ceil(1000 / fraction))
         (group / "cpu.cfs_period_us").write_text(str(period))
-        (group / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * fraction))))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(period * fraction))))
         host.cgroup = group
         for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
             if pid:
@@ -347,6 +376,44 @@ class Lab:
             return
         _remove_cgroup(host.cgroup)
         host.cgroup = None
+
+    def limit_memory(self, host: LabHost, limit_bytes: int) -> Path:
+        """Limit the memory of everything the host's sshd starts (from now on) to `limit_bytes` (cgroup v1
+        `memory.limit_in_bytes`). A process that goes beyond it is OOM-killed, as on a small machine, and
+        the probe reports the limit as the host's RAM."""
+        parent = memory_cgroup_parent()
+        if not (parent / "memory.limit_in_bytes").is_file():
+            raise LabUnavailable(f"cgroup v1 memory controller is not mounted at {CGROUP_MEMORY_MOUNT}")
+        group = parent / host.netns
+        group.mkdir(exist_ok=True)
+        (group / "memory.limit_in_bytes").write_text(str(int(limit_bytes)))
+        host.memory_cgroup = group
+        for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
+            if pid:
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(str(pid))
+        return group
+
+    def unlimit_memory(self, host: LabHost) -> None:
+        if host.memory_cgroup is None:
+            return
+        _remove_cgroup(host.memory_cgroup)
+        host.memory_cgroup = None
+
+    def limit_link(self, host: LabHost, mbit: float, *, burst_kib: int = 64, latency_ms: int = 50) -> None:
+        """Rate-limit the host's link to `mbit` megabits per second both ways (a token bucket on each end
+        of its veth; netem's delay is not available on this kernel). Gone with the veth, or unlimit_link."""
+        shape = ["tbf", "rate", f"{mbit:g}mbit", "burst", f"{burst_kib}kb", "latency", f"{latency_ms}ms"]
+        _run(["tc", "qdisc", "replace", "dev", host.veth_host, "root", *shape])
+        _run(host.exec_argv(["tc", "qdisc", "replace", "dev", host.veth_ns, "root", *shape]))
+        host.link_mbit = mbit
+
+    def unlimit_link(self, host: LabHost) -> None:
+        if host.link_mbit is None:
+            return
+        _run(["tc", "qdisc", "del", "dev", host.veth_host, "root"], check=False)
+        _run(host.exec_argv(["tc", "qdisc", "del", "dev", host.veth_ns, "root"]), check=False)
+        host.link_mbit = None
 
     # -- teardown ----------------------------------------------------------------------------------------
 
@@ -372,8 +439,8 @@ class Lab:
         self.stop_sshd(host)
         for pid in [*host.extra_pids, *namespace_pids(host.netns)]:
             kill_pid(pid, grace=1.0)
-        if host.cgroup is not None:
-            _remove_cgroup(host.cgroup)
+        for group in host.cgroups:
+            _remove_cgroup(group)
         _run(["ip", "link", "del", host.veth_host], check=False)
         _run(["ip", "netns", "del", host.netns], check=False)
         shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
@@ -383,6 +450,35 @@ class Lab:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def with_cgroup_mounts(argv: Sequence[str]) -> list[str]:
+    """argv, preceded by mounting this machine's cgroup file systems where they are mounted here.
+
+    `ip netns exec` gives the command a fresh /sys (for the namespace's own network devices), in which
+    /sys/fs/cgroup is empty: a lab host would not see its own limits, where every real machine does (the
+    probe reads them). Mounting a hierarchy again attaches to the existing one, so the groups and their
+    limits are the same ones; the mounts belong to the command's private mount namespace and end with it.
+    A mount that fails is skipped: the command still runs, only without that view.
+    """
+    lines = []
+    with contextlib.suppress(OSError):
+        for entry in Path("/proc/self/mounts").read_text().splitlines():
+            fields = entry.split()
+            if len(fields) < 4 or not (
+                fields[1] == "/sys/fs/cgroup" or fields[1].startswith("/sys/fs/cgroup/")
+            ):
+                continue
+            target, fstype = shlex.quote(fields[1]), fields[2]
+            options = shlex.quote(",".join(o for o in fields[3].split(",") if o not in ("rw", "relatime")))
+            if fstype == "tmpfs":
+                lines.append(f"mount -t tmpfs -o mode=755 cgroup_root {target}")
+            elif fstype == "cgroup":
+                lines.append(f"mkdir -p {target} && mount -t cgroup -o {options} cgroup {target}")
+            elif fstype == "cgroup2":
+                lines.append(f"mkdir -p {target} && mount -t cgroup2 cgroup2 {target}")
+    script = "".join(f"{line} 2>/dev/null; " for line in lines) + 'exec "$@"'
+    return ["sh", "-c", script, "with-cgroups", *argv]
 
 
 def _write_netns_passwd(netns: str) -> None:
@@ -438,13 +534,24 @@ def ensure_password_user() -> None:
         )
 
 
+def memory_cgroup_parent() -> Path:
+    """The memory cgroup (v1) this process runs in, under which lab hosts' memory groups are made: nesting
+    keeps every limit the machine already places on this process in force for the lab hosts too."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return CGROUP_MEMORY_MOUNT / path.strip("/")
+    return CGROUP_MEMORY_MOUNT
+
+
 def _remove_cgroup(group: Path) -> None:
-    """Move the group's processes back to the root group, then remove it."""
+    """Move the group's processes back to its parent group, then remove it."""
     procs = group / "cgroup.procs"
     with contextlib.suppress(OSError):
         for pid in procs.read_text().split():
             with contextlib.suppress(OSError):
-                (CGROUP_CPU_ROOT / "cgroup.procs").write_text(pid)
+                (group.parent / "cgroup.procs").write_text(pid)
     with contextlib.suppress(OSError):
         group.rmdir()
 
@@ -473,8 +580,8 @@ def cleanup_leftovers() -> list[str]:
         if not _pid_alive(int(pid)):
             _run(["ip", "link", "del", veth], check=False)
             removed.append(veth)
-    if CGROUP_CPU_ROOT.is_dir():
-        for group in CGROUP_CPU_ROOT.glob(f"{PREFIX}-*-*"):
+    for root in (CGROUP_CPU_ROOT, memory_cgroup_parent()):
+        for group in root.glob(f"{PREFIX}-*-*") if root.is_dir() else []:
             if not _pid_alive(int(group.name.split("-")[1])):
                 _remove_cgroup(group)
                 removed.append(str(group))

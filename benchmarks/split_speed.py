@@ -1,0 +1,442 @@
+"""Why the split matters: the console's plan against llama.cpp's own splits on a mixed cluster.
+
+On the network-namespace lab (tests/lab, needs root): a coordinator with little memory, a fast worker and a
+worker held to --slow-quota percent of one core by the cgroup `cpu` controller. A generated model of about
+--model-mib MiB lives on the coordinator. The console calibrates the three nodes (the calibrate job), plans
+(deployments/planner.py, from the node rows as the plan page does) and deploys through its own pages and
+jobs (confirm and deploy buttons, then the deployment's steps over SSH). Then decode tokens/s is measured,
+the same way for every variant, for
+
+    (a) the console's plan                    (its deployment's llama-server)
+    (b) llama.cpp's default split             same --rpc (both workers), no -ts, -ngl all, --fit off
+    (c) llama.cpp's --fit on                  same --rpc, nothing else decided for it
+    (d) the best -ts split in eighths         k,8-k between the two workers, k = 0..8
+
+each at least --repeats times in alternation (a, b, c, d..., a, b, ...), and the medians compared. Case
+"fits_fast": the model fits on the fast worker alone. Case "needs_both": a memory limit on the fast worker
+leaves it room for about 60% of the model, so the slow one must take part.
+
+    .venv/bin/python benchmarks/split_speed.py [--slow-quota 10] [--model-mib 360] [--repeats 3]
+
+Targets: fits_fast at least 3x the default split, needs_both at least 1.3x; on both the plan within 10% of
+the sweep's best, never slower than the better of (b) and (c), and the prediction within 25% of measured.
+This machine's two cores are shared by the lab hosts (and whatever else runs on it), so the numbers move
+with the machine's load: the script prints every sample. Ends with one JSON line:
+{"cases": [{"name", "plan_tps", "default_tps", "fit_tps", "sweep_best_tps", "ratio_default", "ratio_fit",
+"ratio_sweep", "pred_err"}, ...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+WORKDIR = Path(tempfile.mkdtemp(prefix="ramdeck-split-"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
+os.environ["DATABASE_URL"] = f"sqlite:///{WORKDIR / 'console.sqlite3'}"
+os.environ["RAMDECK_VAR_DIR"] = str(WORKDIR / "var")
+os.environ["ALLOWED_HOSTS"] = "testserver,localhost"
+
+import django  # noqa: E402
+
+django.setup()
+
+import httpx  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.test import Client  # noqa: E402
+from django.urls import reverse  # noqa: E402
+
+# Job log lines go to the database; nobody watches them live here.
+settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+from deployments import lifecycle  # noqa: E402
+from deployments.gguf_profile import profile_path  # noqa: E402
+from deployments.memory_model import PIPELINE_COPIES, Settings, compute_bytes  # noqa: E402
+from deployments.models import Deployment, DeploymentState, ModelFile  # noqa: E402
+from deployments.tiny_model import TinyLlama, write_tiny_llama  # noqa: E402
+from jobs.models import Job, JobKind, JobState  # noqa: E402
+from jobs.runner import run_job  # noqa: E402
+from nodes.models import Node  # noqa: E402
+from tests.deploy_fixtures import lab_node, listeners_in, route_between  # noqa: E402
+from tests.factories import UserFactory  # noqa: E402
+from tests.lab.netlab import Lab, LabHost, cleanup_leftovers, kill_pid  # noqa: E402
+from tests.llamacpp_build import require_llamacpp  # noqa: E402
+
+MIB = 2**20
+RPC_PORT = 50052
+LLAMA_PORT = 8080
+CTX = 512
+TOKENS = 48
+# The coordinator has little memory to spare (a laptop busy with other work): llama-server and its compute
+# buffers fit, not one block of the model beside them, so the model goes to the workers.
+COORDINATOR_MIB = 72
+# needs_both: the fast worker's memory holds this share of the model's blocks and the compute buffers of a
+# split (four copies with pipeline parallelism), but not the whole model.
+FAST_SHARE = 0.8
+WIDTH = {"n_embd": 1536, "n_head": 12, "n_head_kv": 4, "n_ff": 4096, "n_ctx_train": 2048}
+BLOCK_BYTES = 2 * (2 * 1536 * 1536 + 2 * 1536 * 512 + 3 * 1536 * 4096)  # f16 weights of one block: 50 MB
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+@dataclass
+class Cluster:
+    lab: Lab
+    coordinator_host: LabHost
+    fast_host: LabHost
+    slow_host: LabHost
+    operator: object = None
+    nodes: dict[str, Node] = field(default_factory=dict)
+    model: ModelFile | None = None
+    rpc_procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    firewall: list[list[str]] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[tuple[str, LabHost]]:
+        return [("fast", self.fast_host), ("slow", self.slow_host)]
+
+    def node(self, name: str) -> Node:
+        return Node.objects.get(pk=self.nodes[name].pk)
+
+
+# --------------------------------------------------------------------------------------------------
+# The cluster, through the console
+# --------------------------------------------------------------------------------------------------
+
+
+def run_inline(kind: str, node: Node, **params) -> Job:
+    job = Job.objects.create(kind=kind, node=node, title=f"{kind} {node.name}", params=params)
+    run_job(job.pk)
+    job.refresh_from_db()
+    if job.state != JobState.SUCCEEDED:
+        tail = "\n".join(job.log_lines.order_by("-seq").values_list("text", flat=True)[:15][::-1])
+        raise SystemExit(f"{kind} on {node.name} {job.state}: {job.result}\n{tail}")
+    return job
+
+
+def allow_forwarding(cluster: Cluster) -> None:
+    """A firewall that drops forwarded packets (dockerd sets one) would cut the lab hosts off each other:
+    accept the lab's own veths while the benchmark runs (removed at the end)."""
+    if not shutil.which("iptables"):
+        return
+    for host in (cluster.coordinator_host, cluster.fast_host, cluster.slow_host):
+        for direction in ("-i", "-o"):
+            rule = ["FORWARD", direction, host.veth_host, "-j", "ACCEPT"]
+            if subprocess.run(["iptables", "-I", *rule], capture_output=True).returncode == 0:
+                cluster.firewall.append(rule)
+
+
+def build_cluster(lab: Lab, slow_quota: float, model_mib: int) -> Cluster:
+    hosts = [lab.add_host() for _ in range(3)]
+    cluster = Cluster(lab, *hosts)
+    route_between(hosts)
+    allow_forwarding(cluster)
+    # A 10 ms quota period: the slow worker is slower all the time, as an old PC is, rather than fast in
+    # bursts with 100 ms pauses (a quota'd container), which no speed per byte describes.
+    lab.throttle_cpu(cluster.slow_host, slow_quota, period_us=10_000)
+    cluster.operator = UserFactory(username="oscar-operator", role="operator")
+    binaries = require_llamacpp()
+    for name, host in (
+        ("desk", cluster.coordinator_host),
+        ("fast", cluster.fast_host),
+        ("slow", cluster.slow_host),
+    ):
+        node = lab_node(lab, host, name=name, may_coordinate=name == "desk")
+        run_inline(JobKind.BUILD, node, source="existing", path=str(binaries.rpc_server.parent))
+        cluster.nodes[name] = node
+    layers = max(2, round(model_mib * MIB / BLOCK_BYTES))
+    path = write_tiny_llama(WORKDIR / "split.gguf", TinyLlama(n_layer=layers, seed=42, **WIDTH))
+    profile = profile_path(path)
+    cluster.model = ModelFile.objects.create(
+        name="split",
+        node=cluster.nodes["desk"],
+        path=str(path),
+        size_bytes=profile["size_bytes"],
+        profile=profile,
+    )
+    size = profile["size_bytes"] / MIB
+    say(f"model: {layers} blocks, {size:.0f} MiB; slow worker at {slow_quota:.0%} of a core")
+    return cluster
+
+
+def probe_and_calibrate(cluster: Cluster) -> None:
+    """Probe every node, then calibrate the ones whose figures are not a fresh measurement of what the probe
+    now sees. One after the other: the lab hosts share this machine's two cores, and two calibrations at
+    once would slow each other down (no two real machines do)."""
+    for name in cluster.nodes:
+        run_inline(JobKind.PROBE, cluster.node(name))
+    for name in cluster.nodes:
+        node = cluster.node(name)
+        if all(d.measurement_state == "fresh" for d in node.devices.all()):
+            continue
+        started = time.monotonic()
+        job = run_inline(JobKind.CALIBRATE, node)
+        say(f"calibrated {name} in {time.monotonic() - started:.0f} s: {job.result}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Timing a llama-server
+# --------------------------------------------------------------------------------------------------
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def decode_speed(url: str, key: str = "") -> float:
+    """tokens/s, the better of two completions of TOKENS tokens after a short warm-up (the same for every
+    variant: on this shared machine a completion is sometimes slowed by other work, never sped up)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"prompt": "The quick brown fox", "cache_prompt": False, "ignore_eos": True}
+    httpx.post(f"{url}/completion", json={**body, "n_predict": 4}, headers=headers, timeout=600)
+    speeds = []
+    for _ in range(2):
+        answer = httpx.post(
+            f"{url}/completion", json={**body, "n_predict": TOKENS}, headers=headers, timeout=600
+        )
+        answer.raise_for_status()
+        speeds.append(float(answer.json()["timings"]["predicted_per_second"]))
+    return max(speeds)
+
+
+def start_rpc_servers(cluster: Cluster) -> None:
+    """ggml-rpc-server on each worker, inside its cgroups (as if started over its sshd), unless running."""
+    rpc = require_llamacpp().rpc_server
+    for name, host in cluster.workers:
+        proc = cluster.rpc_procs.get(name)
+        if proc is not None and proc.poll() is None:
+            continue
+        argv = host.limited_argv([str(rpc), "-H", host.address, "-p", str(RPC_PORT)])
+        log = open(WORKDIR / f"rpc-{name}.log", "a")  # noqa: SIM115 - the process writes it until it ends
+        cluster.rpc_procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not listeners_in(host, RPC_PORT):
+            if time.monotonic() > deadline or cluster.rpc_procs[name].poll() is not None:
+                raise SystemExit(f"ggml-rpc-server on the {name} worker did not start")
+            time.sleep(0.2)
+
+
+def stop_rpc_servers(cluster: Cluster) -> None:
+    for proc in cluster.rpc_procs.values():
+        if proc.poll() is None:
+            kill_pid(proc.pid)
+        proc.wait()
+    cluster.rpc_procs.clear()
+
+
+def llama_run(cluster: Cluster, extra: list[str]) -> float | None:
+    """llama-server on the coordinator with both workers in --rpc and `extra`; its decode speed, or None when
+    it could not load (a worker ran out of memory)."""
+    start_rpc_servers(cluster)
+    server = require_llamacpp().llama_server
+    host = cluster.coordinator_host
+    rpc = ",".join(f"{h.address}:{RPC_PORT}" for _, h in cluster.workers)
+    argv = [str(server), "-m", cluster.model.path, "--rpc", rpc, "-c", str(CTX), "-np", "1", *extra]
+    argv += ["--host", host.address, "--port", str(LLAMA_PORT)]
+    log = open(WORKDIR / "llama-server.log", "w")  # noqa: SIM115 - the process writes it until it ends
+    proc = subprocess.Popen(host.limited_argv(argv), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://{host.address}:{LLAMA_PORT}"
+        if not wait_healthy(url, proc):
+            return None
+        return decode_speed(url)
+    except httpx.HTTPError:
+        return None
+    finally:
+        kill_pid(proc.pid)
+        proc.wait()
+        log.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan, through the console's pages
+# --------------------------------------------------------------------------------------------------
+
+
+def confirm_plan(cluster: Cluster, client: Client) -> Deployment:
+    nodes = [cluster.nodes[name].pk for name in ("desk", "fast", "slow")]
+    form = {"full": 1, "ctx": CTX, "parallel": 1, "cache_type": "f16", "clamp": 0.7,
+            "coordinator": cluster.nodes["desk"].pk, "nodes": nodes, "name": "split"}  # fmt: skip
+    response = client.post(reverse("deployments:confirm", args=[cluster.model.pk]), form)
+    if response.status_code != 302:
+        raise SystemExit(f"the plan was not confirmed ({response.status_code}): {response.content[:2000]!r}")
+    return Deployment.objects.get(pk=int(response.url.rstrip("/").rsplit("/", 1)[1]))
+
+
+def plan_run(cluster: Cluster, client: Client, previous: Deployment | None) -> tuple[float, Deployment]:
+    """Deploy the plan through the console (confirm, deploy, then its steps over SSH), time it, stop it."""
+    stop_rpc_servers(cluster)
+    queued: list[tuple[str, int]] = []
+    lifecycle._enqueue = lambda task, pk: queued.append((task, pk))
+    if previous is None:
+        deployment = confirm_plan(cluster, client)
+        client.post(reverse("deployments:deploy", args=[deployment.pk]))
+    else:
+        deployment, started, message = lifecycle.redeploy(previous, cluster.operator)
+        if not started:
+            raise SystemExit(f"redeploy refused: {message}")
+    lifecycle.run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    if deployment.state != DeploymentState.RUNNING:
+        raise SystemExit(
+            f"the deployment {deployment.state}: {deployment.failed_step}: {deployment.state_reason}"
+        )
+    coordinator = cluster.coordinator_host
+    speed = decode_speed(f"http://{coordinator.address}:{deployment.port}", deployment.api_key())
+    lifecycle.stop_deployment(deployment, cluster.operator)
+    lifecycle.run_stop(deployment.pk)
+    deployment.refresh_from_db()
+    if deployment.state != DeploymentState.STOPPED:
+        raise SystemExit(f"the deployment did not stop: {deployment.state_reason}")
+    return speed, deployment
+
+
+# --------------------------------------------------------------------------------------------------
+# One case
+# --------------------------------------------------------------------------------------------------
+
+
+def describe_plan(plan: dict) -> str:
+    parts = [
+        f"{p['node']}/{p['device']} {p['layers']}{'+out' if p['output_layer'] else ''}"
+        for p in plan["placements"]
+        if p["layers"] or p["output_layer"]
+    ]
+    return ", ".join(parts)
+
+
+def fast_limit(profile: dict) -> int:
+    """Memory for the fast worker in needs_both: FAST_SHARE of the blocks, the compute buffers of a split
+    (as the planner counts them: four copies with pipeline parallelism), the rpc-server itself, and the
+    planner's 3% margin."""
+    compute = PIPELINE_COPIES * compute_bytes(
+        profile, Settings(ctx=CTX), role="mid", coordinator_cpu=False, pipeline=True
+    )
+    need = FAST_SHARE * sum(profile["block_weight_bytes"]) + compute + 16 * MIB
+    return int(need / 0.97)
+
+
+def run_case(cluster: Cluster, client: Client, name: str, repeats: int) -> dict:
+    probe_and_calibrate(cluster)
+    samples: dict[str, list[float]] = {"plan": [], "default": [], "fit": []}
+    sweep: dict[int, list[float]] = {k: [] for k in range(9)}
+    deployment = None
+    too_big: set[int] = set()
+    for round_no in range(1, repeats + 1):
+        speed, deployment = plan_run(cluster, client, deployment)
+        samples["plan"].append(speed)
+        if round_no == 1:
+            plan = deployment.plan
+            baseline = plan["baseline"]["predicted_tokens_per_s"] or 0
+            say(f"[{name}] plan: {describe_plan(plan)}; predicted {plan['predicted_tokens_per_s']:.1f} tok/s "
+                f"(default split predicted {baseline:.1f}); per token {plan['speed_model']}")  # fmt: skip
+        say(f"[{name}] round {round_no} (a) plan {speed:.1f} tok/s (the console measured "
+            f"{deployment.measured_decode_tps:.1f})")  # fmt: skip
+        for variant, extra in (("default", ["-ngl", "999", "--fit", "off"]), ("fit", ["--fit", "on"])):
+            value = llama_run(cluster, extra)
+            if value is None:
+                raise SystemExit(f"[{name}] the {variant} split did not load; see {WORKDIR}/llama-server.log")
+            samples[variant].append(value)
+            say(f"[{name}] round {round_no} ({variant}) {value:.1f} tok/s")
+        for k in range(9):
+            if k in too_big:
+                continue
+            value = llama_run(cluster, ["-ngl", "999", "--fit", "off", "-ts", f"{k},{8 - k}"])
+            if value is None:
+                # The fast worker ran out of memory: every larger share for it does too.
+                too_big.update(range(k, 9))
+                say(f"[{name}] round {round_no} (sweep) -ts {k},{8 - k} does not load (out of memory)")
+                continue
+            sweep[k].append(value)
+            say(f"[{name}] round {round_no} (sweep) -ts {k},{8 - k} {value:.1f} tok/s")
+    stop_rpc_servers(cluster)
+    medians = {key: statistics.median(values) for key, values in samples.items()}
+    sweep_medians = {k: statistics.median(v) for k, v in sweep.items() if v}
+    best_k = max(sweep_medians, key=sweep_medians.get)
+    predicted = deployment.plan["predicted_tokens_per_s"]
+    result = {
+        "name": name,
+        "plan_tps": round(medians["plan"], 2),
+        "default_tps": round(medians["default"], 2),
+        "fit_tps": round(medians["fit"], 2),
+        "sweep_best_tps": round(sweep_medians[best_k], 2),
+        "ratio_default": round(medians["plan"] / medians["default"], 3),
+        "ratio_fit": round(medians["plan"] / medians["fit"], 3),
+        "ratio_sweep": round(medians["plan"] / sweep_medians[best_k], 3),
+        "pred_err": round(abs(predicted - medians["plan"]) / medians["plan"], 3),
+    }
+    say(f"\n[{name}] medians over {repeats} rounds (tokens/s):")
+    say(f"  (a) console's plan        {medians['plan']:8.1f}   predicted {predicted:.1f}, "
+        f"error {result['pred_err']:.0%}")  # fmt: skip
+    say(f"  (b) llama.cpp default     {medians['default']:8.1f}   plan is {result['ratio_default']:.2f}x")
+    say(f"  (c) llama.cpp --fit on    {medians['fit']:8.1f}   plan is {result['ratio_fit']:.2f}x")
+    say(f"  (d) best -ts {best_k},{8 - best_k}         {sweep_medians[best_k]:8.1f}   plan is "
+        f"{result['ratio_sweep']:.2f}x")  # fmt: skip
+    say("  sweep: " + ", ".join(f"{k}/8 {v:.1f}" for k, v in sorted(sweep_medians.items())))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--slow-quota", type=float, default=10.0, help="slow worker's CPU quota, percent of a core"
+    )
+    parser.add_argument("--model-mib", type=int, default=360, help="size of the generated model in MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant (at least 3)")
+    args = parser.parse_args()
+    if not 1 <= args.slow_quota <= 100 or args.model_mib < 32 or args.repeats < 1:
+        parser.error("--slow-quota must be 1..100, --model-mib at least 32, --repeats at least 1")
+    call_command("migrate", verbosity=0)
+    cleanup_leftovers()
+    lab = Lab()
+    cluster = None
+    try:
+        cluster = build_cluster(lab, args.slow_quota / 100, args.model_mib)
+        probe_and_calibrate(cluster)
+        # Calibrated first (the calibration models would not fit beside llama-server in what is left),
+        # then the coordinator's memory shrinks to what a busy laptop has free. A memory limit changes what
+        # fits, not how fast a device is: the calibration stays valid.
+        lab.limit_memory(cluster.coordinator_host, COORDINATOR_MIB * MIB)
+        client = Client()
+        client.force_login(cluster.operator)
+        cases = [run_case(cluster, client, "fits_fast", args.repeats)]
+        limit = fast_limit(cluster.model.profile)
+        lab.limit_memory(cluster.fast_host, limit)
+        say(f"\nfast worker limited to {limit / MIB:.0f} MiB")
+        cases.append(run_case(cluster, client, "needs_both", args.repeats))
+    finally:
+        if cluster is not None:
+            stop_rpc_servers(cluster)
+            for rule in cluster.firewall:
+                subprocess.run(["iptables", "-D", *rule], capture_output=True)
+        lab.close()
+        shutil.rmtree(WORKDIR, ignore_errors=True)
+    print(json.dumps({"cases": cases}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,523 @@
+"""The `calibrate` job: measure what a node delivers, with its own llama.cpp build and a generated model.
+
+Single-stream decode reads every weight once per token, so a device's speed is "bytes of weights per second"
+plus a fixed cost per token. Both are measured here the way a deployment will use the device: through a
+`ggml-rpc-server` on the node (so a CPU quota, a thermal limit or slow memory shows), driven by a
+`llama-server` on the same node, decoding two generated models of the same width and different depth:
+
+    seconds per token = fixed + bytes read per token / bandwidth
+
+Two depths give two points of that line: the slope is the device's effective bandwidth, the intercept the
+fixed per-token cost of a pass through its rpc-server. The shallow model once more through two rpc-servers
+(one block each) instead of one gives the cost of one more hop in the chain (`rpc_hop_ms`); the intercept
+less that hop is llama-server's own cost per token when this node coordinates (`pass_overhead_ms`). On a node
+that may coordinate, the CPU is also measured inside llama-server itself, with llama-server's threads, as
+the blocks a plan keeps on the coordinator's CPU run. Last, the console speaks the RPC protocol to the node's
+RPC port to time the link (deployments/rpc_link.py).
+
+The models are written once on the console (deployments/tiny_model.py), cached in RAMDECK_VAR_DIR, and
+uploaded over SFTP into ~/.ramdeck/calibrate on the node, where they stay for the next calibration. Every
+process this job starts is ended by PID before it finishes, whatever happens. A node that serves a running
+deployment is not calibrated (the measurement would disturb it, and it needs the RPC port).
+
+Kept in one module with a single entry, `calibrate_body(ctx)`, so it moves with the job system as it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import posixpath
+import secrets
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from deployments import rpc_link
+from deployments.gguf_profile import profile_path
+from deployments.lifecycle_steps import _write_key_file, node_platform, run_dir, tail_lines, wait_listening
+from deployments.reaper import find_holders
+from deployments.tiny_model import TinyLlama, write_tiny_llama
+from jobs.runner import JobCancelled, JobFailed
+
+# Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
+# caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
+# tiny one (~1 MB, two blocks) whose time per token is almost all fixed cost: through one rpc-server and
+# through two it shows what a pass costs and what one more hop in the chain adds.
+WIDTH = {"n_embd": 1024, "n_head": 8, "n_head_kv": 2, "n_ff": 2816, "n_ctx_train": 2048}
+MODELS = {
+    "shallow": TinyLlama(n_layer=2, seed=11, **WIDTH),
+    "deep": TinyLlama(n_layer=6, seed=12, **WIDTH),
+    "tiny": TinyLlama(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx_train=2048, seed=13),
+}
+CTX = 512
+PROMPT = "The quick brown fox jumps over the lazy dog."
+SAMPLES = 3
+# Each sample decodes about this long (the token count follows the speed the warm-up showed).
+SAMPLE_SECONDS = 1.0
+MIN_TOKENS, MAX_TOKENS = 16, 192
+HEALTH_TIMEOUT_S = 120.0
+# The deep model must take measurably longer per token than the shallow one, else the difference is noise.
+MIN_SLOWDOWN = 1.05
+# A line whose fixed cost is more than this share of the shallow model's time explains too little by bytes.
+MAX_FIXED_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class CalibrationModel:
+    name: str
+    local_path: str
+    remote_name: str
+    size_bytes: int
+    read_bytes: int  # weights read per token: every block and the output layer (not the input embedding)
+
+
+@dataclass
+class Run:
+    """One llama-server launch: decode speed samples of one model on one device."""
+
+    model: str
+    read_bytes: int
+    tokens_per_s: list[float]
+
+    @property
+    def seconds_per_token(self) -> float:
+        # The median sample: what the device does under the machine's usual load, as a deployment will
+        # run (one disturbed sample does not move it).
+        return 1.0 / statistics.median(self.tokens_per_s)
+
+
+@dataclass(frozen=True)
+class Line:
+    """seconds per token = fixed_s + bytes / bandwidth_bps, through two runs."""
+
+    bandwidth_bps: float | None  # None: the two runs could not be told apart (noise, or a very fast device)
+    fixed_s: float
+
+
+def fit(shallow: Run, deep: Run) -> Line:
+    """The line through two runs. No bandwidth is claimed (and the whole time of the shallow run counts as
+    fixed cost) when the deeper model is not clearly slower, or when the line would leave most of the
+    shallow run's time unexplained by its bytes: then the runs were too disturbed to trust their slope (or
+    the device is too fast for these models to tell)."""
+    t_a, t_b = shallow.seconds_per_token, deep.seconds_per_token
+    if t_b < t_a * MIN_SLOWDOWN or deep.read_bytes <= shallow.read_bytes:
+        return Line(None, t_a)
+    bandwidth = (deep.read_bytes - shallow.read_bytes) / (t_b - t_a)
+    fixed = t_a - shallow.read_bytes / bandwidth
+    if fixed > MAX_FIXED_SHARE * t_a:
+        return Line(None, t_a)
+    return Line(bandwidth, max(0.0, fixed))
+
+
+# --------------------------------------------------------------------------------------------------
+# The models
+# --------------------------------------------------------------------------------------------------
+
+
+def _spec_digest(spec: TinyLlama) -> str:
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
+
+
+def prepared_models() -> list[CalibrationModel]:
+    """The calibration models on the console, written once (under a lock: jobs run in parallel)."""
+    folder = Path(settings.VAR_DIR) / "calibration"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for name, spec in MODELS.items():
+            filename = f"ramdeck-calibrate-{name}-{_spec_digest(spec)}.gguf"
+            path = folder / filename
+            if not path.exists():
+                partial = folder / f".{filename}.{secrets.token_hex(4)}.part"
+                write_tiny_llama(partial, spec)
+                os.replace(partial, path)
+            profile = profile_path(path)
+            read = sum(profile["block_weight_bytes"]) + int(profile["output_bytes"])
+            out.append(CalibrationModel(name, str(path), filename, path.stat().st_size, read))
+    return out
+
+
+async def _remote_size(ctx, path: str) -> int | None:
+    result = await ctx.transport.run(["sh", "-c", 'wc -c < "$1"', "size", path], timeout=30)
+    text = result.stdout.strip()
+    return int(text) if result.exit_status == 0 and text.isdigit() else None
+
+
+async def upload_models(ctx, models: list[CalibrationModel], folder: str) -> dict[str, str]:
+    """Each model at `folder` on the node (uploaded unless a file of its size is there); name -> path."""
+    await ctx.run(["mkdir", "-p", folder], timeout=60, echo=False)
+    paths = {}
+    for model in models:
+        remote = posixpath.join(folder, model.remote_name)
+        if await _remote_size(ctx, remote) != model.size_bytes:
+            await ctx.log(f"uploading the {model.name} calibration model ({model.size_bytes / 1e6:.0f} MB)")
+            # A name of its own, then a rename: parallel calibrations of nodes sharing a home folder (NFS)
+            # never see a half-written model.
+            partial = f"{remote}.{secrets.token_hex(4)}.part"
+            await ctx.transport.upload(model.local_path, partial)
+            await ctx.run(["mv", "-f", partial, remote], timeout=60, echo=False)
+        paths[model.name] = remote
+    return paths
+
+
+# --------------------------------------------------------------------------------------------------
+# Running llama-server and timing it
+# --------------------------------------------------------------------------------------------------
+
+
+class Processes:
+    """The PIDs this job started on the node, ended (TERM, then KILL) when the job is done with them."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.pids: list[int] = []
+
+    async def start(self, argv: list[str], log_path: str) -> int:
+        pid = await self.ctx.start_daemon(argv, log_path=log_path)
+        self.pids.append(pid)
+        return pid
+
+    async def end(self, pid: int) -> None:
+        if pid in self.pids:
+            self.pids.remove(pid)
+            await self.ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
+
+    async def end_all(self) -> None:
+        for pid in list(reversed(self.pids)):
+            with contextlib.suppress(Exception):
+                await self.end(pid)
+
+
+def _llama_host(node) -> str:
+    """Where the calibration llama-server listens: loopback on the console's own host, else the node's
+    address (the console must reach it). It has an API key and lives for seconds."""
+    return "127.0.0.1" if node.is_local else node.address
+
+
+async def _wait_healthy(ctx, procs: Processes, pid: int, url: str, log_path: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + HEALTH_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            if not await ctx.transport.pid_alive(pid):
+                tail = "\n".join(await tail_lines(ctx, log_path))
+                raise JobFailed(
+                    f"llama-server exited while loading the calibration model. Last lines:\n{tail}"
+                )
+            if loop.time() >= deadline:
+                raise JobFailed(f"llama-server did not load the calibration model in {HEALTH_TIMEOUT_S:g} s")
+            if ctx.cancelled():
+                raise JobCancelled()
+            await asyncio.sleep(0.3)
+
+
+async def _decode(client: httpx.AsyncClient, url: str, key: str, tokens: int) -> float:
+    body = {"prompt": PROMPT, "n_predict": tokens, "cache_prompt": False, "ignore_eos": True}
+    response = await client.post(f"{url}/completion", json=body, headers={"Authorization": f"Bearer {key}"})
+    if response.status_code != 200:
+        raise JobFailed(
+            f"llama-server answered /completion with {response.status_code}: {response.text[:200]}"
+        )
+    speed = (response.json().get("timings") or {}).get("predicted_per_second")
+    if not isinstance(speed, int | float) or speed <= 0:
+        raise JobFailed("llama-server's answer carried no decode speed (timings.predicted_per_second)")
+    return float(speed)
+
+
+async def timed_run(
+    ctx,
+    procs: Processes,
+    build,
+    model_path: str,
+    model: CalibrationModel,
+    placement: list[str],
+    workdir: str,
+    label: str,
+) -> Run:
+    """Start llama-server with `placement` arguments, decode a few times, end it; the speeds it reported."""
+    port = 40000 + secrets.randbelow(20000)
+    tag = f"calibrate-{ctx.job.pk}-{label}-{model.name}"
+    log_path = posixpath.join(workdir, f"{tag}.log")
+    key_path = posixpath.join(workdir, f"{tag}.key")
+    key = secrets.token_urlsafe(24)
+    await _write_key_file(ctx, key_path, key)
+    host = _llama_host(ctx.node)
+    argv = [build.llama_server_path, "-m", model_path, "-c", str(CTX), "-np", "1", "--fit", "off"]
+    argv += [*placement, "--host", host, "--port", str(port), "--api-key-file", key_path]
+    pid = await procs.start(argv, log_path)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    try:
+        await _wait_healthy(ctx, procs, pid, url, log_path)
+        async with httpx.AsyncClient(timeout=300.0) as client:
+            warm = await _decode(client, url, key, 8)
+            tokens = int(min(MAX_TOKENS, max(MIN_TOKENS, warm * SAMPLE_SECONDS)))
+            speeds = []
+            for _ in range(SAMPLES):
+                if ctx.cancelled():
+                    raise JobCancelled()
+                speeds.append(await _decode(client, url, key, tokens))
+    finally:
+        await procs.end(pid)
+        await ctx.transport.run(["rm", "-f", key_path, log_path], timeout=30)
+    run = Run(model.name, model.read_bytes, speeds)
+    await ctx.log(
+        f"{label}, {model.name} model ({model.read_bytes / 1e6:.0f} MB per token): "
+        f"{1000 * run.seconds_per_token:.2f} ms per token "
+        f"(samples of {tokens} tokens: {', '.join(f'{s:.1f}' for s in speeds)} tok/s)"
+    )
+    return run
+
+
+# --------------------------------------------------------------------------------------------------
+# The body
+# --------------------------------------------------------------------------------------------------
+
+
+def _refusal(node) -> str:
+    """Why this node cannot be calibrated now, or ""."""
+    from deployments.models import ACTIVE_STATES, ResourceClaim
+
+    if node.current_build is None:
+        return f"{node.name} has no llama.cpp build: build or register one on its page first."
+    if not node.devices.exists():
+        return f"{node.name} has no devices on record: probe it first."
+    claim = (
+        ResourceClaim.objects.filter(node=node, deployment__state__in=ACTIVE_STATES)
+        .select_related("deployment")
+        .first()
+    )
+    if claim is not None:
+        return (
+            f"{node.name} serves deployment {claim.deployment}: a calibration would disturb it and needs its "
+            "RPC port. Stop the deployment first."
+        )
+    return ""
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 3)
+
+
+def _gbs(bps: float | None) -> float | None:
+    return None if bps is None else round(bps / 1e9, 3)
+
+
+async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, device: str, workdir: str):
+    log_path = posixpath.join(workdir, f"calibrate-{ctx.job.pk}-rpc-server-{port}.log")
+    pid = await procs.start([build.rpc_server_path, "-H", host, "-p", str(port), "-d", device], log_path)
+    await wait_listening(ctx, pid, port, log_path, timeout=30)
+    return pid, log_path
+
+
+async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
+                       workdir: str) -> dict:  # fmt: skip
+    """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
+    rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
+    parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops."""
+    alone = await run(tiny, ["--device", "none", "-ngl", "0", "-t", "1", "--poll", "0"], "llama-server alone")
+    one = await run(tiny, ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"], f"{device} through one")
+    second = 40000 + secrets.randbelow(20000)
+    other_pid, _ = await _start_rpc_server(ctx, procs, build, "127.0.0.1", second, device, workdir)
+    chain = ["--rpc", f"{endpoint},127.0.0.1:{second}", "--device", "RPC0,RPC1", "-ngl", "999", "-ts", "1,2"]
+    two = await run(tiny, chain, f"{device} through two")
+    await procs.end(other_pid)
+    hop = max(0.0, one.seconds_per_token - alone.seconds_per_token)
+    pipeline = max(0.0, two.seconds_per_token - one.seconds_per_token - hop)
+    return {
+        "device": device,
+        "runs": [asdict(alone), asdict(one), asdict(two)],
+        "pass_ms": _ms(alone.seconds_per_token),
+        "hop_ms": _ms(hop),
+        "pipeline_ms": _ms(pipeline),
+    }
+
+
+async def calibrate_body(ctx) -> str:
+    node = ctx.node
+    if node is None:
+        raise JobFailed("A calibration needs a node.")
+    reason = await sync_to_async(_refusal)(node)
+    if reason:
+        raise JobFailed(reason)
+    build = await sync_to_async(lambda: node.current_build)()
+    devices = await sync_to_async(lambda: sorted(node.devices.all(), key=lambda d: d.name != "CPU"))()
+    port = node.rpc_port
+    holders = await find_holders(ctx.transport, node_platform(node), port)
+    if holders:
+        raise JobFailed(
+            f"RPC port {port} on {node.name} is held by {holders[0].describe()}; stop or reap it first."
+        )
+    models = await sync_to_async(prepared_models, thread_sensitive=False)()
+    workdir = await run_dir(ctx)
+    paths = await upload_models(ctx, models, posixpath.join(posixpath.dirname(workdir), "calibrate"))
+    shallow, deep, tiny = models
+    procs = Processes(ctx)
+    results: dict = {"job": ctx.job.pk, "build": build.version, "devices": {}, "hop": None, "local": None}
+    link = None
+
+    async def run(model: CalibrationModel, placement: list[str], label: str) -> Run:
+        if "--rpc" in placement and "-t" not in placement:
+            # The device under test does the work; llama-server, which a deployment runs on another
+            # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
+            # its spinning threads would spend the quota the rpc-server is measured by).
+            placement = [*placement, "-t", "1", "--poll", "0"]
+        return await timed_run(ctx, procs, build, paths[model.name], model, placement, workdir, label)
+
+    # The deep model, its context and compute buffers, and llama-server beside it on the same node.
+    needed = int(1.5 * deep.size_bytes)
+    small = [d for d in devices if d.free_bytes < needed]
+    for device in small:
+        await ctx.log(
+            f"{device.name} has {device.free_bytes / 1e6:.0f} MB free; the calibration needs about "
+            f"{needed / 1e6:.0f} MB: not measured (its figure stays as it was)"
+        )
+    devices = [d for d in devices if d.free_bytes >= needed]
+    if not devices:
+        raise JobFailed(
+            f"No device of {node.name} has the {needed / 1e6:.0f} MB free that the calibration models need."
+        )
+    try:
+        for device in devices:
+            rpc_pid, rpc_log = await _start_rpc_server(
+                ctx, procs, build, node.rpc_bind_host, port, device.name, workdir
+            )
+            endpoint = f"{node.rpc_endpoint_host}:{port}"
+            through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
+            label = f"{device.name} through ggml-rpc-server"
+            runs = [await run(model, through, label) for model in (shallow, deep)]
+            if link is None:
+                link = await _measure_link(ctx, node, port)
+            if results["hop"] is None:
+                results["hop"] = await _fixed_costs(
+                    ctx, procs, build, run, tiny, device.name, endpoint, workdir
+                )
+            await procs.end(rpc_pid)
+            await ctx.transport.run(["rm", "-f", rpc_log], timeout=30)
+            line = fit(*runs)
+            results["devices"][device.name] = {
+                "runs": [asdict(r) for r in runs],
+                "bandwidth_gbs": _gbs(line.bandwidth_bps),
+                "overhead_ms": _ms(line.fixed_s),
+            }
+        if (node.may_coordinate or node.is_local) and "CPU" in results["devices"]:
+            # A coordinator's own CPU computes inside llama-server (its threads, not an rpc-server's).
+            alone = ["--device", "none", "-ngl", "0"]
+            label = "CPU inside llama-server"
+            local_runs = [await run(model, alone, label) for model in (shallow, deep)]
+            local = fit(*local_runs)
+            results["local"] = {
+                "runs": [asdict(r) for r in local_runs],
+                "bandwidth_gbs": _gbs(local.bandwidth_bps),
+                "overhead_ms": _ms(local.fixed_s),
+            }
+    finally:
+        await procs.end_all()
+    results["link"] = asdict(link) if link else None
+    summary = await sync_to_async(store)(node, results)
+    for line in summary:
+        await ctx.log(line)
+    return "; ".join(summary)
+
+
+async def _measure_link(ctx, node, port: int) -> rpc_link.LinkFigures | None:
+    host = node.rpc_endpoint_host
+    try:
+        figures = await rpc_link.measure_link(host, port)
+    except rpc_link.LinkError as exc:
+        await ctx.log(f"link to {host}:{port} not measured: {exc}")
+        return None
+    await ctx.log(
+        f"link console → {host}:{port}: connect {figures.connect_ms:.2f} ms, RPC round trip "
+        f"{figures.rtt_ms} ms (best {figures.rtt_min_ms}), {figures.throughput_mbs} MB/s "
+        f"(protocol {figures.protocol})"
+    )
+    return figures
+
+
+def store(node, results: dict) -> list[str]:
+    """Write the figures to the node and its devices in one transaction; one summary line per figure.
+
+    The fixed costs come from the tiny model's runs (`_fixed_costs`)."""
+    from nodes.models import Node
+
+    lines = []
+    fixed = results.get("hop") or {}
+    hop, overhead, pipeline = fixed.get("hop_ms"), fixed.get("pass_ms"), fixed.get("pipeline_ms")
+    local = results.get("local") or {}
+    link = results.get("link") or {}
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        for device in locked.devices.all():
+            figures = results["devices"].get(device.name)
+            if figures is None:
+                continue
+            bandwidth = figures["bandwidth_gbs"]
+            device.record_measurement(
+                bandwidth_gbs=bandwidth,
+                overhead_ms=figures["overhead_ms"],
+                local_bandwidth_gbs=local.get("bandwidth_gbs") if device.name == "CPU" else None,
+            )
+            table = f" (table {device.bandwidth_gbs:g})" if device.bandwidth_gbs else ""
+            if bandwidth is None:
+                lines.append(f"{device.name}: too fast to tell apart with the calibration models{table}")
+            else:
+                lines.append(f"{device.name}: {bandwidth:.1f} GB/s{table}")
+            if device.name == "CPU" and local.get("bandwidth_gbs"):
+                lines.append(f"CPU inside llama-server: {local['bandwidth_gbs']:.1f} GB/s")
+        locked.calibrated_at = timezone.now()
+        locked.pass_overhead_ms = overhead
+        locked.rpc_hop_ms = hop
+        locked.pipeline_overhead_ms = pipeline
+        locked.link_rtt_ms = link.get("rtt_ms")
+        locked.link_throughput_mbs = link.get("throughput_mbs")
+        locked.calibration = results
+        locked.save(
+            update_fields=[
+                "calibrated_at",
+                "pass_overhead_ms",
+                "rpc_hop_ms",
+                "pipeline_overhead_ms",
+                "link_rtt_ms",
+                "link_throughput_mbs",
+                "calibration",
+            ]
+        )
+    if overhead is not None:
+        lines.append(
+            f"pass {overhead:.2f} ms per token, RPC hop {hop or 0:.2f} ms, "
+            f"split across servers {pipeline or 0:.2f} ms"
+        )
+    if link.get("rtt_ms") is not None:
+        lines.append(f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s")
+    return lines
+
+
+def start_calibration(node, *, user=None):
+    """Queue a calibration of `node` unless one is already queued or running; the job, or None."""
+    from jobs.models import Job, JobKind
+    from jobs.runner import enqueue
+    from nodes.models import Node
+
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(pk=node.pk).first()
+        if Job.objects.active().filter(node=node, kind=JobKind.CALIBRATE).exists():
+            return None
+        job = Job.objects.create(
+            kind=JobKind.CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user
+        )
+        enqueue(job)
+    return job
