@@ -347,6 +347,7 @@ class Problem:
     def pool_used(self, cpu_bytes: int, gpu_bytes: int) -> bool:
         """Whether the CPU's and the unified GPU's bytes fit their shared pool (always, without one)."""
         return self.pool_slot is None or cpu_bytes + gpu_bytes <= self.pool_capacity
+
     # The coordinator's fixed cost of one decode pass, paid by every split alike.
     fixed_s: float = 0.0
     # What pipeline parallelism adds per token, paid by the splits that turn it on.
