@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 from jobs.transport import TransportError, shell_join
 
 from . import gguf_profile
 
 if TYPE_CHECKING:
-    from jobs.runner import JobContext
+    from jobs.context import JobContext
 
 # The first read of a header; it grows (×4) only for headers larger than that (big vocabularies).
 HEAD_FIRST_READ = 256 * 1024

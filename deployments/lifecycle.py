@@ -21,7 +21,7 @@ from deployments import llamacpp
 from deployments.build_job import protocol_mismatch
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
 from jobs.audit import record
-from jobs.models import Job, JobKind, JobState
+from jobs.models import Job, JobState
 from nodes.models import Build, Node
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def create_launch_steps(deployment: Deployment) -> None:
             deployment,
             order,
             "reap",
-            JobKind.REAP,
+            "reap",
             worker.node,
             f"Reap port {worker.port} on {worker.node}",
             ports=[worker.port],
@@ -135,7 +135,7 @@ def create_launch_steps(deployment: Deployment) -> None:
         deployment,
         order,
         "reap",
-        JobKind.REAP,
+        "reap",
         coordinator,
         f"Reap port {deployment.port} on {coordinator}",
         ports=[deployment.port],
@@ -153,7 +153,7 @@ def create_launch_steps(deployment: Deployment) -> None:
             deployment,
             order,
             "rpc-server",
-            JobKind.LAUNCH,
+            "launch",
             worker.node,
             f"Start ggml-rpc-server on {worker.node}:{worker.port}",
             step="rpc-server",
@@ -169,7 +169,7 @@ def create_launch_steps(deployment: Deployment) -> None:
         ("measure", "Measure decode and prompt speed"),
     ):
         order += 1
-        _add_step(deployment, order, step, JobKind.LAUNCH, coordinator, title, step=step)
+        _add_step(deployment, order, step, "launch", coordinator, title, step=step)
 
 
 def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
@@ -322,7 +322,7 @@ def _stop_jobs(deployment: Deployment, name: str) -> list[Job]:
                 deployment,
                 order + offset,
                 name,
-                JobKind.STOP,
+                "stop",
                 nodes[node_name],
                 f"{'Roll back' if name == 'rollback' else 'Stop'} on {node_name}",
                 processes=processes,

@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from deployments import placement
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 from nodes.listeners import redact_cmdline
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"

@@ -18,8 +18,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from jobs import audit
-from jobs.models import Job, JobKind
-from jobs.runner import enqueue
+from jobs.models import Job
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
@@ -253,7 +252,7 @@ def _build_page(request, node: Node, form: BuildForm):
         {
             "node": node,
             "builds": node.builds.all()[:20],
-            "jobs": Job.objects.filter(node=node, kind=JobKind.BUILD)[:10],
+            "jobs": Job.objects.filter(node=node, kind="build")[:10],
             "form": form,
             "can_operate": can_operate(request.user),
         },
@@ -284,14 +283,14 @@ def node_build_start(request, name: str):
     # The job, its audit entry and the enqueue (on commit) happen together or not at all.
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.BUILD,
+            kind="build",
             node=node,
             title=f"Build llama.cpp on {node.name} ({params['source']})",
             params=params,
             created_by=request.user,
         )
         audit.record(request, "build.requested", node, changes=params)
-        enqueue(job)
+        job.enqueue()
     return redirect(job.get_absolute_url())
 
 
@@ -317,7 +316,7 @@ def stale_reap(request, pk: int):
     stale = get_object_or_404(StaleProcess.objects.select_related("node"), pk=pk)
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.REAP,
+            kind="reap",
             node=stale.node,
             title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
             # The PID too: the reap ends that process only, never whatever holds the port by now.
@@ -327,5 +326,5 @@ def stale_reap(request, pk: int):
         audit.record(
             request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
         )
-        enqueue(job)
+        job.enqueue()
     return redirect(job.get_absolute_url())

@@ -17,8 +17,8 @@ import httpx
 from django.utils import timezone
 
 from deployments.reaper import Holder, find_holders
+from jobs.aio import run_to_completion
 from jobs.audit import record
-from jobs.runner import run_to_completion
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 

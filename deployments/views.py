@@ -15,8 +15,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from jobs import audit
-from jobs.models import Job, JobKind
-from jobs.runner import enqueue
+from jobs.models import Job
 from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
@@ -196,14 +195,14 @@ def model_download(request):
     node, params = form.cleaned_data["node"], form.params()
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.DOWNLOAD,
+            kind="download",
             node=node,
             title=f"Download {params['name']} onto {node.name}"[:200],
             params=params,
             created_by=request.user,
         )
         audit.record(request, "model.download", job, changes={"node": node.name, **params})
-        enqueue(job)
+        job.enqueue()
     return redirect(job.get_absolute_url())
 
 

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
 from django.db import connections, models, router, transaction
 from django.db.models import F, Q
 from django.urls import reverse
 from django.utils import timezone
 
+from . import kinds
 
-class JobKind(models.TextChoices):
-    PROBE = "probe", "Hardware probe"
-    BUILD = "build", "Build llama.cpp"
-    REAP = "reap", "Reap stale processes"
-    LAUNCH = "launch", "Launch"
-    STOP = "stop", "Stop"
-    BENCHMARK = "benchmark", "Benchmark"
-    COMMAND = "command", "Command"
-    DOWNLOAD = "download", "Download model"
+logger = logging.getLogger(__name__)
+
+# The Celery task that runs a job (jobs/tasks.py), sent by name so this module needs no import of it.
+RUN_TASK = "jobs.tasks.run_job"
 
 
 class JobState(models.TextChoices):
@@ -47,7 +45,13 @@ class JobQuerySet(models.QuerySet):
 
 
 class Job(models.Model):
-    kind = models.CharField(max_length=20, choices=JobKind.choices)
+    # Kinds are registered by the apps that own them (jobs/kinds.py): a new kind needs no migration.
+    kind = models.CharField(max_length=20, choices=kinds.choices)
+    # A step of a larger job (a deployment run's reap, rpc_server, ...): run by its parent's body through
+    # `ctx.run_child`, never sent to a worker of its own.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children"
+    )
     node = models.ForeignKey(
         "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
     )
@@ -67,6 +71,13 @@ class Job(models.Model):
     result = models.CharField(max_length=500, blank=True, help_text="One line a person can act on.")
     # Bookkeeping for the runner and the sweeper of lost jobs.
     worker = models.CharField(max_length=200, blank=True)
+    # The PID of the process running the job on the worker's host (a prefork child): a redelivery on the
+    # same host can tell at once that the run it finds is dead.
+    runner_pid = models.PositiveIntegerField(null=True, blank=True)
+    # When the task message was last sent, and how often: the sweeper sends again a job whose message
+    # was lost (a Redis restart, a failed publish) and gives up after a few tries.
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    enqueue_count = models.PositiveSmallIntegerField(default=0)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     remote_pid = models.IntegerField(null=True, blank=True)
     cancel_requested = models.BooleanField(default=False)
@@ -79,6 +90,10 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_kind_display()} #{self.pk} on {self.node_name or 'console'}"
+
+    @property
+    def kind_spec(self) -> kinds.Kind | None:
+        return kinds.get(self.kind)
 
     def get_absolute_url(self) -> str:
         return reverse("jobs:detail", args=[self.pk])
@@ -105,13 +120,40 @@ class Job(models.Model):
     # State changes. Each is a conditional UPDATE so a redelivered task or a racing sweeper cannot
     # move a job backwards; each returns whether it changed anything.
 
-    def mark_running(self, worker: str = "") -> bool:
+    def enqueue(self) -> None:
+        """Send the job to a worker once the transaction that created it commits (at once outside one).
+
+        A message that cannot be sent (the broker is away) is logged, not raised: the job stays queued
+        and the sweeper sends it again.
+        """
+        if self.parent_id:
+            raise ValueError(f"Job {self.pk} is a step of job {self.parent_id}: its parent runs it.")
+        transaction.on_commit(self.send_to_worker)
+
+    def send_to_worker(self) -> bool:
+        """Publish the run task now, on the kind's queue; True when the broker took it."""
+        from ramdeck_site.celery import app
+
+        Job.objects.filter(pk=self.pk).update(
+            enqueued_at=timezone.now(), enqueue_count=F("enqueue_count") + 1
+        )
+        try:
+            app.send_task(RUN_TASK, args=[self.pk], queue=kinds.queue_for(self.kind))
+        except Exception as exc:  # noqa: BLE001 - any broker failure: the sweeper sends it again.
+            logger.warning(
+                "Job %s: could not send it to a worker (%s); the sweeper will retry.", self.pk, exc
+            )
+            return False
+        return True
+
+    def mark_running(self, worker: str = "", runner_pid: int | None = None) -> bool:
         now = timezone.now()
         changed = Job.objects.filter(pk=self.pk, state=JobState.QUEUED).update(
-            state=JobState.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+            state=JobState.RUNNING, started_at=now, heartbeat_at=now, worker=worker, runner_pid=runner_pid
         )
         if changed:
             self.state, self.started_at, self.heartbeat_at, self.worker = JobState.RUNNING, now, now, worker
+            self.runner_pid = runner_pid
         return bool(changed)
 
     def finish(self, state: str, *, exit_code: int | None = None, result: str = "") -> bool:
@@ -137,10 +179,17 @@ class Job(models.Model):
             state=JobState.CANCELLED, finished_at=now, result=result
         ):
             self.state, self.finished_at, self.result = JobState.CANCELLED, now, result
+            self.skip_queued_children("Skipped: the job was cancelled before it started.")
             return True
         changed = Job.objects.filter(pk=self.pk, state=JobState.RUNNING).update(cancel_requested=True)
         self.cancel_requested = self.cancel_requested or bool(changed)
         return bool(changed)
+
+    def skip_queued_children(self, reason: str) -> int:
+        """Steps that never began never will (the parent ended): cancelled, with the reason."""
+        return Job.objects.filter(parent_id=self.pk, state=JobState.QUEUED).update(
+            state=JobState.CANCELLED, finished_at=timezone.now(), result=reason[:500]
+        )
 
     def touch(self) -> None:
         self.heartbeat_at = timezone.now()

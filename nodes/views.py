@@ -10,12 +10,12 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs import audit
-from jobs.models import Job, JobKind
+from jobs.models import Job
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
 from .forms import CredentialForm, NodeFilterForm, NodeForm
 from .models import Credential, Node, Reachability
-from .probe_job import start_probe
+from .probe_job import PROBE, start_probe
 
 
 def _get_node(name: str) -> Node:
@@ -27,7 +27,7 @@ def hardware_context(node: Node) -> dict:
     return {
         "node": node,
         "devices": node.devices.all(),
-        "active_probe": Job.objects.active().filter(node=node, kind=JobKind.PROBE).first(),
+        "active_probe": Job.objects.active().filter(node=node, kind=PROBE).first(),
     }
 
 

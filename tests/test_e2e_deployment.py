@@ -25,7 +25,7 @@ from deployments.build_job import file_sha256
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import AuditEvent, Job, JobKind, JobLogLine, JobState
+from jobs.models import AuditEvent, Job, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
     TARBALL,
@@ -116,7 +116,7 @@ class Cluster:
         for node in self.nodes:
             job = run(
                 Job.objects.create(
-                    kind=JobKind.BUILD,
+                    kind="build",
                     node=node,
                     created_by=self.operator,
                     params={"source": "tarball", "tarball": str(TARBALL)},

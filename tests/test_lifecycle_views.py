@@ -7,7 +7,7 @@ from django.urls import reverse
 
 from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState, ModelFile
-from jobs.models import AuditEvent, Job, JobKind
+from jobs.models import AuditEvent, Job
 from nodes.models import Build, BuildSource
 from tests.factories import NodeFactory
 
@@ -144,18 +144,19 @@ def tarball_dir(tmp_path, settings):
 
 
 def test_an_operator_starts_a_build_from_a_tarball_of_the_tarball_folder(
-    operator_client, monkeypatch, tarball_dir
+    operator_client, monkeypatch, tarball_dir, django_capture_on_commit_callbacks
 ):
     node = NodeFactory(name="old-pc")
     started = []
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: started.append(job.pk))
     page = operator_client.get(reverse("deployments:node_builds", args=[node.name])).content.decode()
     assert 'value="llama.cpp-b6800.tar.gz"' in page
-    response = operator_client.post(
-        reverse("deployments:node_build_start", args=[node.name]),
-        {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
-    )
-    job = Job.objects.get(kind=JobKind.BUILD)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(
+            reverse("deployments:node_build_start", args=[node.name]),
+            {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
+        )
+    job = Job.objects.get(kind="build")
     assert response.url == job.get_absolute_url()
     assert job.params["source"] == "tarball"
     assert job.params["tarball"] == str(tarball_dir / "llama.cpp-b6800.tar.gz")
@@ -182,7 +183,7 @@ def test_a_build_job_refuses_a_tarball_outside_the_folder(tarball_dir):
     import asyncio
 
     from deployments.build_job import _tarball_tree
-    from jobs.runner import JobFailed
+    from jobs.context import JobFailed
 
     with pytest.raises(JobFailed, match="only folder builds may upload from"):
         asyncio.run(_tarball_tree(None, {}, "/tmp/root", {"tarball": "/etc/passwd"}))
@@ -228,7 +229,7 @@ def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
 ):
     node = NodeFactory(name="old-pc")
     started = []
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: started.append(job.pk))
     _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(AuditDown):
         operator_client.post(
@@ -262,12 +263,12 @@ def test_a_redeploy_whose_audit_fails_leaves_no_new_deployment(deployment, no_en
 def test_the_reap_button_names_the_pid_it_may_end(operator_client, monkeypatch):
     from deployments.models import StaleProcess
 
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: None)
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
     stale = StaleProcess.objects.create(
         node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
     )
     operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
-    assert Job.objects.get(kind=JobKind.REAP).params == {"ports": [50052], "pid": 4242}
+    assert Job.objects.get(kind="reap").params == {"ports": [50052], "pid": 4242}
 
 
 def test_the_api_key_button_is_a_real_link_that_works_without_javascript(operator_client, deployment):

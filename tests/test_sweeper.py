@@ -116,11 +116,10 @@ def test_a_live_worker_with_a_fresh_heartbeat_is_not_swept(local_node):
 
 
 def test_a_lost_launch_keeps_its_daemon_running_as_adopted(local_node, orphans):
-    from jobs.models import JobKind
 
     daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
     orphans.append(daemon.pid)
-    job = Job.objects.create(kind=JobKind.LAUNCH, node=local_node)
+    job = Job.objects.create(kind="launch", node=local_node)
     job.mark_running(worker="gone@nowhere")
     job.record_remote_pid(daemon.pid)
     assert sweeper.sweep(stale_after=0, alive=set()) == [job.pk]
