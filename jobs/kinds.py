@@ -2,8 +2,9 @@
 
 A kind names its body (`async def body(ctx: JobContext) -> str`, see jobs/context.py), the Celery queue its
 jobs go to, and what becomes of a job whose worker is lost: its recorded process is ended, or adopted
-when it is a daemon meant to outlive the job; `on_lost` lets the owning app react (a deployment whose run
-was lost rolls back and fails). This module imports nothing of the apps above it.
+when it is a daemon meant to outlive the job. `on_end` lets the owning app react whenever a job of the
+kind ends, lost ones included (a deployment run that was lost rolls back and fails the deployment). This
+module imports nothing of the apps above it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class Kind:
     # The job's process is a daemon meant to outlive it (ggml-rpc-server, llama-server): when the job is
     # lost, the process is left running (adopted) instead of ended. A job's params["adopt_on_loss"] wins.
     adopt_on_loss: bool = False
-    # Called (dotted path or function, with the Job) after a lost job was marked errored.
-    on_lost: str | Callable[[Job], Any] | None = None
+    # Called (dotted path or function, with the Job, in synchronous code) after a job of this kind ended,
+    # by its runner or, when it was lost, by the sweeper.
+    on_end: str | Callable[[Job], Any] | None = None
     # Whether the body acts on the node itself; a parent that only runs children opens no connection.
     needs_transport: bool = True
     # Seconds a job of this kind may run; None: RAMDECK_JOB_TIME_LIMIT_S.
@@ -45,9 +47,9 @@ class Kind:
     def resolve_body(self) -> Body:
         return import_string(self.body) if isinstance(self.body, str) else self.body
 
-    def lost(self, job: Job) -> None:
-        if self.on_lost is not None:
-            hook = import_string(self.on_lost) if isinstance(self.on_lost, str) else self.on_lost
+    def ended(self, job: Job) -> None:
+        if self.on_end is not None:
+            hook = import_string(self.on_end) if isinstance(self.on_end, str) else self.on_end
             hook(job)
 
 

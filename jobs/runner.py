@@ -99,6 +99,9 @@ def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int
         if ctx.stop_reason.startswith("The job ran past its time limit"):
             return JobState.ERRORED, ctx.last_exit_status, ctx.stop_reason, []
         return JobState.CANCELLED, ctx.last_exit_status, "Cancelled by an operator.", []
+    if isinstance(exc, JobCancelled):
+        # The body itself found that its work is no longer wanted (say, the deployment is being stopped).
+        return JobState.CANCELLED, ctx.last_exit_status, str(exc) or "Cancelled.", []
     if isinstance(exc, JobFailed):
         return JobState.FAILED, exc.exit_code, exc.reason, []
     if isinstance(exc, CommandTimeout):
@@ -149,6 +152,12 @@ async def _finish(job: Job, writer: LogWriter, state: str, exit_code, result: st
         logger.warning("Job %s was already finished elsewhere (lost-job sweeper?); kept that state.", job.pk)
     # Steps the body never reached never will run.
     await db(job.skip_queued_children)(f"Skipped: {job} ended ({JobState(job.state).label.lower()}).")
+    kind = kinds.get(job.kind)
+    if kind is not None and kind.on_end is not None:
+        try:
+            await db(kind.ended)(job)
+        except Exception:
+            logger.exception("Job %s: the %s kind's on_end hook failed.", job.pk, job.kind)
 
 
 async def _run_child(parent: JobContext, child: Job) -> Job:

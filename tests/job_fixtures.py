@@ -5,6 +5,7 @@ Import the fixtures by name in a test module (`from tests.job_fixtures import lo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -48,18 +49,22 @@ def channel_layer(settings):
 
 @pytest.fixture
 def job_kind():
-    """Register a job kind for this test only: `job_kind(name, body, **options)`."""
+    """Register a job kind for this test only (`job_kind(name, body, **options)`); a kind registered
+    before is put back afterwards."""
     from jobs import kinds
 
-    added: list[str] = []
+    replaced: dict[str, kinds.Kind | None] = {}
 
     def register(name: str, body, **options):
-        added.append(name)
-        return kinds.register(name, name.replace("-", " ").capitalize(), body, **options)
+        replaced.setdefault(name, kinds.get(name))
+        label = kinds.get(name).label if kinds.get(name) else name.replace("-", " ").capitalize()
+        return kinds.register(name, label, body, **options)
 
     yield register
-    for name in added:
+    for name, previous in replaced.items():
         kinds.unregister(name)
+        if previous is not None:
+            kinds.register(**dataclasses.asdict(previous))
 
 
 @pytest.fixture

@@ -53,8 +53,14 @@ def deployment(operator_user):
 
 @pytest.fixture
 def no_enqueue(monkeypatch):
+    """Jobs the test would send to a worker, as (kind, deployment pk); nothing is sent."""
     calls = []
-    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+
+    def send(job) -> bool:
+        calls.append((job.kind, job.params.get("deployment")))
+        return True
+
+    monkeypatch.setattr(Job, "send_to_worker", send)
     return calls
 
 
@@ -104,7 +110,7 @@ def test_stopping_a_running_deployment_is_audited_and_enqueued(
     assert response.status_code == 302
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPING
-    assert no_enqueue == [("stop", deployment.pk)]
+    assert no_enqueue == [("undeploy", deployment.pk)]
     assert AuditEvent.objects.get(action="deployment.stop").actor.username == "oscar-operator"
 
 
