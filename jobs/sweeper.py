@@ -7,7 +7,7 @@ hostname also declares lost every job it owned before it started: whatever ran t
 becomes `errored` ("worker lost"), and so do its running steps; the process it recorded (`remote_pid`) is
 ended through the node's transport, unless the job's kind leaves daemons it started running on purpose
 (adoption), in which case the process is left alone and the log says so. Then the kind's `on_lost` hook
-tells the app that owns it (jobs/kinds.py).
+tells the app that owns it (`on_end`, jobs/kinds.py).
 
 A queued job whose task message is in no queue of the broker (a Redis restart, a publish that failed) is
 sent again; one that stays queued past `RAMDECK_QUEUED_GIVE_UP_S` is errored ("never started") instead.
@@ -78,20 +78,57 @@ def sweep(
         alive = alive_workers()
     lost = []
     for job in suspects:
-        age = (now - (job.heartbeat_at or job.started_at or job.created_at)).total_seconds()
-        worker_gone = alive is None or job.worker not in alive
-        if not worker_gone and runner_died_here(job):
-            why = f"the process running it on {job.worker} (PID {job.runner_pid}) died"
-        elif worker_gone or age > hopeless_after:
-            why = f"worker {job.worker or '?'} stopped answering" if worker_gone else "its runner stopped"
-        else:
-            continue
         job.refresh_from_db(fields=["state"])  # A parent swept just before may have taken its steps along.
-        if job.state == JobState.RUNNING and abandon(
-            job, f"Worker lost: {why} (no heartbeat for {age:.0f} s)."
-        ):
+        if job.state != JobState.RUNNING:
+            continue
+        reason = lost_reason(
+            job, alive=alive, stale_after=stale_after, hopeless_after=hopeless_after, now=now
+        )
+        if reason and abandon(job, reason):
             lost.append(job.pk)
     return lost
+
+
+def lost_reason(
+    job: Job,
+    *,
+    alive: set[str] | None,
+    stale_after: float = STALE_AFTER_S,
+    hopeless_after: float = HOPELESS_AFTER_S,
+    now: datetime | None = None,
+) -> str:
+    """Why a running job is lost ("" when it is not): a stale heartbeat, and a worker that does not answer
+    (`alive` is None when nobody could be asked), or a runner process on this host that is gone, or a
+    heartbeat too old for any live worker to explain."""
+    now = now or timezone.now()
+    age = (now - (job.heartbeat_at or job.started_at or job.created_at)).total_seconds()
+    if age < stale_after:
+        return ""
+    worker_gone = alive is None or job.worker not in alive
+    if not worker_gone and runner_died_here(job):
+        why = f"the process running it on {job.worker} (PID {job.runner_pid}) died"
+    elif worker_gone or age > hopeless_after:
+        why = f"worker {job.worker or '?'} stopped answering" if worker_gone else "its runner stopped"
+    else:
+        return ""
+    return f"Worker lost: {why} (no heartbeat for {age:.0f} s)."
+
+
+def is_lost(job: Job, *, stale_after: float = STALE_AFTER_S) -> bool:
+    """One job, checked now (a caller waiting for it): is it running with nobody running it?"""
+    job.refresh_from_db()
+    if job.state != JobState.RUNNING:
+        return False
+    age = (timezone.now() - (job.heartbeat_at or job.started_at or job.created_at)).total_seconds()
+    if age < stale_after:
+        return False
+    return bool(lost_reason(job, alive=alive_workers(), stale_after=stale_after))
+
+
+def sweep_one(job: Job, *, stale_after: float = STALE_AFTER_S) -> bool:
+    """Declare one job lost if it is; True when it was."""
+    reason = lost_reason(job, alive=alive_workers(), stale_after=stale_after)
+    return bool(reason) and abandon(job, reason)
 
 
 def sweep_own_jobs(hostname: str, started_before: datetime) -> list[int]:
@@ -155,9 +192,9 @@ def abandon(job: Job, reason: str) -> bool:
     kind = kinds.get(job.kind)
     if kind is not None:
         try:
-            kind.lost(job)
+            kind.ended(job)
         except Exception:  # noqa: BLE001 - the job is marked; the hook's failure must not stop the sweep.
-            logger.exception("Job %s: the %s kind's on_lost hook failed.", job.pk, job.kind)
+            logger.exception("Job %s: the %s kind's on_end hook failed.", job.pk, job.kind)
     return True
 
 
