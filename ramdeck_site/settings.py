@@ -219,6 +219,15 @@ CELERY_BEAT_SCHEDULE: dict = {}  # Filled by ramdeck_site/celery.py from the int
 # probe, the monitor and the sweeper). jobs/kinds.py says which kind goes where.
 CELERY_TASK_DEFAULT_QUEUE = env_str("RAMDECK_WORK_QUEUE", "celery")
 RAMDECK_CONTROL_QUEUE = env_str("RAMDECK_CONTROL_QUEUE", "control")
+CELERY_TASK_ROUTES = {
+    name: {"queue": RAMDECK_CONTROL_QUEUE}
+    for name in (
+        "jobs.tasks.sweep_lost_jobs",
+        "nodes.tasks.probe_all_nodes",
+        "deployments.tasks.check_deployments",
+        "deployments.tasks.scan_stale",
+    )
+}
 # A queued job whose task message is in no queue after this long is sent again (jobs/sweeper.py); one
 # still queued after the second figure is errored as never started.
 RAMDECK_QUEUED_RESEND_AFTER_S = env_int("RAMDECK_QUEUED_RESEND_AFTER_S", 120, minimum=5)

@@ -163,9 +163,12 @@ def test_compose_file_runs_the_console_on_postgres_and_redis_from_one_image():
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services_ = compose["services"]
-    assert {"postgres", "redis", "web", "worker", "beat"} <= set(services_)
+    assert {"postgres", "redis", "web", "worker", "control", "beat"} <= set(services_)
     assert services_["web"]["ports"] == ["8000:8000"]
-    for name in ("worker", "beat"):
+    # Long work and control work each have a worker of their own, on the queues the settings name.
+    worker, control = services_["worker"]["command"], services_["control"]["command"]
+    assert worker[worker.index("-Q") + 1] == "celery" and control[control.index("-Q") + 1] == "control"
+    for name in ("worker", "control", "beat"):
         assert services_[name]["build"] == services_["web"]["build"] == "."
         assert services_[name]["environment"] == services_["web"]["environment"]
     env = services_["web"]["environment"]
