@@ -304,7 +304,7 @@ async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
 def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
     from django.db import IntegrityError, transaction
 
-    from jobs import audit
+    from audit import history
 
     from .models import ModelFile
 
@@ -320,7 +320,7 @@ def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
                 profile=profile,
                 created_by=job.created_by,
             )
-            audit.record(
+            history.record(
                 job.created_by,
                 "model.register",
                 model,

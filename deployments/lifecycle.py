@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 from django.db import transaction
 
+from audit.history import record
 from deployments import llamacpp
 from deployments.build_job import protocol_mismatch
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
-from jobs.audit import record
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState
 from nodes.models import Build, Node

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from audit.history import record
 from deployments.lifecycle import (
     MAX_UNDEPLOY_RUNS,
     MID_DEPLOY_STATES,
@@ -31,7 +32,6 @@ from deployments.lifecycle import (
 from deployments.models import Deployment, DeploymentState
 from jobs import sweeper
 from jobs.aio import db
-from jobs.audit import record
 from jobs.context import JobCancelled, JobContext, JobFailed
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState

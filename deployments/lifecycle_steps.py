@@ -66,7 +66,7 @@ async def load_deployment(ctx):
 
 
 def _audit(job, action: str, obj, changes: dict) -> None:
-    from jobs.audit import record
+    from audit.history import record
 
     record(job.created_by, action, obj, changes=changes, actor_name="" if job.created_by_id else "console")
 

@@ -17,7 +17,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
-from jobs import audit
+from audit import history
 from jobs.models import Job
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
@@ -125,7 +125,7 @@ def deployment_api_key(request, pk: int):
     """The API key, for operators only; every reveal is audited."""
     deployment = _get_deployment(pk)
     key = deployment.api_key() if deployment.api_key_encrypted else ""
-    audit.record(request, "deployment.api_key_viewed", deployment)
+    history.record(request, "deployment.api_key_viewed", deployment)
     context = {"deployment": deployment, "api_key": key, "endpoint": endpoint_url(deployment)}
     template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
     return render(request, template, context)
@@ -289,7 +289,7 @@ def node_build_start(request, name: str):
             params=params,
             created_by=request.user,
         )
-        audit.record(request, "build.requested", node, changes=params)
+        history.record(request, "build.requested", node, changes=params)
         job.enqueue()
     return redirect(job.get_absolute_url())
 
@@ -323,7 +323,7 @@ def stale_reap(request, pk: int):
             params={"ports": [stale.port], "pid": stale.pid},
             created_by=request.user,
         )
-        audit.record(
+        history.record(
             request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
         )
         job.enqueue()

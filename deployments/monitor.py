@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import httpx
 from django.utils import timezone
 
+from audit.history import record
 from deployments.reaper import Holder, find_holders
 from jobs.aio import run_to_completion
-from jobs.audit import record
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 

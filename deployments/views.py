@@ -14,7 +14,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from jobs import audit
+from audit import history
 from jobs.models import Job
 from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
@@ -176,7 +176,7 @@ def _register(request, name: str, node: Node, path: str, profile: dict) -> Model
             profile=profile,
             created_by=request.user,
         )
-        audit.record(
+        history.record(
             request,
             "model.register",
             model,
@@ -201,7 +201,7 @@ def model_download(request):
             params=params,
             created_by=request.user,
         )
-        audit.record(request, "model.download", job, changes={"node": node.name, **params})
+        history.record(request, "model.download", job, changes={"node": node.name, **params})
         job.enqueue()
     return redirect(job.get_absolute_url())
 
@@ -292,7 +292,7 @@ def plan_confirm(request, pk: int):
             state=DeploymentState.CONFIRMED,
             created_by=request.user,
         )
-        audit.record(
+        history.record(
             request,
             "deployment.confirm",
             deployment,

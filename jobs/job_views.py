@@ -14,9 +14,10 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_POST
 
+from audit import history
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
-from . import audit, broadcast
+from . import broadcast
 from .broadcast import log_line_html, plain_text
 from .forms import JobFilterForm
 from .models import Job, JobLogLine, JobState
@@ -139,7 +140,7 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     if job.is_terminal:
         messages.info(request, f"{job} had already ended ({job.get_state_display().lower()}).")
     elif job.request_cancel():
-        audit.record(request, "job.cancel", job, changes={"state": job.state})
+        history.record(request, "job.cancel", job, changes={"state": job.state})
         if job.state == JobState.CANCELLED:
             # A queued job ends at once; a running one ends when its runner has stopped the process.
             broadcast.send_status_sync(job.pk, job.state)

@@ -10,7 +10,7 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 
-from jobs import audit
+from audit import history
 from jobs.models import Job
 from ramdeck_site.roles import ADMIN, OPERATOR, can_administer, require_role, role_required
 
@@ -79,7 +79,7 @@ def run_command(request: HttpRequest) -> HttpResponse:
                     params=params,
                     created_by=request.user,
                 )
-                audit.record(
+                history.record(
                     request, "job.create", job, changes={"kind": job.kind, "node": node.name, **params}
                 )
                 job.enqueue()

@@ -9,7 +9,7 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs import audit
+from audit import history
 from jobs.models import Job
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
@@ -79,7 +79,7 @@ def node_create(request):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             node = form.save()
-            audit.record(request, "node.create", node, changes=audit.form_changes(form))
+            history.record(request, "node.create", node, changes=history.form_changes(form))
         messages.success(request, f"Node {node.name} added.")
         return redirect(node)
     return render(request, "nodes/node_form.html", {"form": form, "node": None})
@@ -92,7 +92,7 @@ def node_edit(request, name: str):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             node = form.save()
-            audit.record(request, "node.update", node, changes=audit.form_changes(form))
+            history.record(request, "node.update", node, changes=history.form_changes(form))
         messages.success(request, f"Node {node.name} saved.")
         return redirect(node)
     return render(request, "nodes/node_form.html", {"form": form, "node": node})
@@ -107,7 +107,7 @@ def node_delete(request, name: str):
     try:
         with transaction.atomic():
             snapshot = {"address": node.address, "transport": node.transport}
-            audit.record(request, "node.delete", node, changes=snapshot)
+            history.record(request, "node.delete", node, changes=snapshot)
             node.delete()
     except ProtectedError:
         message = f"{node.name} is used by a model or a deployment; remove those first."
@@ -144,10 +144,10 @@ def _credential_form(request, credential: Credential):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             credential = form.save()
-            changes = audit.form_changes(form)
+            changes = history.form_changes(form)
             if form.cleaned_data.get("new_secret") is not None:
                 changes["secret"] = ["(replaced)", "(replaced)"]
-            audit.record(
+            history.record(
                 request, "credential.create" if creating else "credential.update", credential, changes=changes
             )
         messages.success(request, f"Credential {credential.name} saved.")
@@ -161,7 +161,7 @@ def credential_delete(request, pk: int):
     credential = get_object_or_404(Credential, pk=pk)
     try:
         with transaction.atomic():
-            audit.record(request, "credential.delete", credential)
+            history.record(request, "credential.delete", credential)
             credential.delete()
     except ProtectedError:
         messages.error(
@@ -197,7 +197,7 @@ def probe_now(request, name: str):
     with transaction.atomic():
         job = start_probe(node, user=request.user)
         if job is not None:
-            audit.record(request, "node.probe", node, changes={"job": job.pk})
+            history.record(request, "node.probe", node, changes={"job": job.pk})
     if job is None:
         messages.info(request, f"A probe of {node.name} is already queued or running.")
         return redirect(node)
@@ -217,7 +217,7 @@ def approve_host_key(request, name: str):
     with transaction.atomic():
         approved = node.approve_pending_host_key(seen, by=request.user)
         if approved:
-            audit.record(
+            history.record(
                 request,
                 "node.host_key.approve",
                 node,

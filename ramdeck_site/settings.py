@@ -119,9 +119,11 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "axes",
+    # The console's apps, bottom of the import order first (DESIGN.md).
     "ramdeck_site",
-    "nodes",
+    "audit",
     "jobs",
+    "nodes",
     "deployments",
 ]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
-from jobs import views as jobs_views
+from audit.views import audit_list
 from nodes.command_views import run_command
 
 from . import views
@@ -18,7 +18,7 @@ urlpatterns = [
     # Kept under /jobs/: a command is a job, though the form (and its node choices) belongs to nodes.
     path("jobs/new/", run_command, name="run_command"),
     path("jobs/", include("jobs.urls")),
-    path("audit/", jobs_views.audit_list, name="audit"),
+    path("audit/", audit_list, name="audit"),
     path("", include("deployments.urls")),
     path("admin/", admin.site.urls),
 ]

@@ -184,8 +184,8 @@ def _ready(cluster) -> Deployment:
 
 
 def test_a_node_without_a_build_is_refused_by_name(cluster, no_enqueue):
+    from audit.models import AuditEvent
     from deployments.lifecycle import start_deploy
-    from jobs.models import AuditEvent
 
     deployment = _ready(cluster)
     _build(cluster[0])
@@ -285,8 +285,8 @@ def test_stop_is_refused_for_a_deployment_that_is_not_active(cluster, no_enqueue
 def test_a_wildcard_rpc_bind_is_used_audited_and_warned_about(cluster, no_enqueue, client, operator_user):
     from django.urls import reverse
 
+    from audit.models import AuditEvent
     from deployments.lifecycle import start_deploy
-    from jobs.models import AuditEvent
 
     worker = cluster[1]
     worker.rpc_bind_address = "0.0.0.0"

@@ -20,12 +20,13 @@ import httpx
 import pytest
 from django.conf import settings
 
+from audit.models import AuditEvent
 from deployments import lifecycle, monitor, planner
 from deployments.build_job import file_sha256
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import AuditEvent, Job, JobLogLine, JobState
+from jobs.models import Job, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
     TARBALL,

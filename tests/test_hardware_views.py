@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from jobs.models import AuditEvent, Job, JobState
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
 from nodes.models import Reachability
 from tests.factories import DeviceFactory, NodeFactory
 

@@ -13,11 +13,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from audit.models import AuditEvent
 from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState
 from jobs import runner, sweeper
 from jobs.context import JobFailed
-from jobs.models import AuditEvent, Job, JobState
+from jobs.models import Job, JobState
 from tests.job_fixtures import wait_for
 from tests.test_lifecycle_views import deployment, no_enqueue  # noqa: F401 - fixtures
 

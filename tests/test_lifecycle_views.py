@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
+from audit.models import AuditEvent
 from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState, ModelFile
-from jobs.models import AuditEvent, Job
+from jobs.models import Job
 from nodes.models import Build, BuildSource
 from tests.factories import NodeFactory
 
@@ -236,7 +237,7 @@ def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
     node = NodeFactory(name="old-pc")
     started = []
     monkeypatch.setattr(Job, "send_to_worker", lambda job: started.append(job.pk))
-    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.history.record")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(AuditDown):
         operator_client.post(
             reverse("deployments:node_build_start", args=[node.name]),
@@ -251,7 +252,7 @@ def test_a_stale_reap_whose_audit_fails_leaves_no_job(operator_client, monkeypat
     stale = StaleProcess.objects.create(
         node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
     )
-    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.history.record")
     with pytest.raises(AuditDown):
         operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
     assert not Job.objects.exists()

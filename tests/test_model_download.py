@@ -17,10 +17,11 @@ import psutil
 import pytest
 from django.urls import reverse
 
+from audit.models import AuditEvent
 from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs import runner
-from jobs.models import AuditEvent, Job, JobState
+from jobs.models import Job, JobState
 from tests.deploy_fixtures import lab_node
 from tests.job_fixtures import channel_layer, local_node, wait_for  # noqa: F401 - fixtures
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.models import AuditEvent, Job, JobState
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
 from tests.deploy_fixtures import (
     lab_node,
     listeners_in,
