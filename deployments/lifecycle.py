@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from audit.history import record
-from deployments import llamacpp
+from deployments import live, llamacpp
 from deployments.build_job import protocol_mismatch
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
@@ -131,7 +131,7 @@ def _new_run(deployment: Deployment, kind: str, title: str, **params) -> Job:
         kind=kind,
         node=deployment.coordinator,
         title=title[:200],
-        params={"deployment": deployment.pk, **params},
+        params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
         created_by=deployment.created_by,
     )
 
@@ -144,7 +144,7 @@ def add_step(
         parent=parent,
         node=node,
         title=title[:200],
-        params={"deployment": deployment.pk, **params},
+        params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
         created_by=deployment.created_by,
     )
     DeploymentStep.objects.create(deployment=deployment, job=job, name=name, order=order)

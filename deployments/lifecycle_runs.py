@@ -236,7 +236,7 @@ def undeploy_ended(run: Job) -> None:
         return
     if active_run(deployment, UNDEPLOY) is not None:
         return
-    params = {k: v for k, v in run.params.items() if k != "deployment"}
+    params = {k: v for k, v in run.params.items() if k not in ("deployment", "notify")}
     if runs_of(deployment, UNDEPLOY).count() < MAX_UNDEPLOY_RUNS:
         start_undeploy(deployment, **params)
         return

@@ -43,7 +43,8 @@ def _steps(deployment: Deployment) -> list[dict]:
     return rows
 
 
-def _context(request, deployment: Deployment) -> dict:
+def run_context(user, deployment: Deployment) -> dict:
+    """What the run page's live regions show (also rendered by the websocket consumer)."""
     plan = deployment.plan or {}
     predicted = plan.get("predicted_tokens_per_s")
     measured = deployment.measured_decode_tps
@@ -70,7 +71,7 @@ def _context(request, deployment: Deployment) -> dict:
             DeploymentState.VERIFYING,
             DeploymentState.STOPPING,
         ),
-        "can_operate": can_operate(request.user),
+        "can_operate": can_operate(user),
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
@@ -88,7 +89,7 @@ def deployment_run(request, pk: int):
     template = "deployments/lifecycle/run.html"
     if request.htmx and request.htmx.target == "deployment-run":
         template += "#run"
-    return render(request, template, _context(request, deployment))
+    return render(request, template, run_context(request.user, deployment))
 
 
 def _process_rows(deployment: Deployment) -> tuple[list[dict], dict, object]:

@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from ramdeck_site import crypto
 
+from . import live
+
 
 class ModelFile(models.Model):
     """A GGUF model on a node. `profile` is the parsed memory profile (deployments/gguf_profile.py)."""
@@ -134,6 +136,7 @@ class Deployment(models.Model):
             self.state = to_state
             for name, value in fields.items():
                 setattr(self, name, value)
+            live.changed(self.pk)
         return bool(changed)
 
     def mark_preparing(self) -> bool:
@@ -204,6 +207,7 @@ class Deployment(models.Model):
         for name, value in fields.items():
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
+        live.changed(self.pk)
 
     def add_process(self, key: str, info: dict) -> None:
         """Record a process this deployment started (by PID), keeping those other steps recorded: the row
@@ -212,6 +216,7 @@ class Deployment(models.Model):
             current = Deployment.objects.select_for_update().only("processes").get(pk=self.pk)
             self.processes = {**(current.processes or {}), key: info}
             Deployment.objects.filter(pk=self.pk).update(processes=self.processes)
+        live.changed(self.pk)
 
     def store_api_key(self, key: str) -> None:
         self.set_api_key(key)

@@ -143,7 +143,7 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
         history.record(request, "job.cancel", job, changes={"state": job.state})
         if job.state == JobState.CANCELLED:
             # A queued job ends at once; a running one ends when its runner has stopped the process.
-            broadcast.send_status_sync(job.pk, job.state)
+            broadcast.send_status_sync(job.pk, job.state, job.notify_groups)
             messages.success(request, f"{job} was cancelled before it started.")
         else:
             messages.success(request, f"Cancelling {job}: its process is being ended.")

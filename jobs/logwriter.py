@@ -104,4 +104,4 @@ class LogWriter:
                 if attempt == 2:
                     raise
                 await asyncio.sleep(0.5 * (attempt + 1))
-        await broadcast.send_lines(self.job.pk, rows)
+        await broadcast.send_lines(self.job.pk, rows, self.job.notify_groups)

@@ -95,6 +95,13 @@ class Job(models.Model):
     def kind_spec(self) -> kinds.Kind | None:
         return kinds.get(self.kind)
 
+    @property
+    def notify_groups(self) -> list[str]:
+        """Channel groups that hear this job's status and lines besides its own (params["notify"]): the
+        page of what the job is part of, such as a deployment's."""
+        groups = self.params.get("notify") or []
+        return [str(group) for group in groups] if isinstance(groups, list) else []
+
     def get_absolute_url(self) -> str:
         return reverse("jobs:detail", args=[self.pk])
 

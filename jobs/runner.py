@@ -147,7 +147,7 @@ async def _finish(job: Job, writer: LogWriter, state: str, exit_code, result: st
     except Exception:
         logger.exception("Job %s: could not save the last log lines.", job.pk)
     if await db(job.finish)(state, exit_code=exit_code, result=result):
-        await broadcast.send_status(job.pk, job.state)
+        await broadcast.send_status(job.pk, job.state, job.notify_groups)
     else:
         logger.warning("Job %s was already finished elsewhere (lost-job sweeper?); kept that state.", job.pk)
     # Steps the body never reached never will run.
@@ -168,7 +168,7 @@ async def _run_child(parent: JobContext, child: Job) -> Job:
         await db(child.refresh_from_db)()
         await parent.log(f"Step {child.title or child} is {child.state}, not queued: not run again.")
         return child
-    await broadcast.send_status(child.pk, child.state)
+    await broadcast.send_status(child.pk, child.state, child.notify_groups)
     await parent.log(f"Step: {child.title or child} (job {child.pk})")
     await _execute(child)
     await db(child.refresh_from_db)()
@@ -195,7 +195,7 @@ def run_job(job_id: int, *, worker: str = "") -> bool:
     if not job.mark_running(worker=worker or default_worker_name(), runner_pid=os.getpid()):
         logger.info("Job %s is %s, not queued: this delivery does nothing.", job_id, job.state)
         return False
-    broadcast.send_status_sync(job.pk, job.state)
+    broadcast.send_status_sync(job.pk, job.state, job.notify_groups)
     asyncio.run(with_own_db_thread(_execute(job)))
     return True
 

@@ -187,8 +187,8 @@ def abandon(job: Job, reason: str) -> bool:
     if job.remote_pid:
         notes += _deal_with_remote_process(job)
     rows = job.append_lines([(LogStream.SYSTEM, note) for note in notes])
-    broadcast.send_lines_sync(job.pk, rows)
-    broadcast.send_status_sync(job.pk, job.state)
+    broadcast.send_lines_sync(job.pk, rows, job.notify_groups)
+    broadcast.send_status_sync(job.pk, job.state, job.notify_groups)
     kind = kinds.get(job.kind)
     if kind is not None:
         try:
