@@ -252,7 +252,11 @@ def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool =
     lost), so a deployment never stays stopping with its claims held."""
     prior = deployment.state
     with transaction.atomic():
-        if active_run(deployment, UNDEPLOY) is not None:
+        if (current := active_run(deployment, UNDEPLOY)) is not None:
+            if current.state == JobState.QUEUED:
+                # Pressed again while the stop waits: its message may be lost; sending it twice is harmless.
+                transaction.on_commit(current.send_to_worker)
+                return True, "Stopping: the stop was sent to a worker again."
             return False, "A stop or rollback of this deployment is already running."
         if prior != DeploymentState.STOPPING and not deployment.mark_stopping(
             reason="Stopped by an operator."

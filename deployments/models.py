@@ -89,6 +89,9 @@ class Deployment(models.Model):
     port = models.PositiveIntegerField(default=8080, help_text="llama-server --port")
     api_key_encrypted = models.TextField(blank=True, editable=False)
     redeployed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL)
+    # The plan page's one-time token: the same confirm posted twice (a double click, a resent form) finds
+    # the deployment it already made instead of making a second one.
+    confirm_token = models.CharField(max_length=64, null=True, blank=True, unique=True, editable=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

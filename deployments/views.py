@@ -6,10 +6,11 @@ The run of a deployment (deploy, stop, its live steps) is deployments/lifecycle_
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from asgiref.sync import sync_to_async
 from django.contrib import messages
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
@@ -264,6 +265,7 @@ def plan_preview(request, pk: int):
         "plan": plan,
         "error": error,
         "commands": _commands(model, plan) if plan and plan["fits"] else None,
+        "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
     }
     template = "deployments/plan_preview.html"
     if request.htmx:
@@ -282,6 +284,30 @@ def plan_confirm(request, pk: int):
         context = {"model": model, "form": form, "plan": plan, "error": error or "This plan does not fit."}
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
+    token = _confirm_token(request.POST)
+    if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    try:
+        deployment = _confirm(request, model, form, plan, coordinator, token)
+    except IntegrityError:
+        # The same form, posted twice at the same instant: the other request made the deployment.
+        earlier = Deployment.objects.filter(confirm_token=token).first()
+        if token is None or earlier is None:
+            raise
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    messages.success(request, f"Confirmed {deployment.name}.")
+    return redirect(deployment.get_absolute_url())
+
+
+def _confirm_token(data) -> str | None:
+    token = data.get("confirm_token", "")
+    return token if token and len(token) <= 64 and token.isalnum() else None
+
+
+def _confirm(request, model: ModelFile, form: PlanForm, plan: dict, coordinator: Node, token) -> Deployment:
+    """The deployment and its audit entry, together or not at all."""
     with transaction.atomic():
         deployment = Deployment.objects.create(
             name=form.cleaned_data["name"] or f"{model.name} @ {plan['settings']['ctx']}",
@@ -291,6 +317,7 @@ def plan_confirm(request, pk: int):
             plan_settings=plan["settings"],
             state=DeploymentState.CONFIRMED,
             created_by=request.user,
+            confirm_token=token,
         )
         history.record(
             request,
@@ -305,8 +332,7 @@ def plan_confirm(request, pk: int):
                 "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
             },
         )
-    messages.success(request, f"Confirmed {deployment.name}.")
-    return redirect(deployment.get_absolute_url())
+    return deployment
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ the run: heartbeat, cancel, time limit and the final state are its business, not
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,7 @@ class JobContext:
         if echo:
             await self.log("$ " + shell_join(argv))
         captured: list[OutputLine] = []
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
         command = self.transport.command(argv, timeout=timeout, env=env)
         self._command = command
         try:
@@ -89,6 +91,7 @@ class JobContext:
                 if command.pid and command.pid != self._recorded_pid:
                     await self._note_pid(command.pid)
                 await self._writer.write(line.stream, line.text)
+                tail.append(line.text)
                 if capture:
                     captured.append(line)
             status = command.result
@@ -105,7 +108,7 @@ class JobContext:
                 if result.signal
                 else f"exited with status {result.exit_status}"
             )
-            raise JobFailed(f"{argv[0]} {how}.", exit_code=result.exit_status)
+            raise JobFailed(f"{argv[0]} {how}{disk_full_hint(tail)}.", exit_code=result.exit_status)
         return result
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
@@ -175,6 +178,20 @@ class JobContext:
             loop.call_later(grace + 5, _cancel_task, main_task)
         else:
             main_task.cancel()
+
+
+# Lines of a command's output kept to explain its failure.
+TAIL_LINES = 20
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def disk_full_hint(lines) -> str:
+    """ ": the disk is full (...)" when a failed command's last lines say so, else "": a person should read
+    that first, not dig for it in a long log."""
+    for text in reversed(lines):
+        if any(marker in text for marker in _DISK_FULL):
+            return f": the node's disk is full ({text.strip()[:200]})"
+    return ""
 
 
 def _request_child_cancel(child_id: int) -> None:

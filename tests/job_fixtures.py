@@ -103,24 +103,29 @@ class CeleryWorker:
     the jobs and tasks a live server forked afterwards sends land here too.
     """
 
-    def __init__(self, tmp_path: Path, name: str | None = None, *, default_queue: bool = False) -> None:
-        self.queue = f"ramdeck-test-{uuid.uuid4().hex[:10]}"
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str | None = None,
+        *,
+        default_queue: bool = False,
+        queue: str | None = None,
+        consume: tuple[str, ...] = ("work", "control"),
+    ) -> None:
+        # `queue`: share another worker's queues (a second worker, or one that takes over after a crash).
+        self.queue = queue or f"ramdeck-test-{uuid.uuid4().hex[:10]}"
         self.control_queue = f"{self.queue}-control"
+        self.consume = consume
         self._saved_control_queue = None
-        self.name = name or f"{self.queue}@{socket.gethostname()}"
-        self.log_path = tmp_path / f"{self.queue}.log"
+        self.name = name or f"{self.queue}-{'-'.join(consume)}@{socket.gethostname()}"
+        self.log_path = tmp_path / f"{self.name.split('@')[0]}.log"
         self.default_queue = default_queue
         self.process: subprocess.Popen | None = None
 
     def start(self) -> CeleryWorker:
-        from ramdeck_site.celery import app
 
-        if self.default_queue:
-            from django.conf import settings
-
-            app.conf.task_default_queue = self.queue
-            self._saved_control_queue = settings.RAMDECK_CONTROL_QUEUE
-            settings.RAMDECK_CONTROL_QUEUE = self.control_queue
+        if self.default_queue and self._saved_control_queue is None:
+            self.route_here()
         env = {
             **os.environ,
             "DATABASE_URL": database_url(),
@@ -129,7 +134,7 @@ class CeleryWorker:
             "RAMDECK_CONTROL_QUEUE": self.control_queue,
         }
         celery = str(Path(PYTHON).with_name("celery"))
-        queues = f"{self.queue},{self.control_queue}"
+        queues = ",".join(self.queue if kind == "work" else self.control_queue for kind in self.consume)
         argv = [celery, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", queues, "-n", self.name]
         argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:
@@ -139,6 +144,17 @@ class CeleryWorker:
         )
         assert self.process.poll() is None, self.log()
         return self
+
+    def route_here(self) -> None:
+        """Make this worker's queues the console's (before it starts, if the test wants messages waiting)."""
+        from django.conf import settings
+
+        from ramdeck_site.celery import app
+
+        self.default_queue = True
+        app.conf.task_default_queue = self.queue
+        self._saved_control_queue = settings.RAMDECK_CONTROL_QUEUE
+        settings.RAMDECK_CONTROL_QUEUE = self.control_queue
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
