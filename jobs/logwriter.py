@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from django.conf import settings
 from django.db import DatabaseError
 
 from . import broadcast
@@ -21,6 +22,8 @@ FLUSH_LINES = 500
 MAX_BATCH_LINES = 2000
 # A reader this far ahead of the database waits, so a flood of output cannot exhaust memory.
 MAX_PENDING_LINES = 20_000
+# Past the per-job cap (settings), the middle of a log is dropped once this many more lines arrived.
+TRIM_SLACK = 2000
 # A single line longer than this (a binary blob, a minified file) is cut; the rest is not worth a page.
 MAX_LINE_CHARS = 32_768
 
@@ -51,6 +54,7 @@ class LogWriter:
         self._closing = False
         self._error: BaseException | None = None
         self._task: asyncio.Task | None = None
+        self._trimmed_to = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=f"job-{self.job.pk}-log")
@@ -66,13 +70,16 @@ class LogWriter:
             await self._room.wait()
 
     async def close(self) -> None:
-        """Save everything still buffered; raise if saving failed."""
+        """Save everything still buffered (the log cut to the cap); raise if saving failed."""
         self._closing = True
         self._wake.set()
         if self._task is not None:
             await self._task
         if self._error is not None:
             raise self._error
+        cap = settings.RAMDECK_JOB_LOG_MAX_LINES
+        if cap and self.job.next_seq > cap:
+            await db(self.job.trim_log)(cap // 2, cap - cap // 2)
 
     async def _loop(self) -> None:
         try:
@@ -105,3 +112,14 @@ class LogWriter:
                     raise
                 await asyncio.sleep(0.5 * (attempt + 1))
         await broadcast.send_lines(self.job.pk, rows, self.job.notify_groups)
+        await self._trim()
+
+    async def _trim(self) -> None:
+        """Past the per-job cap, drop the middle of the log (saved and sent already), keeping its head
+        and tail; trimmed in steps of TRIM_SLACK lines, not after every batch."""
+        cap = settings.RAMDECK_JOB_LOG_MAX_LINES
+        slack = max(TRIM_SLACK, cap // 10)
+        if not cap or self.job.next_seq < cap + slack or self.job.next_seq - self._trimmed_to < slack:
+            return
+        await db(self.job.trim_log)(cap // 2, cap - cap // 2)
+        self._trimmed_to = self.job.next_seq

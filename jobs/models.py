@@ -234,6 +234,34 @@ class Job(models.Model):
         self.next_seq = end
         return saved
 
+    def trim_log(self, keep_head: int, keep_tail: int) -> int:
+        """Keep the first `keep_head` and the last `keep_tail` lines; the ones between are deleted and one
+        marker line (at the first cut seq) says how many. Returns how many lines were deleted. A job that
+        prints without end cannot fill the database; what matters most (how it started, how it ended) stays.
+        """
+        alias = router.db_for_write(JobLogLine)
+        with transaction.atomic(using=alias):
+            end = Job.objects.using(alias).filter(pk=self.pk).values_list("next_seq", flat=True).get()
+            first, last = keep_head, end - keep_tail - 1
+            if last <= first:
+                return 0
+            lines = JobLogLine.objects.using(alias).filter(job_id=self.pk, seq__gte=first, seq__lte=last)
+            deleted, _ = lines.delete()
+            JobLogLine.objects.using(alias).create(
+                job_id=self.pk,
+                seq=first,
+                stream=LogStream.SYSTEM,
+                text=cut_marker(first, last, keep_head, keep_tail),
+            )
+        return deleted - 1 if deleted else 0
+
+
+def cut_marker(first: int, last: int, keep_head: int, keep_tail: int) -> str:
+    return (
+        f"[… {last - first + 1} lines cut here (lines {first + 1}–{last + 1}): the console keeps the first "
+        f"{keep_head} and the last {keep_tail} lines of a job (RAMDECK_JOB_LOG_MAX_LINES) …]"
+    )
+
 
 class LogStream(models.TextChoices):
     STDOUT = "out", "stdout"

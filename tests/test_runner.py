@@ -266,3 +266,20 @@ def test_enqueue_sends_the_task_only_after_the_transaction_commits(local_node, m
         job.enqueue()
         assert sent == []
     assert sent == [job.pk]
+
+
+def test_a_log_past_the_cap_keeps_its_head_and_tail_and_marks_the_cut(
+    local_node, channel_layer, settings, monkeypatch
+):
+    settings.RAMDECK_JOB_LOG_MAX_LINES = 1000
+    monkeypatch.setattr(logwriter, "TRIM_SLACK", 100)
+    job = python_job(local_node, "for i in range(6000): print('line', i)")
+    runner.run_job(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    rows = list(JobLogLine.objects.filter(job=job).order_by("seq").values_list("seq", "text"))
+    assert len(rows) == 1001  # 500 first, the marker, 500 last
+    assert [seq for seq, _ in rows[:501]] == list(range(501))
+    assert rows[500][1].startswith(f"[… {job.next_seq - 1000} lines cut here")
+    assert rows[-1] == (job.next_seq - 1, f"Succeeded: {job.result}")
+    assert rows[1][1] == "line 0" and rows[-2][1] == "line 5999"
