@@ -13,13 +13,12 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.template.loader import render_to_string
 
+from jobs.watchers import FORBIDDEN, UserBoundConsumer
 from ramdeck_site.roles import can_view
 
 from . import live
 from .models import Deployment
 
-# Close code for "you may not watch this"; the browser sees the handshake refused.
-FORBIDDEN = 4403
 # Changes arriving within this long of each other are shown together.
 COALESCE_S = 0.25
 
@@ -28,7 +27,7 @@ def _may_view(user) -> bool:
     return bool(user is not None and user.is_authenticated and can_view(user))
 
 
-class DeploymentConsumer(AsyncWebsocketConsumer):
+class DeploymentConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.deployment_id = int(self.scope["url_route"]["kwargs"]["pk"])
         self.group = None
@@ -42,9 +41,11 @@ class DeploymentConsumer(AsyncWebsocketConsumer):
         self.group = live.group_name(self.deployment_id)
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        await self.bind_to_user()
         await self._render_and_send()  # whatever changed between the page load and now
 
     async def disconnect(self, code: int) -> None:
+        await self.unbind_from_user()
         if self._pending is not None:
             self._pending.cancel()
         if self.group:

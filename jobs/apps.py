@@ -8,6 +8,7 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
-        from . import kinds
+        from . import kinds, watchers
 
         kinds.register("command", "Command", "jobs.bodies.run_command")
+        watchers.connect_signals()
