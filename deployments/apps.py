@@ -19,6 +19,9 @@ class DeploymentsConfig(AppConfig):
             "deploy", "Deploy", f"{runs}.deploy_body", needs_transport=False, on_end=f"{runs}.deploy_ended"
         )
         kinds.register(
+            "heal", "Self-heal", f"{runs}.heal_body", needs_transport=False, on_end=f"{runs}.deploy_ended"
+        )
+        kinds.register(
             "undeploy",
             "Stop deployment",
             f"{runs}.undeploy_body",

@@ -31,7 +31,9 @@ MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, Deplo
 LAUNCH_STEPS = ("reap", "rpc-server", "llama-server", "verify", "measure")
 # Job kinds of a deployment (registered in DeploymentsConfig.ready()): the two runs, and the kind of each
 # step by its name on the deployment page.
-DEPLOY, UNDEPLOY = "deploy", "undeploy"
+DEPLOY, UNDEPLOY, HEAL = "deploy", "undeploy", "heal"
+# Runs that start processes (a Stop cancels them first).
+LAUNCHING_RUNS = (DEPLOY, HEAL)
 STEP_KINDS = {
     "reap": "reap",
     "rpc-server": "rpc_server",
@@ -117,8 +119,8 @@ def refusal(deployment: Deployment) -> str:
 
 
 def runs_of(deployment: Deployment, kind: str | None = None):
-    """The deploy and undeploy jobs of a deployment, newest first."""
-    kinds = [kind] if kind else [DEPLOY, UNDEPLOY]
+    """The deploy, heal and undeploy jobs of a deployment, newest first."""
+    kinds = [kind] if kind else [DEPLOY, HEAL, UNDEPLOY]
     return Job.objects.filter(kind__in=kinds, params__deployment=deployment.pk).order_by("-created_at", "-pk")
 
 
@@ -126,7 +128,7 @@ def active_run(deployment: Deployment, kind: str) -> Job | None:
     return runs_of(deployment, kind).filter(state__in=ACTIVE_JOB_STATES).first()
 
 
-def _new_run(deployment: Deployment, kind: str, title: str, **params) -> Job:
+def new_run(deployment: Deployment, kind: str, title: str, **params) -> Job:
     return Job.objects.create(
         kind=kind,
         node=deployment.coordinator,
@@ -151,10 +153,11 @@ def add_step(
     return job
 
 
-def create_launch_steps(deployment: Deployment, run: Job) -> None:
+def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> None:
+    """The launch steps as children of `run`, numbered on from `after` (a heal run's come after its stops)."""
     workers = workers_of(deployment)
     coordinator = deployment.coordinator
-    order = 0
+    order = after
     for worker in workers:
         order += 1
         title = f"Reap port {worker.port} on {worker.node}"
@@ -230,7 +233,7 @@ def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
         with transaction.atomic():
             if not deployment.mark_preparing():
                 return False, f"This deployment is already {deployment.get_state_display().lower()}."
-            run = _new_run(deployment, DEPLOY, f"Deploy {deployment}")
+            run = new_run(deployment, DEPLOY, f"Deploy {deployment}")
             create_launch_steps(deployment, run)
             record(
                 actor,
@@ -270,10 +273,10 @@ def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool =
 def start_undeploy(deployment: Deployment, **params) -> Job:
     """Ask the deploy run (if one is active) to cancel and queue an undeploy run. `fail` in params makes
     it a rollback that fails the deployment with {"step", "reason"} afterwards."""
-    for run in runs_of(deployment, DEPLOY).filter(state__in=ACTIVE_JOB_STATES):
+    for run in runs_of(deployment).filter(kind__in=LAUNCHING_RUNS, state__in=ACTIVE_JOB_STATES):
         run.request_cancel()
     verb = "Roll back" if params.get("fail") else "Restart" if params.get("restart") else "Stop"
-    run = _new_run(deployment, UNDEPLOY, f"{verb} {deployment}", **params)
+    run = new_run(deployment, UNDEPLOY, f"{verb} {deployment}", **params)
     run.enqueue()
     return run
 

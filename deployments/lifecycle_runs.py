@@ -20,6 +20,7 @@ import logging
 
 from audit.history import record
 from deployments.lifecycle import (
+    LAUNCHING_RUNS,
     MAX_UNDEPLOY_RUNS,
     MID_DEPLOY_STATES,
     UNDEPLOY,
@@ -67,6 +68,27 @@ def _audit(deployment: Deployment, action: str, changes: dict) -> None:
 
 async def deploy_body(ctx: JobContext) -> str:
     deployment = await db(_deployment)(ctx.job.params["deployment"])
+    await run_steps(ctx, deployment, on_failure=fail_and_roll_back)
+    return f"{deployment} is running."
+
+
+async def heal_body(ctx: JobContext) -> str:
+    """A self-healing attempt (deployments/healing.py): the heal run's steps stop what is left, then start
+    and verify everything again. Not back to running: rolled back, degraded again (or failed, when it was
+    the last attempt allowed)."""
+    from deployments.healing import heal_failed
+
+    deployment = await db(_deployment)(ctx.job.params["deployment"])
+    await run_steps(ctx, deployment, on_failure=heal_failed)
+    await db(_audit)(
+        deployment, "deployment.healed", {"attempt": deployment.heal_attempts, "run": ctx.job.pk}
+    )
+    return f"{deployment} is running again."
+
+
+async def run_steps(ctx: JobContext, deployment: Deployment, *, on_failure) -> None:
+    """The run's steps in order; the first that does not succeed is handed to `on_failure(ctx, deployment,
+    step, reason)` and fails the run."""
     for name, step in await db(_steps_of)(ctx.job):
         await _check_still_deploying(deployment)
         if name != "reap" and deployment.state == DeploymentState.PREPARING:
@@ -78,7 +100,7 @@ async def deploy_body(ctx: JobContext) -> str:
             continue
         await _check_still_deploying(deployment)  # A Stop that came while the step ran: the stop run's job.
         reason = f"{name} on {done.node_name}: {done.result or done.get_state_display()}"
-        await fail_and_roll_back(ctx, deployment, name, reason)
+        await on_failure(ctx, deployment, name, reason)
         raise JobFailed(reason)
     if await db(deployment.mark_running)():
         await db(_audit)(
@@ -86,7 +108,6 @@ async def deploy_body(ctx: JobContext) -> str:
             "deployment.running",
             {"decode_tps": deployment.measured_decode_tps, "prompt_tps": deployment.measured_prompt_tps},
         )
-    return f"{deployment} is running."
 
 
 async def _check_still_deploying(deployment: Deployment) -> None:
@@ -159,7 +180,9 @@ async def undeploy_body(ctx: JobContext) -> str:
 def _deploy_run_state(deployment: Deployment) -> Job | None:
     """The active deploy run, asked to cancel (a queued one is cancelled here and now)."""
     run = (
-        Job.objects.filter(kind="deploy", params__deployment=deployment.pk, state__in=ACTIVE_JOB_STATES)
+        Job.objects.filter(
+            kind__in=LAUNCHING_RUNS, params__deployment=deployment.pk, state__in=ACTIVE_JOB_STATES
+        )
         .select_related("node")
         .first()
     )

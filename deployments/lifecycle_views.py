@@ -76,6 +76,7 @@ def run_context(user, deployment: Deployment) -> dict:
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
         "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
+        "self_heal_limit": settings.RAMDECK_SELF_HEAL_ATTEMPTS,
         # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
         "history": Deployment.objects.filter(
             Q(redeployed_from=deployment) | Q(pk=deployment.redeployed_from_id or 0)
@@ -161,6 +162,20 @@ def deployment_restart(request, pk: int):
         )
     else:
         messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_self_heal(request, pk: int):
+    """Turn self-healing on or off (deployments/healing.py); audited."""
+    deployment = _get_deployment(pk)
+    wanted = request.POST.get("on") == "1"
+    if deployment.self_heal != wanted:
+        deployment.record(self_heal=wanted)
+        history.record(request, "deployment.self_heal", deployment, changes={"on": wanted})
+    state = "on: a degraded deployment restarts what is missing" if wanted else "off"
+    messages.success(request, f"Self-healing is {state}.")
     return redirect("deployments:run", pk=deployment.pk)
 
 

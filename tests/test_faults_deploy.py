@@ -267,3 +267,28 @@ def test_stop_pressed_again_while_stopping(fault_lab):
     assert deployment.state == DeploymentState.STOPPED
     assert lifecycle.runs_of(deployment, lifecycle.UNDEPLOY).count() == 1
     assert_consistent(fault_lab, deployment)
+
+
+def test_a_deployment_that_opted_in_heals_itself_after_its_rpc_server_dies(fault_lab, monkeypatch):
+    deployment = fault_lab.deploy(fault_lab.ready(), monkeypatch)
+    assert deployment.state == DeploymentState.RUNNING, deployment.state_reason
+    deployment.record(self_heal=True)
+    rpc = deployment.processes[f"rpc-server@{fault_lab.workers[0].name}"]
+    os.kill(int(rpc["pid"]), signal.SIGKILL)  # the laptop slept, or someone closed a terminal
+    wait_for(lambda: not pid_alive(int(rpc["pid"])), what="rpc-server to die")
+
+    started = time.monotonic()
+    assert monitor.check_all() == [deployment.pk]  # degraded, and an attempt queued
+    heal = lifecycle.run_latest(deployment.pk, lifecycle.HEAL)
+    timed("self-heal after an rpc-server died", started)
+
+    assert heal is not None and heal.state == JobState.SUCCEEDED, heal.result
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING and deployment.verification["problems"] == []
+    fresh = deployment.processes[f"rpc-server@{fault_lab.workers[0].name}"]
+    assert fresh["pid"] != rpc["pid"] and pid_alive(int(fresh["pid"]))
+    assert monitor.check_all() == []
+    assert AuditEvent.objects.filter(action="deployment.healed", object_id=str(deployment.pk)).exists()
+    assert_consistent(fault_lab, deployment)
+    deployment = fault_lab.stop(deployment, monkeypatch)
+    assert_consistent(fault_lab, deployment)
