@@ -313,7 +313,7 @@ if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:
         "task": "deployments.tasks.check_deployments",
         "schedule": float(RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S),
     }
-# Self-healing (a deployment opts in): attempts per degraded spell, and the first wait (doubling) between them.
+# Self-healing (a deployment opts in): attempts per degraded spell; the first wait between them (doubles).
 RAMDECK_SELF_HEAL_ATTEMPTS = env_int("RAMDECK_SELF_HEAL_ATTEMPTS", 3, minimum=1)
 RAMDECK_SELF_HEAL_BACKOFF_S = env_int("RAMDECK_SELF_HEAL_BACKOFF_S", 60, minimum=0)
 # How often beat looks for stale rpc-servers/llama-servers of ours on every node (0: never).
