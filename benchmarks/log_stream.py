@@ -75,7 +75,7 @@ def prepare(workdir: Path, lines: int, rate: float) -> tuple[int, str]:
     from django.core.management import call_command
     from django.test import Client
 
-    from jobs.models import Job, JobKind
+    from jobs.models import Job
     from nodes.models import Node, Transport
     from tests.factories import UserFactory
 
@@ -85,7 +85,7 @@ def prepare(workdir: Path, lines: int, rate: float) -> tuple[int, str]:
     emitter = workdir / "emit.py"
     emitter.write_text(EMITTER)
     job = Job.objects.create(
-        kind=JobKind.COMMAND, node=node, params={"argv": [PYTHON, str(emitter), str(lines), str(rate)]}
+        kind="command", node=node, params={"argv": [PYTHON, str(emitter), str(lines), str(rate)]}
     )
     client = Client()
     client.force_login(user)

@@ -66,7 +66,7 @@ from deployments.gguf_profile import profile_path  # noqa: E402
 from deployments.memory_model import PIPELINE_COPIES, Settings, compute_bytes  # noqa: E402
 from deployments.models import Deployment, DeploymentState, ModelFile  # noqa: E402
 from deployments.tiny_model import TinyLlama, write_tiny_llama  # noqa: E402
-from jobs.models import Job, JobKind, JobState  # noqa: E402
+from jobs.models import Job, JobState  # noqa: E402
 from jobs.runner import run_job  # noqa: E402
 from nodes.models import Node  # noqa: E402
 from tests.deploy_fixtures import lab_node, listeners_in, route_between  # noqa: E402
@@ -156,7 +156,7 @@ def build_cluster(lab: Lab, slow_quota: float, model_mib: int) -> Cluster:
         ("slow", cluster.slow_host),
     ):
         node = lab_node(lab, host, name=name, may_coordinate=name == "desk")
-        run_inline(JobKind.BUILD, node, source="existing", path=str(binaries.rpc_server.parent))
+        run_inline("build", node, source="existing", path=str(binaries.rpc_server.parent))
         cluster.nodes[name] = node
     layers = max(2, round(model_mib * MIB / BLOCK_BYTES))
     path = write_tiny_llama(WORKDIR / "split.gguf", TinyLlama(n_layer=layers, seed=42, **WIDTH))
@@ -178,13 +178,13 @@ def probe_and_calibrate(cluster: Cluster) -> None:
     now sees. One after the other: the lab hosts share this machine's two cores, and two calibrations at
     once would slow each other down (no two real machines do)."""
     for name in cluster.nodes:
-        run_inline(JobKind.PROBE, cluster.node(name))
+        run_inline("probe", cluster.node(name))
     for name in cluster.nodes:
         node = cluster.node(name)
         if all(d.measurement_state == "fresh" for d in node.devices.all()):
             continue
         started = time.monotonic()
-        job = run_inline(JobKind.CALIBRATE, node)
+        job = run_inline("calibrate", node)
         say(f"calibrated {name} in {time.monotonic() - started:.0f} s: {job.result}")
 
 

@@ -29,7 +29,7 @@ from django.conf import settings
 from deployments.llamacpp import RPC_SERVER_BINARIES as RPC_BINARIES
 from deployments.llamacpp import parse_rpc_banner_version, parse_server_version
 from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball, file_sha256
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 
 COMMON_FLAGS = [
     "-DGGML_RPC=ON",

@@ -47,7 +47,7 @@ from deployments.gguf_profile import profile_path
 from deployments.lifecycle_steps import _write_key_file, node_platform, run_dir, tail_lines, wait_listening
 from deployments.reaper import find_holders
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.runner import JobCancelled, JobFailed
+from jobs.context import JobCancelled, JobFailed
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
 # caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
@@ -60,6 +60,8 @@ MODELS = {
     "tiny": TinyLlama(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_ctx_train=2048, seed=13),
 }
 CTX = 512
+# The job kind, registered in DeploymentsConfig.ready().
+CALIBRATE = "calibrate"
 PROMPT = "The quick brown fox jumps over the lazy dog."
 SAMPLES = 3
 # Each sample decodes about this long (the token count follows the speed the warm-up showed).
@@ -508,16 +510,13 @@ def store(node, results: dict) -> list[str]:
 
 def start_calibration(node, *, user=None):
     """Queue a calibration of `node` unless one is already queued or running; the job, or None."""
-    from jobs.models import Job, JobKind
-    from jobs.runner import enqueue
+    from jobs.models import Job
     from nodes.models import Node
 
     with transaction.atomic():
         Node.objects.select_for_update().filter(pk=node.pk).first()
-        if Job.objects.active().filter(node=node, kind=JobKind.CALIBRATE).exists():
+        if Job.objects.active().filter(node=node, kind=CALIBRATE).exists():
             return None
-        job = Job.objects.create(
-            kind=JobKind.CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user
-        )
-        enqueue(job)
+        job = Job.objects.create(kind=CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user)
+        job.enqueue()
     return job

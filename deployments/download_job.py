@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 from jobs.transport import TransportError, shell_join
 
 from . import gguf_profile
 
 if TYPE_CHECKING:
-    from jobs.runner import JobContext
+    from jobs.context import JobContext
 
 # The first read of a header; it grows (×4) only for headers larger than that (big vocabularies).
 HEAD_FIRST_READ = 256 * 1024
@@ -304,7 +304,7 @@ async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
 def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
     from django.db import IntegrityError, transaction
 
-    from jobs import audit
+    from audit import history
 
     from .models import ModelFile
 
@@ -320,7 +320,7 @@ def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
                 profile=profile,
                 created_by=job.created_by,
             )
-            audit.record(
+            history.record(
                 job.created_by,
                 "model.register",
                 model,

@@ -9,7 +9,7 @@ from urllib.parse import unquote, urlsplit
 from django import forms
 from django.conf import settings as site_settings
 
-from jobs.models import Job, JobKind
+from jobs.models import Job
 from nodes.models import Device, Node
 
 from . import planner
@@ -95,7 +95,7 @@ class ModelDownloadForm(forms.Form):
             self.add_error("name", "A model with this name is already registered.")
         if ModelFile.objects.filter(node=node, path=dest).exists():
             self.add_error("dest", "A model with this path is already registered on that node.")
-        elif Job.objects.active().filter(kind=JobKind.DOWNLOAD, node=node, params__dest=dest).exists():
+        elif Job.objects.active().filter(kind="download", node=node, params__dest=dest).exists():
             self.add_error("dest", "A download to this path on that node is already queued or running.")
         return data
 

@@ -1,33 +1,50 @@
-"""A deployment's life as ordered jobs: reap → rpc-servers → llama-server → verify → measure → running; stop.
+"""A deployment's life as jobs: a `deploy` job whose steps (child jobs) are reap → rpc_server → llama_server →
+verify → measure; an `undeploy` job whose steps are `stop` jobs, one per node.
 
 `start_deploy` is what the Deploy button calls: it refuses with a reason (no build, RPC protocols differ,
 ports or devices held by another deployment), moves the deployment to preparing (claims included, in one
-transaction), creates every step as a queued job so the page shows the whole run at once, and enqueues
-`run_deployment` on commit. `run_deployment` runs the steps one after another in its worker; the first step
-that does not succeed rolls back what this deployment started (by PID) and fails the deployment with that
-step and reason. Stopping ends llama-server first, then the rpc-servers, and confirms the ports are free.
+transaction), creates the run and every step as queued jobs so the page shows the whole run at once, and
+enqueues the run on commit. `stop_deployment` (the Stop button) moves the deployment to stopping, asks a
+deploy run still going to cancel, and enqueues an undeploy job on the control queue, which waits for that
+run to end, then ends by PID what the deployment started. The bodies of both runs are
+deployments/lifecycle_runs.py; the runner (jobs/runner.py) supervises them and their steps alike.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from django.db import transaction
-from django.utils import timezone
 
-from deployments import llamacpp
+from audit.history import record
+from deployments import live, llamacpp
 from deployments.build_job import protocol_mismatch
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
-from jobs.audit import record
-from jobs.models import Job, JobKind, JobState
+from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
+from jobs.models import Job, JobState
 from nodes.models import Build, Node
 
 logger = logging.getLogger(__name__)
 
 MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, DeploymentState.VERIFYING)
 LAUNCH_STEPS = ("reap", "rpc-server", "llama-server", "verify", "measure")
+# Job kinds of a deployment (registered in DeploymentsConfig.ready()): the two runs, and the kind of each
+# step by its name on the deployment page.
+DEPLOY, UNDEPLOY, HEAL = "deploy", "undeploy", "heal"
+# Runs that start processes (a Stop cancels them first).
+LAUNCHING_RUNS = (DEPLOY, HEAL)
+STEP_KINDS = {
+    "reap": "reap",
+    "rpc-server": "rpc_server",
+    "llama-server": "llama_server",
+    "verify": "verify",
+    "measure": "measure",
+    "stop": "stop",
+    "rollback": "stop",
+}
+# A lost stop run is started again this many times at most; then the deployment fails, naming it.
+MAX_UNDEPLOY_RUNS = 3
 
 
 @dataclass
@@ -97,49 +114,57 @@ def refusal(deployment: Deployment) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Deploy
+# The runs and their steps
 # --------------------------------------------------------------------------------------------------
 
 
-def _add_step(
-    deployment: Deployment, order: int, name: str, kind: str, node: Node, title: str, **params
+def runs_of(deployment: Deployment, kind: str | None = None):
+    """The deploy, heal and undeploy jobs of a deployment, newest first."""
+    kinds = [kind] if kind else [DEPLOY, HEAL, UNDEPLOY]
+    return Job.objects.filter(kind__in=kinds, params__deployment=deployment.pk).order_by("-created_at", "-pk")
+
+
+def active_run(deployment: Deployment, kind: str) -> Job | None:
+    return runs_of(deployment, kind).filter(state__in=ACTIVE_JOB_STATES).first()
+
+
+def new_run(deployment: Deployment, kind: str, title: str, **params) -> Job:
+    return Job.objects.create(
+        kind=kind,
+        node=deployment.coordinator,
+        title=title[:200],
+        params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
+        created_by=deployment.created_by,
+    )
+
+
+def add_step(
+    deployment: Deployment, parent: Job, order: int, name: str, node: Node, title: str, **params
 ) -> Job:
     job = Job.objects.create(
-        kind=kind,
+        kind=STEP_KINDS[name],
+        parent=parent,
         node=node,
         title=title[:200],
-        params={"deployment": deployment.pk, **params},
+        params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
         created_by=deployment.created_by,
     )
     DeploymentStep.objects.create(deployment=deployment, job=job, name=name, order=order)
     return job
 
 
-def create_launch_steps(deployment: Deployment) -> None:
+def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> None:
+    """The launch steps as children of `run`, numbered on from `after` (a heal run's come after its stops)."""
     workers = workers_of(deployment)
     coordinator = deployment.coordinator
-    order = 0
+    order = after
     for worker in workers:
         order += 1
-        _add_step(
-            deployment,
-            order,
-            "reap",
-            JobKind.REAP,
-            worker.node,
-            f"Reap port {worker.port} on {worker.node}",
-            ports=[worker.port],
-        )
+        title = f"Reap port {worker.port} on {worker.node}"
+        add_step(deployment, run, order, "reap", worker.node, title, ports=[worker.port])
     order += 1
-    _add_step(
-        deployment,
-        order,
-        "reap",
-        JobKind.REAP,
-        coordinator,
-        f"Reap port {deployment.port} on {coordinator}",
-        ports=[deployment.port],
-    )
+    title = f"Reap port {deployment.port} on {coordinator}"
+    add_step(deployment, run, order, "reap", coordinator, title, ports=[deployment.port])
     for worker in workers:
         if worker.node.rpc_binds_everywhere:
             record(
@@ -149,14 +174,13 @@ def create_launch_steps(deployment: Deployment) -> None:
                 changes={"node": worker.node.name, "bind": worker.node.rpc_bind_host, "port": worker.port},
             )
         order += 1
-        _add_step(
+        add_step(
             deployment,
+            run,
             order,
             "rpc-server",
-            JobKind.LAUNCH,
             worker.node,
             f"Start ggml-rpc-server on {worker.node}:{worker.port}",
-            step="rpc-server",
             args=worker.args,
             port=worker.port,
             bind=worker.node.rpc_bind_host,
@@ -169,7 +193,34 @@ def create_launch_steps(deployment: Deployment) -> None:
         ("measure", "Measure decode and prompt speed"),
     ):
         order += 1
-        _add_step(deployment, order, step, JobKind.LAUNCH, coordinator, title, step=step)
+        add_step(deployment, run, order, step, coordinator, title)
+
+
+def stop_steps(deployment: Deployment, parent: Job, name: str) -> list[Job]:
+    """Stop steps per node for every process this deployment started: llama-server's node first."""
+    by_node: dict[str, list[dict]] = {}
+    for info in (deployment.processes or {}).values():
+        by_node.setdefault(info["node"], []).append(info)
+    coordinator = deployment.coordinator.name
+    names = sorted(by_node, key=lambda n: (n != coordinator, n))
+    nodes = {n.name: n for n in Node.objects.filter(name__in=names)}
+    order = (deployment.steps.order_by("-order").values_list("order", flat=True).first() or 0) + 1
+    jobs = []
+    for offset, node_name in enumerate(names):
+        if node_name not in nodes:
+            continue  # The node was deleted since: nothing can reach its processes.
+        processes = sorted(by_node[node_name], key=lambda p: p["role"] != "llama-server")
+        verb = "Roll back" if name == "rollback" else "Stop"
+        title = f"{verb} on {node_name}"
+        jobs.append(
+            add_step(deployment, parent, order + offset, name, nodes[node_name], title, processes=processes)
+        )
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------------
+# The buttons
+# --------------------------------------------------------------------------------------------------
 
 
 def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
@@ -182,251 +233,52 @@ def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
         with transaction.atomic():
             if not deployment.mark_preparing():
                 return False, f"This deployment is already {deployment.get_state_display().lower()}."
-            create_launch_steps(deployment)
+            run = new_run(deployment, DEPLOY, f"Deploy {deployment}")
+            create_launch_steps(deployment, run)
             record(
                 actor,
                 "deployment.deploy",
                 deployment,
-                changes={"plan_devices": len(deployment.plan["placements"])},
+                changes={"plan_devices": len(deployment.plan["placements"]), "run": run.pk},
             )
-            transaction.on_commit(lambda: _enqueue("deploy", deployment.pk))
+            run.enqueue()
     except ClaimConflict as exc:
         record(actor, "deployment.refused", deployment, changes={"reason": str(exc)})
         return False, str(exc)
     return True, "Deploying: the steps run one after another below."
 
 
-def _enqueue(task: str, pk: int) -> None:
-    from deployments import tasks
-
-    getattr(tasks, task).delay(pk)
-
-
-def _run(job: Job, worker: str = "") -> Job:
-    """Run a step inline, under the Celery worker's name: the sweeper asks the workers by that name
-    whether they still run it (the runner's default, host:PID, is no worker's name)."""
-    from jobs.runner import run_job
-
-    run_job(job.pk, worker=worker)
-    job.refresh_from_db()
-    return job
-
-
-def _heartbeat_is_fresh(job: Job) -> bool:
-    from jobs.sweeper import STALE_AFTER_S
-
-    beat = job.heartbeat_at or job.started_at
-    return bool(beat) and beat >= timezone.now() - timedelta(seconds=STALE_AFTER_S)
-
-
-def _abandon_if_stale(job: Job) -> bool:
-    """A step left running by a dead worker (no heartbeat for a while) is marked errored, so the run can
-    roll back and fail instead of waiting forever. True when the step is no longer running."""
-    from jobs.sweeper import abandon
-
-    if _heartbeat_is_fresh(job):
-        return False
-    abandon(job, "Worker lost: the step's runner stopped beating while the deployment was launching.")
-    job.refresh_from_db()
-    return job.state != JobState.RUNNING
-
-
-def _skip_rest(steps, reason: str) -> None:
-    for step in steps:
-        if step.job.state == JobState.QUEUED:
-            step.job.finish(JobState.CANCELLED, result=reason)
-
-
-def run_deployment(pk: int, worker: str = "") -> None:
-    """Run the steps of a deployment in order (the body of the `deploy` task).
-
-    A second delivery of the task resumes where the first left off: succeeded steps are skipped, a step
-    still running with a fresh heartbeat belongs to the other delivery (nothing to do), and a step that
-    ended badly while no one watched, or still says running with a stale heartbeat (its worker died),
-    fails the deployment and rolls it back.
-    """
-    deployment = Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
-    steps = [
-        s
-        for s in deployment.steps.select_related("job", "job__node").order_by("order")
-        if s.name in LAUNCH_STEPS
-    ]
-    if deployment.state == DeploymentState.STOPPING and all(s.job.state == JobState.QUEUED for s in steps):
-        # Stopped before the run began: nothing started, but the stop is this run's to finish.
-        _skip_rest(steps, "Skipped: the deployment was stopped.")
-        return finish_stop(deployment, worker)
-    if deployment.state not in MID_DEPLOY_STATES:
-        logger.info("Deployment %s is %s: nothing to run.", pk, deployment.state)
-        return None
-    for index, step in enumerate(steps):
-        job = step.job
-        if job.state == JobState.SUCCEEDED:
-            continue
-        if job.state == JobState.RUNNING and not _abandon_if_stale(job):
-            logger.info("Deployment %s: step %s is running under another delivery.", pk, step.name)
-            return None
-        deployment.refresh_from_db()
-        if deployment.state == DeploymentState.STOPPING:
-            _skip_rest(steps[index:], "Skipped: the deployment was stopped.")
-            return finish_stop(deployment, worker)
-        if deployment.state not in MID_DEPLOY_STATES:
-            return _skip_rest(steps[index:], f"Skipped: the deployment is {deployment.state}.")
-        if step.name != "reap" and deployment.state == DeploymentState.PREPARING:
-            deployment.mark_launching()
-        if step.name == "verify":
-            deployment.mark_verifying()
-        if job.state == JobState.QUEUED:
-            job = _run(job, worker)
-        if job.state == JobState.SUCCEEDED:
-            continue
-        deployment.refresh_from_db()
-        _skip_rest(steps[index + 1 :], f"Skipped: step {step.name} did not succeed.")
-        if deployment.state == DeploymentState.STOPPING:
-            return finish_stop(deployment, worker)
-        if deployment.state not in MID_DEPLOY_STATES:
-            return None  # A stop task finished it meanwhile (and cancelled this step): nothing to undo.
-        reason = f"{step.name} on {job.node_name}: {job.result or job.get_state_display()}"
-        return _fail_and_roll_back(deployment, step.name, reason, worker)
-    if deployment.mark_running():
-        record(
-            deployment.created_by,
-            "deployment.running",
-            deployment,
-            changes={
-                "decode_tps": deployment.measured_decode_tps,
-                "prompt_tps": deployment.measured_prompt_tps,
-            },
-        )
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# Stop and roll back
-# --------------------------------------------------------------------------------------------------
-
-
-def _stop_jobs(deployment: Deployment, name: str) -> list[Job]:
-    """Stop jobs per node for every process this deployment started: llama-server's node first."""
-    by_node: dict[str, list[dict]] = {}
-    for info in (deployment.processes or {}).values():
-        by_node.setdefault(info["node"], []).append(info)
-    coordinator = deployment.coordinator.name
-    names = sorted(by_node, key=lambda n: (n != coordinator, n))
-    nodes = {n.name: n for n in Node.objects.filter(name__in=names)}
-    order = (deployment.steps.order_by("-order").values_list("order", flat=True).first() or 0) + 1
-    jobs = []
-    for offset, node_name in enumerate(names):
-        processes = sorted(by_node[node_name], key=lambda p: p["role"] != "llama-server")
-        jobs.append(
-            _add_step(
-                deployment,
-                order + offset,
-                name,
-                JobKind.STOP,
-                nodes[node_name],
-                f"{'Roll back' if name == 'rollback' else 'Stop'} on {node_name}",
-                processes=processes,
-            )
-        )
-    return jobs
-
-
-def _fail_and_roll_back(deployment: Deployment, step: str, reason: str, worker: str = "") -> None:
-    """Roll back what this deployment started, then fail it. When the rollback is not clean, the reason
-    says which processes may still run and that they need stopping (the stale-process scan will list them,
-    with a reap button), so nobody takes the ports for free."""
-    failures = rollback(deployment, worker)
-    if failures:
-        reason += "\n\nRollback incomplete, stop needed: these processes may still be running: " + "; ".join(
-            failures
-        )
-    deployment.fail(step, reason)
-    record(
-        deployment.created_by,
-        "deployment.failed",
-        deployment,
-        changes={"step": step, "reason": reason, "rollback_failures": failures},
-    )
-
-
-def rollback(deployment: Deployment, worker: str = "") -> list[str]:
-    """End, by PID, whatever this deployment started. Returns the failures (empty when all is clean)."""
-    return [
-        f"{job.node_name}: {job.result}"
-        for job in (_run(j, worker) for j in _stop_jobs(deployment, "rollback"))
-        if job.state != JobState.SUCCEEDED
-    ]
-
-
-def finish_stop(deployment: Deployment, worker: str = "") -> None:
-    failures = [
-        f"{job.node_name}: {job.result}"
-        for job in (_run(j, worker) for j in _stop_jobs(deployment, "stop"))
-        if job.state != JobState.SUCCEEDED
-    ]
-    if failures:
-        deployment.fail("stop", "; ".join(failures))
-        record(deployment.created_by, "deployment.stop_failed", deployment, changes={"reason": failures})
-    elif deployment.mark_stopped():
-        record(deployment.created_by, "deployment.stopped", deployment, changes={"ports_free": True})
-
-
 def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool = False) -> tuple[bool, str]:
-    """The Stop button. A deployment in the middle of launching stops after its current step (which is
-    asked to cancel) when a live run owns it; a running one, or one whose run died, is stopped by a task."""
+    """The Stop (and Restart) button. A deploy run still going is asked to cancel (a queued one is cancelled
+    at once); an undeploy run on the control queue waits for it to end, then stops what was started.
+    Pressed again while stopping, it starts a new undeploy run only when none is active (the last one was
+    lost), so a deployment never stays stopping with its claims held."""
     prior = deployment.state
     with transaction.atomic():
-        if not deployment.mark_stopping(reason="Stopped by an operator."):
+        if (current := active_run(deployment, UNDEPLOY)) is not None:
+            if current.state == JobState.QUEUED:
+                # Pressed again while the stop waits: its message may be lost; sending it twice is harmless.
+                transaction.on_commit(current.send_to_worker)
+                return True, "Stopping: the stop was sent to a worker again."
+            return False, "A stop or rollback of this deployment is already running."
+        if prior != DeploymentState.STOPPING and not deployment.mark_stopping(
+            reason="Stopped by an operator."
+        ):
             return False, f"This deployment is {deployment.get_state_display().lower()}: nothing to stop."
         record(actor, "deployment.stop", deployment, changes={"from": prior, "restart": then_redeploy})
-        if prior in MID_DEPLOY_STATES:
-            running = [
-                s.job for s in deployment.steps.select_related("job").filter(job__state=JobState.RUNNING)
-            ]
-            for job in running:
-                job.request_cancel()
-            if not _live_run_owns(deployment, running):
-                transaction.on_commit(lambda: _enqueue("stop", deployment.pk))
-        else:
-            task = "restart" if then_redeploy else "stop"
-            transaction.on_commit(lambda: _enqueue(task, deployment.pk))
+        start_undeploy(deployment, restart=then_redeploy)
     return True, "Stopping."
 
 
-def _live_run_owns(deployment: Deployment, running: list[Job]) -> bool:
-    """Will a deploy run finish this stop? Yes while one of its steps beats, or before the run began (every
-    step queued: the deploy task is on its way and finishes the stop itself). Otherwise its worker died."""
-    if any(_heartbeat_is_fresh(job) for job in running):
-        return True
-    states = set(deployment.steps.filter(name__in=LAUNCH_STEPS).values_list("job__state", flat=True))
-    return states == {JobState.QUEUED}
-
-
-def run_stop(pk: int, worker: str = "") -> None:
-    deployment = Deployment.objects.select_related("coordinator").get(pk=pk)
-    if deployment.state != DeploymentState.STOPPING:
-        return
-    # Steps not begun never will: a deploy run still between steps finds its next one cancelled.
-    steps = deployment.steps.select_related("job").filter(name__in=LAUNCH_STEPS)
-    _skip_rest(steps, "Skipped: the deployment was stopped.")
-    finish_stop(deployment, worker)
-
-
-def abort_deployment(pk: int, reason: str, worker: str = "") -> None:
-    """The deploy task ran out of time: mark its running step errored, skip the rest, roll back, fail."""
-    from jobs.sweeper import abandon
-
-    deployment = Deployment.objects.select_related("coordinator").get(pk=pk)
-    steps = list(deployment.steps.select_related("job", "job__node").filter(name__in=LAUNCH_STEPS))
-    current = next((s for s in steps if s.job.state == JobState.RUNNING), None)
-    if current is not None:
-        abandon(current.job, reason)
-    _skip_rest(steps, f"Skipped: {reason}")
-    if deployment.state == DeploymentState.STOPPING:
-        return finish_stop(deployment, worker)
-    if deployment.state in MID_DEPLOY_STATES:
-        _fail_and_roll_back(deployment, current.name if current else "deploy", reason, worker)
-    return None
+def start_undeploy(deployment: Deployment, **params) -> Job:
+    """Ask the deploy run (if one is active) to cancel and queue an undeploy run. `fail` in params makes
+    it a rollback that fails the deployment with {"step", "reason"} afterwards."""
+    for run in runs_of(deployment).filter(kind__in=LAUNCHING_RUNS, state__in=ACTIVE_JOB_STATES):
+        run.request_cancel()
+    verb = "Roll back" if params.get("fail") else "Restart" if params.get("restart") else "Stop"
+    run = new_run(deployment, UNDEPLOY, f"{verb} {deployment}", **params)
+    run.enqueue()
+    return run
 
 
 def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]:
@@ -450,15 +302,35 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
     return fresh, started, message
 
 
-def run_restart(pk: int, worker: str = "") -> None:
-    """Stop, then redeploy the same plan as a new deployment."""
-    run_stop(pk, worker)
-    deployment = Deployment.objects.get(pk=pk)
-    if deployment.state == DeploymentState.STOPPED:
-        redeploy(deployment, deployment.created_by)
-
-
 def deployment_builds(deployment: Deployment) -> dict[str, Build | None]:
     return {
         n.name: n.current_build for n in [deployment.coordinator, *(w.node for w in workers_of(deployment))]
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# Running a run here and now (scripts, tests): what a worker does with the queued job
+# --------------------------------------------------------------------------------------------------
+
+
+def run_latest(deployment_pk: int, kind: str) -> Job | None:
+    """Run the newest queued run of `kind` of the deployment in this process, to its end."""
+    from jobs.runner import run_job
+
+    run = Job.objects.filter(kind=kind, params__deployment=deployment_pk, state=JobState.QUEUED).order_by(
+        "-pk"
+    )
+    job = run.first()
+    if job is None:
+        return None
+    run_job(job.pk)
+    job.refresh_from_db()
+    return job
+
+
+def run_deployment(pk: int) -> Job | None:
+    return run_latest(pk, DEPLOY)
+
+
+def run_stop(pk: int) -> Job | None:
+    return run_latest(pk, UNDEPLOY)

@@ -1,7 +1,8 @@
 """Job bodies of a deployment's steps: reap, start ggml-rpc-server, start llama-server, verify, measure, stop.
 
-Each body is `async def body(ctx) -> str` run by jobs/runner.py; the order and the deployment's state
-changes are decided by deployments/lifecycle.py. Every process a step starts is recorded by PID in
+Each body is `async def body(ctx) -> str`, registered as a job kind of its own (deployments/apps.py) and
+run as a child of a deployment's run (deployments/lifecycle_runs.py), which decides the order and the
+deployment's state changes. Every process a step starts is recorded by PID in
 `Deployment.processes` at once, so a failure later on can end exactly what this deployment started.
 """
 
@@ -21,7 +22,7 @@ from django.utils import timezone
 
 from deployments import placement
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 from nodes.listeners import redact_cmdline
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
@@ -65,7 +66,7 @@ async def load_deployment(ctx):
 
 
 def _audit(job, action: str, obj, changes: dict) -> None:
-    from jobs.audit import record
+    from audit.history import record
 
     record(job.created_by, action, obj, changes=changes, actor_name="" if job.created_by_id else "console")
 
@@ -450,17 +451,3 @@ async def stop_body(ctx) -> str:
         except (ForeignHolder, PortStillBusy) as exc:
             raise JobFailed(str(exc)) from exc
     return f"{ctx.node.name}: " + ("; ".join(done) or "nothing to stop")
-
-
-async def launch_body(ctx) -> str:
-    """The `launch` job kind: one of the launch steps, named in params["step"]."""
-    step = ctx.job.params.get("step")
-    bodies = {
-        "rpc-server": rpc_server_body,
-        "llama-server": llama_server_body,
-        "verify": verify_body,
-        "measure": measure_body,
-    }
-    if step not in bodies:
-        raise JobFailed(f"unknown launch step {step!r}")
-    return await bodies[step](ctx)

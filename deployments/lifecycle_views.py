@@ -17,9 +17,8 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
-from jobs import audit
-from jobs.models import Job, JobKind
-from jobs.runner import enqueue
+from audit import history
+from jobs.models import Job
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
@@ -45,7 +44,8 @@ def _steps(deployment: Deployment) -> list[dict]:
     return rows
 
 
-def _context(request, deployment: Deployment) -> dict:
+def run_context(user, deployment: Deployment) -> dict:
+    """What the run page's live regions show (also rendered by the websocket consumer)."""
     plan = deployment.plan or {}
     predicted = plan.get("predicted_tokens_per_s")
     measured = deployment.measured_decode_tps
@@ -73,11 +73,12 @@ def _context(request, deployment: Deployment) -> dict:
             DeploymentState.VERIFYING,
             DeploymentState.STOPPING,
         ),
-        "can_operate": can_operate(request.user),
+        "can_operate": can_operate(user),
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
         "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
+        "self_heal_limit": settings.RAMDECK_SELF_HEAL_ATTEMPTS,
         # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
         "history": Deployment.objects.filter(
             Q(redeployed_from=deployment) | Q(pk=deployment.redeployed_from_id or 0)
@@ -91,7 +92,7 @@ def deployment_run(request, pk: int):
     template = "deployments/lifecycle/run.html"
     if request.htmx and request.htmx.target == "deployment-run":
         template += "#run"
-    return render(request, template, _context(request, deployment))
+    return render(request, template, run_context(request.user, deployment))
 
 
 def _process_rows(deployment: Deployment) -> tuple[list[dict], dict, object]:
@@ -128,7 +129,7 @@ def deployment_api_key(request, pk: int):
     """The API key, for operators only; every reveal is audited."""
     deployment = _get_deployment(pk)
     key = deployment.api_key() if deployment.api_key_encrypted else ""
-    audit.record(request, "deployment.api_key_viewed", deployment)
+    history.record(request, "deployment.api_key_viewed", deployment)
     context = {"deployment": deployment, "api_key": key, "endpoint": endpoint_url(deployment)}
     template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
     return render(request, template, context)
@@ -163,6 +164,20 @@ def deployment_restart(request, pk: int):
         )
     else:
         messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_self_heal(request, pk: int):
+    """Turn self-healing on or off (deployments/healing.py); audited."""
+    deployment = _get_deployment(pk)
+    wanted = request.POST.get("on") == "1"
+    if deployment.self_heal != wanted:
+        deployment.record(self_heal=wanted)
+        history.record(request, "deployment.self_heal", deployment, changes={"on": wanted})
+    state = "on: a degraded deployment restarts what is missing" if wanted else "off"
+    messages.success(request, f"Self-healing is {state}.")
     return redirect("deployments:run", pk=deployment.pk)
 
 
@@ -269,7 +284,7 @@ def _build_page(request, node: Node, form: BuildForm):
         {
             "node": node,
             "builds": node.builds.all()[:20],
-            "jobs": Job.objects.filter(node=node, kind=JobKind.BUILD)[:10],
+            "jobs": Job.objects.filter(node=node, kind="build")[:10],
             "form": form,
             "can_operate": can_operate(request.user),
         },
@@ -300,14 +315,14 @@ def node_build_start(request, name: str):
     # The job, its audit entry and the enqueue (on commit) happen together or not at all.
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.BUILD,
+            kind="build",
             node=node,
             title=f"Build llama.cpp on {node.name} ({params['source']})",
             params=params,
             created_by=request.user,
         )
-        audit.record(request, "build.requested", node, changes=params)
-        enqueue(job)
+        history.record(request, "build.requested", node, changes=params)
+        job.enqueue()
     return redirect(job.get_absolute_url())
 
 
@@ -333,15 +348,15 @@ def stale_reap(request, pk: int):
     stale = get_object_or_404(StaleProcess.objects.select_related("node"), pk=pk)
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.REAP,
+            kind="reap",
             node=stale.node,
             title=f"Reap {stale.program} PID {stale.pid} on {stale.node.name}:{stale.port}",
             # The PID too: the reap ends that process only, never whatever holds the port by now.
             params={"ports": [stale.port], "pid": stale.pid},
             created_by=request.user,
         )
-        audit.record(
+        history.record(
             request, "process.reap_requested", stale.node, changes={"pid": stale.pid, "port": stale.port}
         )
-        enqueue(job)
+        job.enqueue()
     return redirect(job.get_absolute_url())

@@ -9,6 +9,8 @@ from django.utils import timezone
 
 from ramdeck_site import crypto
 
+from . import live
+
 
 class ModelFile(models.Model):
     """A GGUF model on a node. `profile` is the parsed memory profile (deployments/gguf_profile.py)."""
@@ -44,7 +46,10 @@ class DeploymentState(models.TextChoices):
 
     preparing: reap stale processes and check builds; launching: rpc-servers, then llama-server;
     verifying: compare llama.cpp's logged placement with the plan and measure speed. A stopped or failed
-    deployment can be redeployed, which creates a new deployment from the same plan.
+    deployment can be redeployed, which creates a new deployment from the same plan. With self-healing on,
+    degraded ──heal──► launching (its processes stopped and started again, then verified); a heal that
+    does not succeed goes back to degraded, and the last allowed one to failed. Stopping is possible
+    from every active state.
     """
 
     CONFIRMED = "confirmed", "Confirmed"
@@ -89,6 +94,14 @@ class Deployment(models.Model):
     port = models.PositiveIntegerField(default=8080, help_text="llama-server --port")
     api_key_encrypted = models.TextField(blank=True, editable=False)
     redeployed_from = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL)
+    # Opt-in: when the monitor finds it degraded, restart what is missing (reap, start, verify again), with
+    # backoff and a limit (deployments/healing.py). The attempts count restarts once it runs again.
+    self_heal = models.BooleanField(default=False)
+    heal_attempts = models.PositiveSmallIntegerField(default=0)
+    last_heal_at = models.DateTimeField(null=True, blank=True)
+    # The plan page's one-time token: the same confirm posted twice (a double click, a resent form) finds
+    # the deployment it already made instead of making a second one.
+    confirm_token = models.CharField(max_length=64, null=True, blank=True, unique=True, editable=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -176,6 +189,7 @@ class Deployment(models.Model):
             self.state = to_state
             for name, value in fields.items():
                 setattr(self, name, value)
+            live.changed(self.pk)
         return bool(changed)
 
     def mark_preparing(self) -> bool:
@@ -205,8 +219,27 @@ class Deployment(models.Model):
 
     def mark_running(self) -> bool:
         return self._transition(
-            [DeploymentState.VERIFYING], DeploymentState.RUNNING, running_at=timezone.now(), state_reason=""
+            [DeploymentState.VERIFYING],
+            DeploymentState.RUNNING,
+            running_at=timezone.now(),
+            state_reason="",
+            heal_attempts=0,
         )
+
+    def mark_healing(self) -> bool:
+        """degraded → launching, for a self-healing attempt (counted)."""
+        attempts = self.heal_attempts + 1
+        return self._transition(
+            [DeploymentState.DEGRADED],
+            DeploymentState.LAUNCHING,
+            heal_attempts=attempts,
+            last_heal_at=timezone.now(),
+        )
+
+    def mark_heal_failed(self, reason: str) -> bool:
+        """A self-healing attempt that did not bring it back: degraded again, with why."""
+        mid = [DeploymentState.LAUNCHING, DeploymentState.VERIFYING]
+        return self._transition(mid, DeploymentState.DEGRADED, state_reason=reason[:4000])
 
     def mark_degraded(self, reason: str) -> bool:
         return self._transition([DeploymentState.RUNNING], DeploymentState.DEGRADED, state_reason=reason)
@@ -246,6 +279,7 @@ class Deployment(models.Model):
         for name, value in fields.items():
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
+        live.changed(self.pk)
 
     def add_process(self, key: str, info: dict) -> None:
         """Record a process this deployment started (by PID), keeping those other steps recorded: the row
@@ -254,6 +288,7 @@ class Deployment(models.Model):
             current = Deployment.objects.select_for_update().only("processes").get(pk=self.pk)
             self.processes = {**(current.processes or {}), key: info}
             Deployment.objects.filter(pk=self.pk).update(processes=self.processes)
+        live.changed(self.pk)
 
     def store_api_key(self, key: str) -> None:
         self.set_api_key(key)

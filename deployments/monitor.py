@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import httpx
 from django.utils import timezone
 
+from audit.history import record
 from deployments.reaper import Holder, find_holders
-from jobs.audit import record
-from jobs.runner import run_to_completion
+from jobs.aio import run_to_completion
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 
+from . import healing
 from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ def _apply(deployment: Deployment, seen: Seen) -> str:
         record(
             None, "deployment.degraded", deployment, changes={"reason": reason[:1000]}, actor_name="monitor"
         )
+    healing.consider(deployment)  # when it opted in
     return reason
 
 

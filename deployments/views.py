@@ -6,18 +6,18 @@ The run of a deployment (deploy, stop, its live steps) is deployments/lifecycle_
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib import messages
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
-from jobs import audit
-from jobs.models import Job, JobKind
-from jobs.runner import enqueue
+from audit import history
+from jobs.models import Job
 from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
@@ -211,7 +211,7 @@ def _register(request, name: str, node: Node, path: str, profile: dict) -> Model
             profile=profile,
             created_by=request.user,
         )
-        audit.record(
+        history.record(
             request,
             "model.register",
             model,
@@ -230,14 +230,14 @@ def model_download(request):
     node, params = form.cleaned_data["node"], form.params()
     with transaction.atomic():
         job = Job.objects.create(
-            kind=JobKind.DOWNLOAD,
+            kind="download",
             node=node,
             title=f"Download {params['name']} onto {node.name}"[:200],
             params=params,
             created_by=request.user,
         )
-        audit.record(request, "model.download", job, changes={"node": node.name, **params})
-        enqueue(job)
+        history.record(request, "model.download", job, changes={"node": node.name, **params})
+        job.enqueue()
     return redirect(job.get_absolute_url())
 
 
@@ -300,6 +300,7 @@ def plan_preview(request, pk: int):
         "plan": plan,
         "error": error,
         "commands": _commands(model, plan) if plan and plan["fits"] else None,
+        "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
     }
     template = "deployments/plan_preview.html"
     if request.htmx:
@@ -318,6 +319,30 @@ def plan_confirm(request, pk: int):
         context = {"model": model, "form": form, "plan": plan, "error": error or "This plan does not fit."}
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
+    token = _confirm_token(request.POST)
+    if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    try:
+        deployment = _confirm(request, model, form, plan, coordinator, token)
+    except IntegrityError:
+        # The same form, posted twice at the same instant: the other request made the deployment.
+        earlier = Deployment.objects.filter(confirm_token=token).first()
+        if token is None or earlier is None:
+            raise
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    messages.success(request, f"Confirmed {deployment.name}.")
+    return redirect(deployment.get_absolute_url())
+
+
+def _confirm_token(data) -> str | None:
+    token = data.get("confirm_token", "")
+    return token if token and len(token) <= 64 and token.isalnum() else None
+
+
+def _confirm(request, model: ModelFile, form: PlanForm, plan: dict, coordinator: Node, token) -> Deployment:
+    """The deployment and its audit entry, together or not at all."""
     with transaction.atomic():
         deployment = Deployment.objects.create(
             name=form.cleaned_data["name"] or f"{model.name} @ {plan['settings']['ctx']}",
@@ -327,8 +352,9 @@ def plan_confirm(request, pk: int):
             plan_settings=plan["settings"],
             state=DeploymentState.CONFIRMED,
             created_by=request.user,
+            confirm_token=token,
         )
-        audit.record(
+        history.record(
             request,
             "deployment.confirm",
             deployment,
@@ -341,8 +367,7 @@ def plan_confirm(request, pk: int):
                 "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
             },
         )
-    messages.success(request, f"Confirmed {deployment.name}.")
-    return redirect(deployment.get_absolute_url())
+    return deployment
 
 
 # ---------------------------------------------------------------------------------------------------------

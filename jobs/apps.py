@@ -1,6 +1,14 @@
+from __future__ import annotations
+
 from django.apps import AppConfig
 
 
 class JobsConfig(AppConfig):
     name = "jobs"
-    verbose_name = "Jobs and audit"
+    verbose_name = "Jobs"
+
+    def ready(self) -> None:
+        from . import kinds, watchers
+
+        kinds.register("command", "Command", "jobs.bodies.run_command")
+        watchers.connect_signals()

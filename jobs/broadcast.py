@@ -74,24 +74,33 @@ def status_message(job_id: int, state: str) -> dict:
     return {"type": "job.status", "job_id": job_id, "state": state}
 
 
-async def send_lines(job_id: int, rows: list) -> None:
+async def send_lines(job_id: int, rows: list, also: Iterable[str] = ()) -> None:
+    """To the job's group, and to the groups in `also` (a page that follows a larger job: the job's
+    params["notify"], see Job.notify_groups)."""
     if rows:
-        await _group_send(group_name(job_id), lines_message(job_id, rows))
+        message = lines_message(job_id, rows)
+        for group in (group_name(job_id), *also):
+            await _group_send(group, message)
 
 
-async def send_status(job_id: int, state: str) -> None:
+async def send_status(job_id: int, state: str, also: Iterable[str] = ()) -> None:
     message = status_message(job_id, state)
-    await _group_send(group_name(job_id), message)
-    await _group_send(LIST_GROUP, message)
+    for group in (group_name(job_id), LIST_GROUP, *also):
+        await _group_send(group, message)
 
 
-def send_lines_sync(job_id: int, rows: list) -> None:
+def send_lines_sync(job_id: int, rows: list, also: Iterable[str] = ()) -> None:
     """For synchronous callers (views, the sweeper)."""
-    call_sync(send_lines, job_id, rows)
+    call_sync(send_lines, job_id, rows, also)
 
 
-def send_status_sync(job_id: int, state: str) -> None:
-    call_sync(send_status, job_id, state)
+def send_status_sync(job_id: int, state: str, also: Iterable[str] = ()) -> None:
+    call_sync(send_status, job_id, state, also)
+
+
+async def send_event(group: str, message: dict) -> None:
+    """Any other message to a group (a deployment's page, say): best effort, like the others."""
+    await _group_send(group, message)
 
 
 def call_sync(func, *args):

@@ -20,10 +20,9 @@ from ramdeck_site.roles import can_operate, can_view
 
 from .broadcast import LIST_GROUP, group_name, log_line_html
 from .models import TERMINAL_STATES, Job, JobLogLine
+from .watchers import FORBIDDEN, UserBoundConsumer
 
 BACKLOG_CHUNK = 2000
-# Close code for "you may not watch this"; the browser sees the handshake refused.
-FORBIDDEN = 4403
 
 
 def _may_view(user) -> bool:
@@ -38,7 +37,7 @@ def _parse_after(scope) -> int:
         return -1
 
 
-class JobLogConsumer(AsyncWebsocketConsumer):
+class JobLogConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.job_id = int(self.scope["url_route"]["kwargs"]["pk"])
         user = self.scope.get("user")
@@ -51,10 +50,12 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         self.finished = False
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        await self.bind_to_user()
         await self._send_from_database(before=None)
         await self._send_status()
 
     async def disconnect(self, code: int) -> None:
+        await self.unbind_from_user()
         if getattr(self, "group", None):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -113,7 +114,7 @@ class JobLogConsumer(AsyncWebsocketConsumer):
         return render_to_string("jobs/job_detail.html#summary", context), job.state
 
 
-class JobListConsumer(AsyncWebsocketConsumer):
+class JobListConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
     """Status badges of the job list: every job's state change, as an out-of-band badge."""
 
     async def connect(self) -> None:
@@ -123,8 +124,10 @@ class JobListConsumer(AsyncWebsocketConsumer):
         self.group = LIST_GROUP
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
+        await self.bind_to_user()
 
     async def disconnect(self, code: int) -> None:
+        await self.unbind_from_user()
         if getattr(self, "group", None):
             await self.channel_layer.group_discard(self.group, self.channel_name)
 

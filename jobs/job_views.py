@@ -1,4 +1,4 @@
-"""Job pages: the list, one job with its live log, the whole log as text, cancel, and "run a command".
+"""Job pages: the list, one job with its live log, the whole log as text, and cancel.
 
 Live updates come over the websocket (jobs/consumers.py); each page also polls every 2 s while the job is
 active and the socket is not open, and stops polling once the job has ended.
@@ -9,19 +9,18 @@ from __future__ import annotations
 from django.contrib import messages
 from django.core.handlers.asgi import ASGIRequest
 from django.core.paginator import Paginator
-from django.db import transaction
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_POST
 
-from nodes.models import Node, Transport
-from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, require_role, role_required
+from audit import history
+from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
-from . import audit, broadcast, runner
+from . import broadcast
 from .broadcast import log_line_html, plain_text
-from .forms import CommandForm, JobFilterForm
-from .models import Job, JobKind, JobLogLine, JobState
+from .forms import JobFilterForm
+from .models import Job, JobLogLine, JobState
 
 # How many lines a job page shows at first, and per "load earlier lines".
 TAIL_LINES = 500
@@ -52,7 +51,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
         if data["kind"]:
             jobs = jobs.filter(kind=data["kind"])
         if data["node"]:
-            jobs = jobs.filter(node=data["node"])
+            jobs = jobs.filter(node_name=data["node"])
     page = Paginator(jobs, 50).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
@@ -141,10 +140,10 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
     if job.is_terminal:
         messages.info(request, f"{job} had already ended ({job.get_state_display().lower()}).")
     elif job.request_cancel():
-        audit.record(request, "job.cancel", job, changes={"state": job.state})
+        history.record(request, "job.cancel", job, changes={"state": job.state})
         if job.state == JobState.CANCELLED:
             # A queued job ends at once; a running one ends when its runner has stopped the process.
-            broadcast.send_status_sync(job.pk, job.state)
+            broadcast.send_status_sync(job.pk, job.state, job.notify_groups)
             messages.success(request, f"{job} was cancelled before it started.")
         else:
             messages.success(request, f"Cancelling {job}: its process is being ended.")
@@ -152,39 +151,3 @@ def job_cancel(request: HttpRequest, pk: int) -> HttpResponse:
         job.refresh_from_db()
         return render(request, "jobs/job_detail.html#summary", {"job": job})
     return redirect(job)
-
-
-@role_required(OPERATOR)
-def job_create(request: HttpRequest) -> HttpResponse:
-    """Run one command on a node, as a job with a live log.
-
-    A command on a local-transport node runs as the console's own user, next to its encryption key
-    and database, so it needs the admin role; the form hides those nodes from operators, and this
-    check refuses them even when posted by hand.
-    """
-    if request.method == "POST":
-        if Node.objects.filter(name=request.POST.get("node", ""), transport=Transport.LOCAL).exists():
-            require_role(request, ADMIN)
-        form = CommandForm(request.POST, user=request.user)
-        if form.is_valid():
-            node, argv = form.cleaned_data["node"], form.cleaned_data["command"]
-            params = {"argv": argv}
-            if form.cleaned_data["timeout"]:
-                params["timeout"] = form.cleaned_data["timeout"]
-            with transaction.atomic():
-                job = Job.objects.create(
-                    kind=JobKind.COMMAND,
-                    node=node,
-                    title=request.POST["command"][:200],
-                    params=params,
-                    created_by=request.user,
-                )
-                audit.record(
-                    request, "job.create", job, changes={"kind": job.kind, "node": node.name, **params}
-                )
-                runner.enqueue(job)
-            messages.success(request, f"{job} queued.")
-            return redirect(job)
-    else:
-        form = CommandForm(initial={"node": request.GET.get("node")}, user=request.user)
-    return render(request, "jobs/job_form.html", {"form": form})

@@ -18,6 +18,7 @@ import psutil
 
 from .transport import (
     EXIT_NOT_FOUND,
+    Command,
     CommandResult,
     CommandTimeout,
     LinePump,
@@ -31,11 +32,11 @@ DEFAULT_TIMEOUT_S = 3 * 3600.0
 
 
 class LocalTransport:
+    # The console's own host: no network between it and itself.
+    rtt_ms: float | None = 0.0
+
     def __init__(self, *, command_timeout: float | None = None) -> None:
         self.command_timeout = command_timeout or _default_timeout()
-        self._last_result: CommandResult | None = None
-        self.current_pid: int | None = None
-        self.last_pid: int | None = None
 
     async def __aenter__(self) -> LocalTransport:
         return self
@@ -43,22 +44,20 @@ class LocalTransport:
     async def __aexit__(self, *exc) -> None:
         return None
 
-    @property
-    def last_result(self) -> CommandResult | None:
-        return self._last_result
-
-    async def stream(
+    def command(
         self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+    ) -> Command:
+        return Command(argv, lambda command: self._lines(command, timeout or self.command_timeout, env))
+
+    async def _lines(
+        self, command: Command, timeout: float, env: dict[str, str] | None
     ) -> AsyncIterator[OutputLine]:
-        self._last_result = None
-        if not argv:
-            raise ValueError("empty command")
-        timeout = timeout or self.command_timeout
+        argv = command.argv
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
             process = await asyncio.create_subprocess_exec(
-                *[str(a) for a in argv],
+                *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
@@ -72,7 +71,7 @@ class LocalTransport:
             ) from exc
         except PermissionError as exc:
             raise TransportError(f"{argv[0]!r} cannot be executed here: permission denied.") from exc
-        self.current_pid = self.last_pid = process.pid
+        command.pid = process.pid
         pump = LinePump({"out": process.stdout, "err": process.stderr})
         finished = False
         try:
@@ -94,10 +93,9 @@ class LocalTransport:
                 await self._end_group(process.pid, grace=2.0)
                 raise CommandTimeout(f"{argv[0]!r} did not exit in time and was ended.") from None
             finished = True
-            self._last_result = _result_of(process.returncode, argv)
+            command.finished(_result_of(process.returncode, argv))
         finally:
             pump.close()
-            self.current_pid = None
             if not finished and process.returncode is None:
                 # The consumer gave up (cancelled or closed the stream): do not leave the command behind.
                 await self._end_group(process.pid, grace=2.0)
@@ -110,8 +108,7 @@ class LocalTransport:
         return await run_to_end(self, argv, timeout=timeout, check=check)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
-        # Not through `stream`: starting a daemon must not disturb `current_pid`/`last_result` of a
-        # command that may be streaming at the same time.
+        # A launcher shell of its own, not a `Command`: it prints the daemon's PID and exits at once.
         launcher = await asyncio.create_subprocess_exec(
             "sh",
             "-c",

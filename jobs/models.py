@@ -1,24 +1,21 @@
-"""Jobs (everything that changes a node), their log lines, and the append-only audit history."""
+"""Jobs (everything that changes a node) and their log lines."""
 
 from __future__ import annotations
 
+import logging
+
 from django.conf import settings
 from django.db import connections, models, router, transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
+from . import kinds
 
-class JobKind(models.TextChoices):
-    PROBE = "probe", "Hardware probe"
-    BUILD = "build", "Build llama.cpp"
-    REAP = "reap", "Reap stale processes"
-    LAUNCH = "launch", "Launch"
-    STOP = "stop", "Stop"
-    BENCHMARK = "benchmark", "Benchmark"
-    COMMAND = "command", "Command"
-    DOWNLOAD = "download", "Download model"
-    CALIBRATE = "calibrate", "Calibrate"
+logger = logging.getLogger(__name__)
+
+# The Celery task that runs a job (jobs/tasks.py), sent by name so this module needs no import of it.
+RUN_TASK = "jobs.tasks.run_job"
 
 
 class JobState(models.TextChoices):
@@ -48,7 +45,13 @@ class JobQuerySet(models.QuerySet):
 
 
 class Job(models.Model):
-    kind = models.CharField(max_length=20, choices=JobKind.choices)
+    # Kinds are registered by the apps that own them (jobs/kinds.py): a new kind needs no migration.
+    kind = models.CharField(max_length=20, choices=kinds.choices)
+    # A step of a larger job (a deployment run's reap, rpc_server, ...): run by its parent's body through
+    # `ctx.run_child`, never sent to a worker of its own.
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children"
+    )
     node = models.ForeignKey(
         "nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs"
     )
@@ -68,6 +71,13 @@ class Job(models.Model):
     result = models.CharField(max_length=500, blank=True, help_text="One line a person can act on.")
     # Bookkeeping for the runner and the sweeper of lost jobs.
     worker = models.CharField(max_length=200, blank=True)
+    # The PID of the process running the job on the worker's host (a prefork child): a redelivery on the
+    # same host can tell at once that the run it finds is dead.
+    runner_pid = models.PositiveIntegerField(null=True, blank=True)
+    # When the task message was last sent, and how often: the sweeper sends again a job whose message
+    # was lost (a Redis restart, a failed publish) and gives up after a few tries.
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    enqueue_count = models.PositiveSmallIntegerField(default=0)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     remote_pid = models.IntegerField(null=True, blank=True)
     cancel_requested = models.BooleanField(default=False)
@@ -80,6 +90,17 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_kind_display()} #{self.pk} on {self.node_name or 'console'}"
+
+    @property
+    def kind_spec(self) -> kinds.Kind | None:
+        return kinds.get(self.kind)
+
+    @property
+    def notify_groups(self) -> list[str]:
+        """Channel groups that hear this job's status and lines besides its own (params["notify"]): the
+        page of what the job is part of, such as a deployment's."""
+        groups = self.params.get("notify") or []
+        return [str(group) for group in groups] if isinstance(groups, list) else []
 
     def get_absolute_url(self) -> str:
         return reverse("jobs:detail", args=[self.pk])
@@ -106,13 +127,40 @@ class Job(models.Model):
     # State changes. Each is a conditional UPDATE so a redelivered task or a racing sweeper cannot
     # move a job backwards; each returns whether it changed anything.
 
-    def mark_running(self, worker: str = "") -> bool:
+    def enqueue(self) -> None:
+        """Send the job to a worker once the transaction that created it commits (at once outside one).
+
+        A message that cannot be sent (the broker is away) is logged, not raised: the job stays queued
+        and the sweeper sends it again.
+        """
+        if self.parent_id:
+            raise ValueError(f"Job {self.pk} is a step of job {self.parent_id}: its parent runs it.")
+        transaction.on_commit(self.send_to_worker)
+
+    def send_to_worker(self) -> bool:
+        """Publish the run task now, on the kind's queue; True when the broker took it."""
+        from ramdeck_site.celery import app
+
+        Job.objects.filter(pk=self.pk).update(
+            enqueued_at=timezone.now(), enqueue_count=F("enqueue_count") + 1
+        )
+        try:
+            app.send_task(RUN_TASK, args=[self.pk], queue=kinds.queue_for(self.kind))
+        except Exception as exc:  # noqa: BLE001 - any broker failure: the sweeper sends it again.
+            logger.warning(
+                "Job %s: could not send it to a worker (%s); the sweeper will retry.", self.pk, exc
+            )
+            return False
+        return True
+
+    def mark_running(self, worker: str = "", runner_pid: int | None = None) -> bool:
         now = timezone.now()
         changed = Job.objects.filter(pk=self.pk, state=JobState.QUEUED).update(
-            state=JobState.RUNNING, started_at=now, heartbeat_at=now, worker=worker
+            state=JobState.RUNNING, started_at=now, heartbeat_at=now, worker=worker, runner_pid=runner_pid
         )
         if changed:
             self.state, self.started_at, self.heartbeat_at, self.worker = JobState.RUNNING, now, now, worker
+            self.runner_pid = runner_pid
         return bool(changed)
 
     def finish(self, state: str, *, exit_code: int | None = None, result: str = "") -> bool:
@@ -138,10 +186,17 @@ class Job(models.Model):
             state=JobState.CANCELLED, finished_at=now, result=result
         ):
             self.state, self.finished_at, self.result = JobState.CANCELLED, now, result
+            self.skip_queued_children("Skipped: the job was cancelled before it started.")
             return True
         changed = Job.objects.filter(pk=self.pk, state=JobState.RUNNING).update(cancel_requested=True)
         self.cancel_requested = self.cancel_requested or bool(changed)
         return bool(changed)
+
+    def skip_queued_children(self, reason: str) -> int:
+        """Steps that never began never will (the parent ended): cancelled, with the reason."""
+        return Job.objects.filter(parent_id=self.pk, state=JobState.QUEUED).update(
+            state=JobState.CANCELLED, finished_at=timezone.now(), result=reason[:500]
+        )
 
     def touch(self) -> None:
         self.heartbeat_at = timezone.now()
@@ -179,6 +234,34 @@ class Job(models.Model):
         self.next_seq = end
         return saved
 
+    def trim_log(self, keep_head: int, keep_tail: int) -> int:
+        """Keep the first `keep_head` and the last `keep_tail` lines; the ones between are deleted and one
+        marker line (at the first cut seq) says how many. Returns how many lines were deleted. A job that
+        prints without end cannot fill the database; what matters most (how it started, how it ended) stays.
+        """
+        alias = router.db_for_write(JobLogLine)
+        with transaction.atomic(using=alias):
+            end = Job.objects.using(alias).filter(pk=self.pk).values_list("next_seq", flat=True).get()
+            first, last = keep_head, end - keep_tail - 1
+            if last <= first:
+                return 0
+            lines = JobLogLine.objects.using(alias).filter(job_id=self.pk, seq__gte=first, seq__lte=last)
+            deleted, _ = lines.delete()
+            JobLogLine.objects.using(alias).create(
+                job_id=self.pk,
+                seq=first,
+                stream=LogStream.SYSTEM,
+                text=cut_marker(first, last, keep_head, keep_tail),
+            )
+        return deleted - 1 if deleted else 0
+
+
+def cut_marker(first: int, last: int, keep_head: int, keep_tail: int) -> str:
+    return (
+        f"[… {last - first + 1} lines cut here (lines {first + 1}–{last + 1}): the console keeps the first "
+        f"{keep_head} and the last {keep_tail} lines of a job (RAMDECK_JOB_LOG_MAX_LINES) …]"
+    )
+
 
 class LogStream(models.TextChoices):
     STDOUT = "out", "stdout"
@@ -199,45 +282,3 @@ class JobLogLine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}:{self.seq} {self.text[:60]}"
-
-
-class AuditEventQuerySet(models.QuerySet):
-    def update(self, **kwargs):  # noqa: D102 - append-only
-        raise PermissionError("Audit events are append-only.")
-
-    def delete(self):
-        raise PermissionError("Audit events are append-only.")
-
-
-class AuditEvent(models.Model):
-    """One thing a person (or the console on their behalf) did. Append-only: no update, no delete."""
-
-    at = models.DateTimeField(default=timezone.now, db_index=True)
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    actor_name = models.CharField(max_length=150, blank=True)
-    action = models.CharField(max_length=60, db_index=True)
-    object_type = models.CharField(max_length=60, blank=True, db_index=True)
-    object_id = models.CharField(max_length=60, blank=True)
-    object_repr = models.CharField(max_length=200, blank=True)
-    changes = models.JSONField(default=dict, blank=True)
-    source_ip = models.GenericIPAddressField(null=True, blank=True)
-
-    objects = AuditEventQuerySet.as_manager()
-
-    class Meta:
-        ordering = ["-at", "-pk"]
-        indexes = [models.Index(fields=["object_type", "object_id"])]
-        constraints = [models.CheckConstraint(condition=~Q(action=""), name="audit_action_not_empty")]
-
-    def __str__(self) -> str:
-        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action} {self.object_repr}"
-
-    def save(self, *args, **kwargs):
-        if self.pk is not None and not self._state.adding:
-            raise PermissionError("Audit events are append-only.")
-        super().save(*args, **kwargs)
-
-    def delete(self, *args, **kwargs):
-        raise PermissionError("Audit events are append-only.")

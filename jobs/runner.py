@@ -3,15 +3,17 @@
 One event loop per job (`asyncio.run`), never one per message. Inside it:
 
 - the job is claimed with a conditional `queued → running` update, so a redelivered task does nothing;
-- the node's transport is opened and the body for `job.kind` (jobs/bodies.py) runs with a `JobContext`;
-- output lines are buffered briefly, saved in bulk with gap-free `seq` numbers FIRST, then sent to the
-  channel group `job-<pk>` (jobs/broadcast.py), so a watcher can always catch up from the database;
-- a watcher task beats the heartbeat (for the sweeper of lost jobs) and polls `cancel_requested`; on a
-  cancel it ends the running remote process by its PID through the transport (TERM, then KILL);
+- the node's transport is opened and the body of the job's kind (jobs/kinds.py) runs with a `JobContext`
+  (jobs/context.py); a body that runs steps calls `ctx.run_child(job)`, and each step is claimed, watched
+  and finished here exactly like a job of its own;
+- output lines go through a `LogWriter` (jobs/logwriter.py): saved first, then sent;
+- a watcher task per job beats the heartbeat (for the sweeper of lost jobs), polls `cancel_requested` and
+  enforces the kind's time limit; on a cancel it ends the running remote process by its PID through the
+  transport (TERM, then KILL), or asks the running step to cancel;
 - the outcome maps to a state: `JobFailed` → failed, `TransportError` → errored, cancel → cancelled,
-  anything else → errored with its traceback in the job log.
+  time limit → errored, anything else → errored with its traceback in the job log.
 
-The ORM is synchronous, so every database call goes through `sync_to_async` (one thread, in order).
+The ORM is synchronous, so every database call goes through `db` (one thread, in order).
 """
 
 from __future__ import annotations
@@ -22,257 +24,47 @@ import logging
 import os
 import socket
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, connections
-from django.utils.module_loading import import_string
 
-from . import broadcast
-from . import transport as transport_module
-from .bodies import BODIES
+from . import broadcast, kinds
+from .aio import db, event_loop_running, open_transport_for, with_own_db_thread
+from .context import JobCancelled, JobContext, JobFailed
+from .logwriter import LogWriter
 from .models import Job, JobState, LogStream
-from .transport import CommandResult, CommandTimeout, OutputLine, TransportError, shell_join
+from .transport import CommandTimeout, TransportError
 
 logger = logging.getLogger(__name__)
 
-# Output is saved in batches: at most this long after a line arrived, or as soon as this many wait.
-FLUSH_DELAY_S = 0.05
-FLUSH_LINES = 500
-# One insert and one group message never carry more than this (a fast producer overfills the buffer
-# between two wake-ups); the rest goes in the next batch at once.
-MAX_BATCH_LINES = 2000
-# A reader this far ahead of the database waits, so a flood of output cannot exhaust memory.
-MAX_PENDING_LINES = 20_000
-# A single line longer than this (a binary blob, a minified file) is cut; the rest is not worth a page.
-MAX_LINE_CHARS = 32_768
 WATCH_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 5.0
-
-
-class JobFailed(Exception):
-    """The work ran and did not succeed. `reason` is the job's one-line result."""
-
-    def __init__(self, reason: str, *, exit_code: int | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.exit_code = exit_code
-
-
-class JobCancelled(Exception):
-    """Raised inside a body when an operator cancelled the job."""
-
-
-def db(func: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    """Run a synchronous ORM call off the event loop, in the one database thread."""
-    return sync_to_async(func, thread_sensitive=True)
 
 
 def default_worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def clean_text(text: str) -> str:
-    """A line the database accepts: no NUL (PostgreSQL refuses it), valid UTF-8, bounded length."""
-    if "\x00" in text:
-        text = text.replace("\x00", "")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = text.encode("utf-8", "replace").decode("utf-8")
-    if len(text) > MAX_LINE_CHARS:
-        text = text[:MAX_LINE_CHARS] + f" … [{len(text) - MAX_LINE_CHARS} more characters cut]"
-    return text
-
-
-class LogWriter:
-    """Buffers lines and saves them in batches (then sends them) from one background task, in order."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self._pending: list[tuple[str, str]] = []
-        self._wake = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
-        self._closing = False
-        self._error: BaseException | None = None
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name=f"job-{self.job.pk}-log")
-
-    async def write(self, stream: str, text: str) -> None:
-        if self._error is not None:
-            raise self._error
-        self._pending.append((stream, clean_text(text)))
-        if len(self._pending) >= FLUSH_LINES:
-            self._wake.set()
-        if len(self._pending) >= MAX_PENDING_LINES:
-            self._room.clear()
-            await self._room.wait()
-
-    async def close(self) -> None:
-        """Save everything still buffered; raise if saving failed."""
-        self._closing = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-        if self._error is not None:
-            raise self._error
-
-    async def _loop(self) -> None:
-        try:
-            while True:
-                if not self._closing:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), FLUSH_DELAY_S)
-                self._wake.clear()
-                while self._pending:
-                    batch = self._pending[:MAX_BATCH_LINES]
-                    del self._pending[:MAX_BATCH_LINES]
-                    await self._flush(batch)
-                    if len(self._pending) < MAX_PENDING_LINES:
-                        self._room.set()
-                self._room.set()
-                if self._closing:
-                    return
-        except BaseException as exc:
-            self._error = exc
-            self._room.set()
-
-    async def _flush(self, batch: list[tuple[str, str]]) -> None:
-        for attempt in range(3):
-            try:
-                rows = await db(self.job.append_lines)(batch)
-                break
-            except DatabaseError:
-                # The insert is atomic, so a retry never duplicates; a busy SQLite file usually clears.
-                if attempt == 2:
-                    raise
-                await asyncio.sleep(0.5 * (attempt + 1))
-        await broadcast.send_lines(self.job.pk, rows)
-
-
-class JobContext:
-    """What a body gets: the job, its node, the open transport, and helpers that log as they go."""
-
-    def __init__(self, job: Job, writer: LogWriter) -> None:
-        self.job = job
-        self.node = job.node
-        self.transport = None  # Set once the transport is open.
-        self.last_exit_status: int | None = None
-        self._writer = writer
-        self._cancel = asyncio.Event()
-        self._recorded_pid: int | None = None
-        self._daemon_pid: int | None = None
-
-    async def log(self, text: str, stream: str = LogStream.SYSTEM) -> None:
-        for line in str(text).splitlines() or [""]:
-            await self._writer.write(stream, line)
-
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    async def run(
-        self,
-        argv: Sequence[str],
-        *,
-        timeout: float | None = None,
-        check: bool = True,
-        env: dict[str, str] | None = None,
-        capture: bool = True,
-        echo: bool = True,
-    ) -> CommandResult:
-        """Run argv on the node, every output line into the job log. `capture` keeps the lines in the
-        result too (for parsing); `check` raises JobFailed on a non-zero exit."""
-        if self.cancelled():
-            raise JobCancelled()
-        argv = [str(arg) for arg in argv]
-        if echo:
-            await self.log("$ " + shell_join(argv))
-        captured: list[OutputLine] = []
-        transport = self.transport
-        try:
-            async for line in transport.stream(argv, timeout=timeout, env=env):
-                if (pid := getattr(transport, "current_pid", None)) and pid != self._recorded_pid:
-                    await self._note_pid(pid)
-                await self._writer.write(line.stream, line.text)
-                if capture:
-                    captured.append(line)
-            status = transport.last_result or CommandResult(exit_status=None)
-        finally:
-            await self._note_pid(None)
-        if self.cancelled():
-            raise JobCancelled()
-        self.last_exit_status = status.exit_status
-        result = CommandResult(exit_status=status.exit_status, signal=status.signal, lines=captured)
-        if check and not result.ok:
-            how = (
-                f"was ended by signal {result.signal}"
-                if result.signal
-                else f"exited with status {result.exit_status}"
-            )
-            raise JobFailed(f"{argv[0]} {how}.", exit_code=result.exit_status)
-        return result
-
-    async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
-        """Start a detached process on the node and record its PID on the job."""
-        if self.cancelled():
-            raise JobCancelled()
-        argv = [str(arg) for arg in argv]
-        await self.log(f"$ {shell_join(argv)} > {log_path} &")
-        pid = await self.transport.start_daemon(argv, log_path=log_path, cwd=cwd)
-        self._daemon_pid = pid
-        await self._note_pid(None)
-        await self.log(f"Started {argv[0]} as PID {pid}; its output goes to {log_path}.")
-        return pid
-
-    async def _note_pid(self, pid: int | None) -> None:
-        """Keep `job.remote_pid` on the process to end if this job is cancelled or lost: the command
-        running now, else the last daemon started."""
-        pid = pid or self._daemon_pid
-        if pid != self._recorded_pid:
-            self._recorded_pid = pid
-            await db(self.job.record_remote_pid)(pid)
-
-    async def _cancel_now(self, main_task: asyncio.Task) -> None:
-        self._cancel.set()
-        await self.log("Cancel requested by an operator.")
-        pid = getattr(self.transport, "current_pid", None)
-        grace = settings.RAMDECK_KILL_GRACE_S
-        if pid:
-            await self.log(f"Ending process {pid} (TERM, then KILL after {grace:g} s).")
-            try:
-                await self.transport.kill(pid, grace=grace)
-            except TransportError as exc:
-                await self.log(f"Could not end process {pid}: {exc}")
-            # The body sees the stream end and raises JobCancelled; if it is stuck elsewhere, interrupt it.
-            asyncio.get_running_loop().call_later(grace + 5, _cancel_task, main_task)
-        else:
-            main_task.cancel()
-
-
-def _cancel_task(task: asyncio.Task) -> None:
-    if not task.done():
-        task.cancel()
-
-
 def _cancel_requested(job_id: int) -> bool:
     return Job.objects.filter(pk=job_id).values_list("cancel_requested", flat=True).first() or False
 
 
+def time_limit_of(job: Job) -> float:
+    kind = kinds.get(job.kind)
+    return float((kind.time_limit if kind else None) or settings.RAMDECK_JOB_TIME_LIMIT_S)
+
+
 async def _watch(ctx: JobContext, main_task: asyncio.Task) -> None:
-    """Heartbeat, PID bookkeeping for silent commands, and cancel polling, until the body ends."""
+    """Heartbeat, PID bookkeeping for silent commands, cancel polling and the time limit, until the body
+    ends."""
     loop = asyncio.get_running_loop()
     last_beat = loop.time()
+    deadline = loop.time() + time_limit_of(ctx.job)
     while not main_task.done():
         await asyncio.sleep(WATCH_INTERVAL_S)
         try:
-            await ctx._note_pid(getattr(ctx.transport, "current_pid", None))
+            await ctx._note_pid(ctx.current_pid)
             requested = await db(_cancel_requested)(ctx.job.pk)
             if loop.time() - last_beat >= HEARTBEAT_INTERVAL_S:
                 await db(ctx.job.touch)()
@@ -280,46 +72,22 @@ async def _watch(ctx: JobContext, main_task: asyncio.Task) -> None:
         except DatabaseError as exc:
             logger.warning("Job %s: database busy in the watcher (%s); trying again.", ctx.job.pk, exc)
             continue
-        if requested and not ctx.cancelled():
-            await ctx._cancel_now(main_task)
-
-
-async def open_transport_for(node):
-    """The transport for a node: the factory in jobs/transport.py, else the local transport."""
-    factory = getattr(transport_module, "open_transport", None)
-    if factory is not None and node is not None:
-        # The factory reads the node's credential from the database: call it in the database thread.
-        opened = await db(factory)(node)
-        return await opened if asyncio.iscoroutine(opened) else opened
-    if node is None or node.is_local:
-        from .local import LocalTransport
-
-        return LocalTransport()
-    raise TransportError(f"No transport can reach {node.name} ({node.get_transport_display()}).")
-
-
-async def with_own_db_thread(awaitable: Awaitable[Any]) -> Any:
-    """Await with a database thread of this run's own (for `db` and for bodies' own sync_to_async
-    calls), ended and its connection closed afterwards. Without the context, asgiref would use one
-    process-wide thread that outlives the run: its connection would linger, and a process forked
-    later (a test's live server) would inherit a thread pool whose thread does not exist."""
-    async with ThreadSensitiveContext():
-        try:
-            return await awaitable
-        finally:
-            # Celery closes the main thread's connection after each task; this thread's is ours.
-            await db(connections.close_all)()
-
-
-def body_for(kind: str) -> Callable[[JobContext], Awaitable[str]]:
-    try:
-        return import_string(BODIES[kind])
-    except KeyError:
-        raise TransportError(f"This console does not know how to run a {kind!r} job.") from None
+        if ctx.cancelled():
+            continue
+        if requested:
+            await ctx.stop(main_task, "Cancel requested by an operator.")
+        elif loop.time() >= deadline:
+            limit = time_limit_of(ctx.job)
+            await ctx.stop(main_task, f"The job ran past its time limit ({limit:g} s) and was stopped.")
 
 
 async def _main(ctx: JobContext) -> str:
-    body = body_for(ctx.job.kind)
+    kind = kinds.get(ctx.job.kind)
+    if kind is None:
+        raise TransportError(f"This console does not know how to run a {ctx.job.kind!r} job.")
+    body = kind.resolve_body()
+    if not kind.needs_transport:
+        return await body(ctx)
     async with await open_transport_for(ctx.node) as transport:
         ctx.transport = transport
         return await body(ctx)
@@ -328,7 +96,12 @@ async def _main(ctx: JobContext) -> str:
 def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int | None, str, list[str]]:
     """(state, exit code, result, extra log lines) for how the body ended."""
     if isinstance(exc, JobCancelled | asyncio.CancelledError) and ctx.cancelled():
+        if ctx.stop_reason.startswith("The job ran past its time limit"):
+            return JobState.ERRORED, ctx.last_exit_status, ctx.stop_reason, []
         return JobState.CANCELLED, ctx.last_exit_status, "Cancelled by an operator.", []
+    if isinstance(exc, JobCancelled):
+        # The body itself found that its work is no longer wanted (say, the deployment is being stopped).
+        return JobState.CANCELLED, ctx.last_exit_status, str(exc) or "Cancelled.", []
     if isinstance(exc, JobFailed):
         return JobState.FAILED, exc.exit_code, exc.reason, []
     if isinstance(exc, CommandTimeout):
@@ -341,9 +114,10 @@ def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int
 
 
 async def _execute(job: Job) -> None:
+    """Run a claimed job's body to its end under a watcher, and record how it ended."""
     writer = LogWriter(job)
     writer.start()
-    ctx = JobContext(job, writer)
+    ctx = JobContext(job, writer, run_child=_run_child)
     main_task = asyncio.create_task(_main(ctx), name=f"job-{job.pk}-body")
     watcher = asyncio.create_task(_watch(ctx, main_task), name=f"job-{job.pk}-watch")
     try:
@@ -373,59 +147,61 @@ async def _finish(job: Job, writer: LogWriter, state: str, exit_code, result: st
     except Exception:
         logger.exception("Job %s: could not save the last log lines.", job.pk)
     if await db(job.finish)(state, exit_code=exit_code, result=result):
-        await broadcast.send_status(job.pk, job.state)
+        await broadcast.send_status(job.pk, job.state, job.notify_groups)
     else:
         logger.warning("Job %s was already finished elsewhere (lost-job sweeper?); kept that state.", job.pk)
+    # Steps the body never reached never will run.
+    await db(job.skip_queued_children)(f"Skipped: {job} ended ({JobState(job.state).label.lower()}).")
+    kind = kinds.get(job.kind)
+    if kind is not None and kind.on_end is not None:
+        try:
+            await db(kind.ended)(job)
+        except Exception:
+            logger.exception("Job %s: the %s kind's on_end hook failed.", job.pk, job.kind)
 
 
-def run_job(job_id: int, *, worker: str = "") -> None:
-    """Claim and run one job to its end. A job that is not queued (already run, or running under a
-    redelivered task) is left alone."""
-    if _event_loop_running():
+async def _run_child(parent: JobContext, child: Job) -> Job:
+    """`ctx.run_child`: claim the step under the parent's worker, run it like any job, return it ended."""
+    child = await db(_load)(child.pk)
+    claimed = await db(child.mark_running)(parent.job.worker, parent.job.runner_pid)
+    if not claimed:
+        await db(child.refresh_from_db)()
+        await parent.log(f"Step {child.title or child} is {child.state}, not queued: not run again.")
+        return child
+    await broadcast.send_status(child.pk, child.state, child.notify_groups)
+    await parent.log(f"Step: {child.title or child} (job {child.pk})")
+    await _execute(child)
+    await db(child.refresh_from_db)()
+    await parent.log(f"Step {child.get_state_display().lower()}: {child.result}")
+    return child
+
+
+def _load(job_id: int) -> Job:
+    return Job.objects.select_related("node").get(pk=job_id)
+
+
+def run_job(job_id: int, *, worker: str = "") -> bool:
+    """Claim and run one job to its end; False when there was nothing to run (the job is not queued:
+    already run, or running under another delivery, or a step that its parent runs)."""
+    if event_loop_running():
         # asyncio.run cannot start inside a running loop (a caller on Playwright's test thread, say):
         # run on a thread of our own, with its own database connection, closed afterwards.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            pool.submit(_run_job_and_close, job_id, worker).result()
-        return
-    job = Job.objects.select_related("node", "node__credential").filter(pk=job_id).first()
+            return pool.submit(_run_job_and_close, job_id, worker).result()
+    job = Job.objects.select_related("node").filter(pk=job_id).first()
     if job is None:
         logger.warning("Job %s does not exist; nothing to run.", job_id)
-        return
-    if not job.mark_running(worker=worker or default_worker_name()):
-        logger.info("Job %s is %s, not queued: this delivery does nothing.", job_id, job.state)
-        return
-    broadcast.send_status_sync(job.pk, job.state)
-    asyncio.run(with_own_db_thread(_execute(job)))
-
-
-def run_to_completion(make: Callable[[], Awaitable[Any]]) -> Any:
-    """`asyncio.run(make())` for synchronous callers; on a short-lived thread when this thread's own
-    event loop is already running (asyncio.run refuses to nest)."""
-    if not _event_loop_running():
-        return asyncio.run(make())
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(lambda: asyncio.run(make())).result()
-
-
-def _event_loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
         return False
+    if not job.mark_running(worker=worker or default_worker_name(), runner_pid=os.getpid()):
+        logger.info("Job %s is %s, not queued: this delivery does nothing.", job_id, job.state)
+        return False
+    broadcast.send_status_sync(job.pk, job.state, job.notify_groups)
+    asyncio.run(with_own_db_thread(_execute(job)))
     return True
 
 
-def _run_job_and_close(job_id: int, worker: str) -> None:
+def _run_job_and_close(job_id: int, worker: str) -> bool:
     try:
-        run_job(job_id, worker=worker)
+        return run_job(job_id, worker=worker)
     finally:
         connections.close_all()
-
-
-def enqueue(job: Job) -> None:
-    """Send the job to a worker once the transaction that created it commits."""
-    from django.db import transaction
-
-    from . import tasks
-
-    transaction.on_commit(lambda: tasks.run_job.delay(job.pk))

@@ -24,6 +24,7 @@ import asyncssh
 
 from .transport import (
     EXIT_NOT_FOUND,
+    Command,
     CommandResult,
     CommandTimeout,
     HostKeyChanged,
@@ -89,14 +90,6 @@ def fingerprint_of(openssh_line: str) -> str:
     return key_fingerprint(asyncssh.import_public_key(openssh_line))
 
 
-@dataclass
-class _Running:
-    """One command's bookkeeping: the PID it reported and, once it ended, its result."""
-
-    pid: int | None = None
-    result: CommandResult | None = None
-
-
 class _PinningClient(asyncssh.SSHClient):
     def __init__(self, pinned: asyncssh.SSHKey | None) -> None:
         self.pinned = pinned
@@ -147,11 +140,6 @@ class SSHTransport:
         self.target = target
         self._conn: asyncssh.SSHClientConnection | None = None
         self._client: _PinningClient | None = None
-        self._last_result: CommandResult | None = None
-        # The command `stream` is running right now (its PID lets a canceller end it).
-        self._running: _Running | None = None
-        # PID of the most recent command, kept after it ends (for diagnostics and tests).
-        self.last_pid: int | None = None
         # Network round trip to the node, from the TCP handshake of this connection.
         self.rtt_ms: float | None = None
 
@@ -318,46 +306,30 @@ class SSHTransport:
 
     # -- commands ----------------------------------------------------------------------------------------
 
-    @property
-    def last_result(self) -> CommandResult | None:
-        return self._last_result
-
     def _command_line(self, argv: Sequence[str], env: dict[str, str] | None) -> str:
-        if not argv:
-            raise ValueError("empty command")
         full = ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv)
         return f"echo {PID_MARKER} $$ >&2; exec {shell_join(full)}"
 
-    async def stream(
+    def command(
         self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+    ) -> Command:
+        """A handle on argv; its `pid` is known once the command's first line (a PID marker) arrives."""
+        return Command(argv, lambda command: self._guarded_lines(command, timeout, env))
+
+    async def _guarded_lines(
+        self, command: Command, timeout: float | None, env: dict[str, str] | None
     ) -> AsyncIterator[OutputLine]:
-        """Run argv; yield its lines as they come; `last_result` holds the status afterwards.
-
-        `current_pid` is the command's PID while it runs (the runner ends it by PID on a cancel).
-        """
-        self._last_result = None
-        running = _Running()
-        self._running = running
-        try:
-            # aclosing: when our consumer stops early, the inner generator's cleanup (ending the
-            # command by PID) runs now, not whenever it is garbage-collected.
-            async with contextlib.aclosing(self._lines(argv, timeout, env, running)) as lines:
-                async for line in lines:
-                    yield line
-        finally:
-            if self._running is running:
-                self._running = None
-        self._last_result = running.result
-
-    @property
-    def current_pid(self) -> int | None:
-        return self._running.pid if self._running else None
+        # aclosing: when our consumer stops early, the inner generator's cleanup (ending the command by
+        # PID) runs now, not whenever it is garbage-collected.
+        async with contextlib.aclosing(self._lines(command, timeout, env)) as lines:
+            async for line in lines:
+                yield line
 
     async def _lines(
-        self, argv: Sequence[str], timeout: float | None, env: dict[str, str] | None, running: _Running
+        self, command: Command, timeout: float | None, env: dict[str, str] | None
     ) -> AsyncIterator[OutputLine]:
-        """The command's lines; its PID and result go to `running` only, so helper commands (kill,
-        pid_alive) that run while a stream is open never disturb that stream's bookkeeping."""
+        """The command's lines; its PID and result go to its own handle."""
+        argv, running = command.argv, command
         conn = self._require_conn()
         timeout = timeout or self.target.command_timeout
         loop = asyncio.get_running_loop()
@@ -392,8 +364,6 @@ class SSHTransport:
                 for line in batch:
                     if running.pid is None and line.stream == "err" and (m := _PID_LINE.match(line.text)):
                         running.pid = int(m.group(1))
-                        if running is self._running:
-                            self.last_pid = running.pid
                         # stdout and stderr travel separately: stdout that overtook the marker waits for it,
                         # so whoever reads a line can already end the command by PID.
                         for early in held:
@@ -419,7 +389,7 @@ class SSHTransport:
                 ended = True
                 raise CommandTimeout(f"{argv[0]!r} on {self.target.host} did not exit in time.") from None
             finished = True
-            running.result = self._result_of(process, argv)
+            running.finished(self._result_of(process, argv))
         finally:
             pump.close()
             if not finished:
@@ -453,10 +423,10 @@ class SSHTransport:
         return await run_to_end(self, argv, timeout=timeout, check=check, where=f" on {self.target.host}")
 
     async def _helper(self, argv: Sequence[str], *, timeout: float = 60) -> CommandResult:
-        """Run a short helper command to completion without touching `current_pid` or `last_result`."""
-        running = _Running()
-        lines = [line async for line in self._lines(argv, timeout, None, running)]
-        result = running.result or CommandResult(exit_status=None)
+        """Run a short helper command to completion (kill, pid_alive, start_daemon)."""
+        command = Command(argv, lambda c: self._lines(c, timeout, None))
+        lines = [line async for line in command.lines()]
+        result = command.result
         result.lines = lines
         return result
 

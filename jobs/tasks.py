@@ -2,7 +2,8 @@
 
 Late acknowledgement (settings) means a task whose worker died is delivered again; the runner's
 conditional `queued → running` claim makes that second delivery a no-op, and the sweeper turns the
-orphaned running job into `errored` ("worker lost").
+orphaned running job into `errored` ("worker lost") — at once when the redelivery lands on the same host
+and finds the process that ran it gone.
 """
 
 from __future__ import annotations
@@ -34,17 +35,22 @@ logger = logging.getLogger(__name__)
     max_retries=5,
 )
 def run_job(self, job_id: int) -> None:
+    hostname = self.request.hostname or ""
     try:
-        runner.run_job(job_id, worker=self.request.hostname or "")
+        if not runner.run_job(job_id, worker=hostname):
+            sweeper.sweep_dead_runner(job_id, hostname)
     except SoftTimeLimitExceeded:
-        job = Job.objects.select_related("node", "node__credential").get(pk=job_id)
+        # A backstop: the runner stops a job at its own time limit (RAMDECK_JOB_SOFT_TIME_LIMIT) first.
+        job = Job.objects.select_related("node").get(pk=job_id)
         if job.state == JobState.RUNNING:
             sweeper.abandon(job, "The job ran past the time limit for jobs and was stopped.")
 
 
 @shared_task(name="jobs.tasks.sweep_lost_jobs", ignore_result=True)
 def sweep_lost_jobs() -> list[int]:
-    return sweeper.sweep()
+    lost = sweeper.sweep()
+    sweeper.sweep_queued()
+    return lost
 
 
 # -- a worker that starts again cleans up after its previous life ---------------------------------------

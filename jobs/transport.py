@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -73,21 +73,62 @@ def decode_line(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").replace("\x00", "").rstrip("\r\n")
 
 
+class Command:
+    """One command on a node, as a transport hands it out: `lines()` runs it and yields its output as it
+    comes; `pid` is its PID on the node once known (a canceller ends it by PID); `result` is its exit
+    status once `lines()` has been read to the end.
+
+    Each command carries its own bookkeeping, so helper commands (kill, pid_alive) that run while another
+    command streams never disturb it.
+    """
+
+    def __init__(self, argv: Sequence[str], run: Callable[[Command], AsyncIterator[OutputLine]]) -> None:
+        if not argv:
+            raise ValueError("empty command")
+        self.argv = [str(arg) for arg in argv]
+        self.pid: int | None = None
+        self._result: CommandResult | None = None
+        self._run = run
+        self._started = False
+
+    def lines(self) -> AsyncIterator[OutputLine]:
+        """Start the command and yield its lines; stopping early (closing the iterator) ends it."""
+        if self._started:
+            raise RuntimeError(f"{self.argv[0]!r}: a command's lines can be read only once.")
+        self._started = True
+        return self._run(self)
+
+    @property
+    def running(self) -> bool:
+        return self._started and self._result is None
+
+    @property
+    def result(self) -> CommandResult:
+        if self._result is None:
+            raise RuntimeError(f"{self.argv[0]!r} has not ended yet: read its lines() to the end first.")
+        return self._result
+
+    def finished(self, result: CommandResult) -> None:
+        """For transports: the command ended with `result`."""
+        self._result = result
+
+
 class Transport(Protocol):
     """What the runner needs from a node. Implementations are async context managers."""
+
+    # Network round trip to the node in ms when the transport measured it while connecting (SSH times
+    # its TCP handshake); 0.0 for the console's own host; None when unknown.
+    rtt_ms: float | None
 
     async def __aenter__(self) -> Transport: ...
 
     async def __aexit__(self, *exc) -> None: ...
 
-    def stream(
+    def command(
         self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
-    ) -> AsyncIterator[OutputLine]:
-        """Run argv; yield output lines as they come. After exhaustion, `last_result` holds the status."""
+    ) -> Command:
+        """A handle on argv; nothing runs until its `lines()` are read."""
         ...
-
-    @property
-    def last_result(self) -> CommandResult | None: ...
 
     async def run(
         self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
@@ -219,8 +260,9 @@ async def run_to_end(
 
     `where` (" on HOST") makes the failure message say which node it was.
     """
-    lines = [line async for line in transport.stream(argv, timeout=timeout)]
-    result = transport.last_result or CommandResult(exit_status=None)
+    command = transport.command(argv, timeout=timeout)
+    lines = [line async for line in command.lines()]
+    result = command.result
     result.lines = lines
     if check and not result.ok:
         tail = "; ".join(line.text for line in lines[-3:] if line.text)
@@ -232,15 +274,23 @@ async def run_to_end(
     return result
 
 
-def open_transport(node) -> Transport:
-    """The transport for a Node row (not yet connected: use it with `async with`).
+# How to reach a node row: set by the app that owns nodes (NodesConfig.ready()), so this module needs
+# nothing from it. Called in synchronous code: it may read the node's credential from the database.
+_node_transport: Callable[[object], Transport] | None = None
 
-    Call from synchronous code (or through sync_to_async): it reads the node's credential from the database.
-    """
-    if node.is_local:
+
+def register_node_transport(factory: Callable[[object], Transport]) -> None:
+    global _node_transport
+    _node_transport = factory
+
+
+def open_transport(node) -> Transport:
+    """The transport for a node (not yet connected: use it with `async with`); the console's own host
+    when there is no node."""
+    if node is None:
         from .local import LocalTransport
 
         return LocalTransport()
-    from .ssh_node import NodeSSHTransport, target_for_node
-
-    return NodeSSHTransport(target_for_node(node), node.pk)
+    if _node_transport is None:
+        raise TransportError(f"No transport can reach {node}: the nodes app is not installed.")
+    return _node_transport(node)

@@ -7,7 +7,6 @@ from . import job_views
 app_name = "jobs"
 urlpatterns = [
     path("", job_views.job_list, name="list"),
-    path("new/", job_views.job_create, name="create"),
     path("<int:pk>/", job_views.job_detail, name="detail"),
     path("<int:pk>/log.txt", job_views.job_log_download, name="log_download"),
     path("<int:pk>/cancel/", job_views.job_cancel, name="cancel"),

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 from asgiref.sync import sync_to_async
 from django.db import transaction
 
-from jobs.models import Job, JobKind
+from jobs.context import JobFailed
+from jobs.models import Job
 from jobs.transport import CommandTimeout, TransportError
 
 from .models import Node, Reachability
@@ -15,28 +16,26 @@ from .probe import ProbeReport
 from .probing import ProbeUnsupported, apply_probe_report, collect, record_probe_failure
 
 if TYPE_CHECKING:
-    from jobs.runner import JobContext
+    from jobs.context import JobContext
 
 GIB = 1024**3
+# The job kind registered in NodesConfig.ready().
+PROBE = "probe"
 
 
 def start_probe(node: Node, *, user=None) -> Job | None:
     """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped."""
-    from jobs.runner import enqueue
-
     with transaction.atomic():
         # Lock the node row so two callers (beat and a button) cannot both pass the check.
         Node.objects.select_for_update().filter(pk=node.pk).first()
-        if Job.objects.active().filter(node=node, kind=JobKind.PROBE).exists():
+        if Job.objects.active().filter(node=node, kind=PROBE).exists():
             return None
-        job = Job.objects.create(kind=JobKind.PROBE, node=node, title=f"Probe {node.name}", created_by=user)
-        enqueue(job)
+        job = Job.objects.create(kind=PROBE, node=node, title=f"Probe {node.name}", created_by=user)
+        job.enqueue()
     return job
 
 
 async def probe(ctx: JobContext) -> str:
-    from jobs.runner import JobFailed
-
     node = ctx.node
     if node is None:
         raise JobFailed("A probe needs a node.")

@@ -45,9 +45,9 @@ async def collect(
             "Linux node."
         )
     local = isinstance(transport, LocalTransport)
-    # The SSH transport times its TCP handshake (a pure network round trip); others fall back to timing a
-    # trivial command, which also counts a process start on the node.
-    rtt_ms = 0.0 if local else getattr(transport, "rtt_ms", None)
+    # The SSH transport times its TCP handshake (a pure network round trip), the local one says 0; others
+    # fall back to timing a trivial command, which also counts a process start on the node.
+    rtt_ms = transport.rtt_ms
     if rtt_ms is None:
         rtt_ms = await measure_rtt(transport)
     known_path, known_version = known_server or ("", "")

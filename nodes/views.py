@@ -9,13 +9,13 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs import audit
-from jobs.models import Job, JobKind
+from audit import history
+from jobs.models import Job
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
 from .forms import BandwidthOverrideForm, CredentialForm, NodeFilterForm, NodeForm
 from .models import Credential, Node, Reachability
-from .probe_job import start_probe
+from .probe_job import PROBE, start_probe
 
 
 def _get_node(name: str) -> Node:
@@ -27,8 +27,8 @@ def hardware_context(node: Node) -> dict:
     return {
         "node": node,
         "devices": node.devices.all(),
-        "active_probe": Job.objects.active().filter(node=node, kind=JobKind.PROBE).first(),
-        "active_calibration": Job.objects.active().filter(node=node, kind=JobKind.CALIBRATE).first(),
+        "active_probe": Job.objects.active().filter(node=node, kind=PROBE).first(),
+        "active_calibration": Job.objects.active().filter(node=node, kind="calibrate").first(),
     }
 
 
@@ -80,7 +80,7 @@ def node_create(request):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             node = form.save()
-            audit.record(request, "node.create", node, changes=audit.form_changes(form))
+            history.record(request, "node.create", node, changes=history.form_changes(form))
         messages.success(request, f"Node {node.name} added.")
         return redirect(node)
     return render(request, "nodes/node_form.html", {"form": form, "node": None})
@@ -93,7 +93,7 @@ def node_edit(request, name: str):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             node = form.save()
-            audit.record(request, "node.update", node, changes=audit.form_changes(form))
+            history.record(request, "node.update", node, changes=history.form_changes(form))
         messages.success(request, f"Node {node.name} saved.")
         return redirect(node)
     return render(request, "nodes/node_form.html", {"form": form, "node": node})
@@ -108,7 +108,7 @@ def node_delete(request, name: str):
     try:
         with transaction.atomic():
             snapshot = {"address": node.address, "transport": node.transport}
-            audit.record(request, "node.delete", node, changes=snapshot)
+            history.record(request, "node.delete", node, changes=snapshot)
             node.delete()
     except ProtectedError:
         message = f"{node.name} is used by a model or a deployment; remove those first."
@@ -145,10 +145,10 @@ def _credential_form(request, credential: Credential):
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
             credential = form.save()
-            changes = audit.form_changes(form)
+            changes = history.form_changes(form)
             if form.cleaned_data.get("new_secret") is not None:
                 changes["secret"] = ["(replaced)", "(replaced)"]
-            audit.record(
+            history.record(
                 request, "credential.create" if creating else "credential.update", credential, changes=changes
             )
         messages.success(request, f"Credential {credential.name} saved.")
@@ -162,7 +162,7 @@ def credential_delete(request, pk: int):
     credential = get_object_or_404(Credential, pk=pk)
     try:
         with transaction.atomic():
-            audit.record(request, "credential.delete", credential)
+            history.record(request, "credential.delete", credential)
             credential.delete()
     except ProtectedError:
         messages.error(
@@ -198,7 +198,7 @@ def probe_now(request, name: str):
     with transaction.atomic():
         job = start_probe(node, user=request.user)
         if job is not None:
-            audit.record(request, "node.probe", node, changes={"job": job.pk})
+            history.record(request, "node.probe", node, changes={"job": job.pk})
     if job is None:
         messages.info(request, f"A probe of {node.name} is already queued or running.")
         return redirect(node)
@@ -218,7 +218,7 @@ def approve_host_key(request, name: str):
     with transaction.atomic():
         approved = node.approve_pending_host_key(seen, by=request.user)
         if approved:
-            audit.record(
+            history.record(
                 request,
                 "node.host_key.approve",
                 node,
@@ -254,7 +254,7 @@ def calibrate_now(request, name: str):
     with transaction.atomic():
         job = start_calibration(node, user=request.user)
         if job is not None:
-            audit.record(request, "node.calibrate", node, changes={"job": job.pk})
+            history.record(request, "node.calibrate", node, changes={"job": job.pk})
     if job is None:
         messages.info(request, f"A calibration of {node.name} is already queued or running.")
         return redirect(node)
@@ -277,7 +277,7 @@ def calibrate_all(request):
             if job is not None:
                 started.append(node.name)
         if started:
-            audit.record(request, "node.calibrate_all", changes={"nodes": started}, object_type="node")
+            history.record(request, "node.calibrate_all", changes={"nodes": started}, object_type="node")
     if started:
         messages.success(request, f"Calibrating {', '.join(started)} in parallel.")
     else:
@@ -298,7 +298,7 @@ def bandwidth_override(request, name: str):
                 device.bandwidth_override_gbs = new
                 device.save(update_fields=["bandwidth_override_gbs", "updated_at"])
                 change = {"bandwidth_override_gbs": [old, new]}
-                audit.record(request, "device.bandwidth_override", device, changes=change)
+                history.record(request, "device.bandwidth_override", device, changes=change)
         if changes:
             messages.success(request, f"Saved {len(changes)} figure(s) for {node.name}.")
         else:

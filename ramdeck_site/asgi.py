@@ -13,11 +13,14 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-from jobs.routing import websocket_urlpatterns  # noqa: E402
+from deployments.routing import websocket_urlpatterns as deployment_routes  # noqa: E402
+from jobs.routing import websocket_urlpatterns as job_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(URLRouter(job_routes + deployment_routes))
+        ),
     }
 )

@@ -56,9 +56,9 @@ def require_role(request, needed: str) -> None:
     the console's own host needs more than a command on a remote node).
     """
     if not has_role(request.user, needed):
-        from jobs import audit
+        from audit import history
 
-        audit.record(
+        history.record(
             request,
             "permission_denied",
             changes={"path": request.path, "method": request.method, "needed": needed},

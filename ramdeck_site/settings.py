@@ -165,9 +165,11 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "axes",
+    # The console's apps, bottom of the import order first (DESIGN.md).
     "ramdeck_site",
-    "nodes",
+    "audit",
     "jobs",
+    "nodes",
     "deployments",
 ]
 
@@ -252,11 +254,34 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-CELERY_TASK_SOFT_TIME_LIMIT = env_int("RAMDECK_JOB_SOFT_TIME_LIMIT", 3 * 3600, minimum=60)
+# The runner stops a job at its kind's time limit, or this one (jobs/runner.py); Celery's own limits are
+# only a backstop for a runner that cannot.
+RAMDECK_JOB_TIME_LIMIT_S = env_int("RAMDECK_JOB_SOFT_TIME_LIMIT", 3 * 3600, minimum=60)
+CELERY_TASK_SOFT_TIME_LIMIT = RAMDECK_JOB_TIME_LIMIT_S + 300
 CELERY_TASK_TIME_LIMIT = CELERY_TASK_SOFT_TIME_LIMIT + 300
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": CELERY_TASK_TIME_LIMIT + 1800}
 CELERY_TASK_ALWAYS_EAGER = env_bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 CELERY_BEAT_SCHEDULE: dict = {}  # Filled by ramdeck_site/celery.py from the intervals below.
+# Two queues, each with its own worker: Celery's default queue for long work (builds, downloads,
+# deployments, commands) and this one for control work that must never wait behind it (stop, reap,
+# probe, the monitor and the sweeper). jobs/kinds.py says which kind goes where.
+CELERY_TASK_DEFAULT_QUEUE = env_str("RAMDECK_WORK_QUEUE", "celery")
+RAMDECK_CONTROL_QUEUE = env_str("RAMDECK_CONTROL_QUEUE", "control")
+CELERY_TASK_ROUTES = {
+    name: {"queue": RAMDECK_CONTROL_QUEUE}
+    for name in (
+        "jobs.tasks.sweep_lost_jobs",
+        "nodes.tasks.probe_all_nodes",
+        "deployments.tasks.check_deployments",
+        "deployments.tasks.scan_stale",
+    )
+}
+# A queued job whose task message is in no queue after this long is sent again (jobs/sweeper.py); one
+# still queued after the second figure is errored as never started.
+RAMDECK_QUEUED_RESEND_AFTER_S = env_int("RAMDECK_QUEUED_RESEND_AFTER_S", 120, minimum=5)
+RAMDECK_QUEUED_GIVE_UP_S = env_int("RAMDECK_QUEUED_GIVE_UP_S", 24 * 3600, minimum=60)
+# A job keeps at most this many log lines: the first and the last half, the cut marked (0: no cap).
+RAMDECK_JOB_LOG_MAX_LINES = env_int("RAMDECK_JOB_LOG_MAX_LINES", 500_000, minimum=0)
 
 RAMDECK_PROBE_INTERVAL_S = env_int("RAMDECK_PROBE_INTERVAL_S", 300, minimum=0)
 RAMDECK_SWEEP_INTERVAL_S = env_int("RAMDECK_SWEEP_INTERVAL_S", 60, minimum=10)
@@ -348,6 +373,9 @@ if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:
         "task": "deployments.tasks.check_deployments",
         "schedule": float(RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S),
     }
+# Self-healing (a deployment opts in): attempts per degraded spell; the first wait between them (doubles).
+RAMDECK_SELF_HEAL_ATTEMPTS = env_int("RAMDECK_SELF_HEAL_ATTEMPTS", 3, minimum=1)
+RAMDECK_SELF_HEAL_BACKOFF_S = env_int("RAMDECK_SELF_HEAL_BACKOFF_S", 60, minimum=0)
 # How often beat looks for stale rpc-servers/llama-servers of ours on every node (0: never).
 RAMDECK_STALE_SCAN_INTERVAL_S = env_int("RAMDECK_STALE_SCAN_INTERVAL_S", 300, minimum=0)
 if RAMDECK_STALE_SCAN_INTERVAL_S:

@@ -3,7 +3,8 @@ from __future__ import annotations
 from django.contrib import admin
 from django.urls import include, path
 
-from jobs import views as jobs_views
+from audit.views import audit_list
+from nodes.command_views import run_command
 
 from . import views
 
@@ -14,8 +15,10 @@ urlpatterns = [
     path("password/", views.RamdeckPasswordChangeView.as_view(), name="password_change"),
     path("password/done/", views.password_change_done, name="password_change_done"),
     path("nodes/", include("nodes.urls")),
+    # Kept under /jobs/: a command is a job, though the form (and its node choices) belongs to nodes.
+    path("jobs/new/", run_command, name="run_command"),
     path("jobs/", include("jobs.urls")),
-    path("audit/", jobs_views.audit_list, name="audit"),
+    path("audit/", audit_list, name="audit"),
     path("", include("deployments.urls")),
     path("admin/", admin.site.urls),
 ]

@@ -10,10 +10,11 @@ from django.shortcuts import redirect, render
 from django.urls import reverse_lazy
 from django.views.decorators.http import require_POST
 
+from audit import history
+from audit.models import AuditEvent
 from deployments.models import ACTIVE_STATES as DEPLOYMENT_ACTIVE_STATES
 from deployments.models import Deployment
-from jobs import audit
-from jobs.models import AuditEvent, Job
+from jobs.models import Job
 from nodes.models import Device, Node
 
 from .roles import can_view
@@ -52,12 +53,12 @@ class RamdeckLoginView(auth_views.LoginView):
 
     def form_valid(self, form):
         response = super().form_valid(form)
-        audit.record(self.request, "login", self.request.user)
+        history.record(self.request, "login", self.request.user)
         return response
 
     def form_invalid(self, form):
         attempted = (self.request.POST.get("username") or "")[:150]
-        audit.record(
+        history.record(
             self.request,
             "login.failed",
             object_type="user",
@@ -70,7 +71,7 @@ class RamdeckLoginView(auth_views.LoginView):
 @require_POST
 def logout_view(request):
     if request.user.is_authenticated:
-        audit.record(request, "logout", request.user)
+        history.record(request, "logout", request.user)
     logout(request)
     messages.success(request, "You are logged out.")
     return redirect("login")
@@ -81,7 +82,7 @@ class RamdeckPasswordChangeView(auth_views.PasswordChangeView):
 
     def form_valid(self, form):
         response = super().form_valid(form)
-        audit.record(self.request, "user.password_change", self.request.user)
+        history.record(self.request, "user.password_change", self.request.user)
         return response
 
 

@@ -5,6 +5,7 @@ Import the fixtures by name in a test module (`from tests.job_fixtures import lo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -20,7 +21,7 @@ import pytest
 from channels.layers import get_channel_layer
 
 from jobs.broadcast import call_sync
-from jobs.models import Job, JobKind, JobLogLine
+from jobs.models import Job, JobLogLine
 from nodes.models import Transport
 from tests.factories import NodeFactory
 
@@ -47,13 +48,33 @@ def channel_layer(settings):
 
 
 @pytest.fixture
+def job_kind():
+    """Register a job kind for this test only (`job_kind(name, body, **options)`); a kind registered
+    before is put back afterwards."""
+    from jobs import kinds
+
+    replaced: dict[str, kinds.Kind | None] = {}
+
+    def register(name: str, body, **options):
+        replaced.setdefault(name, kinds.get(name))
+        label = kinds.get(name).label if kinds.get(name) else name.replace("-", " ").capitalize()
+        return kinds.register(name, label, body, **options)
+
+    yield register
+    for name, previous in replaced.items():
+        kinds.unregister(name)
+        if previous is not None:
+            kinds.register(**dataclasses.asdict(previous))
+
+
+@pytest.fixture
 def local_node(transactional_db):
     return NodeFactory(name="console-host", address="127.0.0.1", transport=Transport.LOCAL)
 
 
 def make_command_job(node, argv: list[str], **params) -> Job:
     return Job.objects.create(
-        kind=JobKind.COMMAND, node=node, title=" ".join(argv)[:200], params={"argv": argv, **params}
+        kind="command", node=node, title=" ".join(argv)[:200], params={"argv": argv, **params}
     )
 
 
@@ -75,27 +96,46 @@ def database_url() -> str:
 
 
 class CeleryWorker:
-    """A real Celery worker process on the test database, consuming a queue of this test's own.
+    """A real Celery worker process on the test database, consuming a work queue and a control queue of
+    this test's own (both, like `make run`'s two workers together).
 
-    With `default_queue=True` the queue becomes Celery's default before the test starts anything else, so
-    the `.delay()` calls of a live server forked afterwards land here too.
+    With `default_queue=True` they become the console's queues before the test starts anything else, so
+    the jobs and tasks a live server forked afterwards sends land here too.
     """
 
-    def __init__(self, tmp_path: Path, name: str | None = None, *, default_queue: bool = False) -> None:
-        self.queue = f"ramdeck-test-{uuid.uuid4().hex[:10]}"
-        self.name = name or f"{self.queue}@{socket.gethostname()}"
-        self.log_path = tmp_path / f"{self.queue}.log"
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str | None = None,
+        *,
+        default_queue: bool = False,
+        queue: str | None = None,
+        consume: tuple[str, ...] = ("work", "control"),
+    ) -> None:
+        # `queue`: share another worker's queues (a second worker, or one that takes over after a crash).
+        self.queue = queue or f"ramdeck-test-{uuid.uuid4().hex[:10]}"
+        self.control_queue = f"{self.queue}-control"
+        self.consume = consume
+        self._saved_control_queue = None
+        self.name = name or f"{self.queue}-{'-'.join(consume)}@{socket.gethostname()}"
+        self.log_path = tmp_path / f"{self.name.split('@')[0]}.log"
         self.default_queue = default_queue
         self.process: subprocess.Popen | None = None
 
     def start(self) -> CeleryWorker:
-        from ramdeck_site.celery import app
 
-        if self.default_queue:
-            app.conf.task_default_queue = self.queue
-        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        if self.default_queue and self._saved_control_queue is None:
+            self.route_here()
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "PYTHONUNBUFFERED": "1",
+            "RAMDECK_WORK_QUEUE": self.queue,
+            "RAMDECK_CONTROL_QUEUE": self.control_queue,
+        }
         celery = str(Path(PYTHON).with_name("celery"))
-        argv = [celery, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", self.queue, "-n", self.name]
+        queues = ",".join(self.queue if kind == "work" else self.control_queue for kind in self.consume)
+        argv = [celery, "-A", "ramdeck_site", "worker", "-P", "solo", "-Q", queues, "-n", self.name]
         argv += ["--loglevel=INFO", "--without-gossip", "--without-mingle", "--without-heartbeat"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -104,6 +144,17 @@ class CeleryWorker:
         )
         assert self.process.poll() is None, self.log()
         return self
+
+    def route_here(self) -> None:
+        """Make this worker's queues the console's (before it starts, if the test wants messages waiting)."""
+        from django.conf import settings
+
+        from ramdeck_site.celery import app
+
+        self.default_queue = True
+        app.conf.task_default_queue = self.queue
+        self._saved_control_queue = settings.RAMDECK_CONTROL_QUEUE
+        settings.RAMDECK_CONTROL_QUEUE = self.control_queue
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -126,9 +177,12 @@ class CeleryWorker:
             except subprocess.TimeoutExpired:
                 self.kill()
         if self.default_queue:
+            from django.conf import settings
+
             from ramdeck_site.celery import app
 
-            app.conf.task_default_queue = "celery"
+            app.conf.task_default_queue = settings.CELERY_TASK_DEFAULT_QUEUE
+            settings.RAMDECK_CONTROL_QUEUE = self._saved_control_queue
         self._forget_queue()
 
     def _forget_queue(self) -> None:
@@ -137,7 +191,7 @@ class CeleryWorker:
         from django.conf import settings
 
         client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-        client.delete(self.queue)
+        client.delete(self.queue, self.control_queue)
         for tag, payload in client.hgetall("unacked").items():
             if self.queue.encode() in payload:
                 client.hdel("unacked", tag)

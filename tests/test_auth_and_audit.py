@@ -8,8 +8,8 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs import audit
-from jobs.models import AuditEvent
+from audit import history
+from audit.models import AuditEvent
 from tests.factories import PASSWORD, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -69,7 +69,7 @@ def test_password_change_is_audited(client, operator_user):
 
 
 def test_audit_events_cannot_be_changed_or_deleted(admin_user):
-    event = audit.record(admin_user, "node.create", object_type="node", object_repr="desk")
+    event = history.record(admin_user, "node.create", object_type="node", object_repr="desk")
     event.action = "tampered"
     with pytest.raises(PermissionError):
         event.save()
@@ -83,28 +83,28 @@ def test_audit_events_cannot_be_changed_or_deleted(admin_user):
 
 
 def test_audit_admin_is_read_only(admin_client, admin_user):
-    event = audit.record(admin_user, "node.create", object_type="node", object_repr="desk")
-    change_url = reverse("admin:jobs_auditevent_change", args=[event.pk])
+    event = history.record(admin_user, "node.create", object_type="node", object_repr="desk")
+    change_url = reverse("admin:audit_auditevent_change", args=[event.pk])
     assert admin_client.get(change_url).status_code == 200  # viewable
     assert admin_client.post(change_url, {"action": "x"}).status_code == 403
     assert (
         admin_client.post(
-            reverse("admin:jobs_auditevent_delete", args=[event.pk]), {"post": "yes"}
+            reverse("admin:audit_auditevent_delete", args=[event.pk]), {"post": "yes"}
         ).status_code
         == 403
     )
-    assert admin_client.get(reverse("admin:jobs_auditevent_add")).status_code == 403
+    assert admin_client.get(reverse("admin:audit_auditevent_add")).status_code == 403
 
 
 def test_secret_values_in_changes_are_redacted(admin_user):
-    event = audit.record(
+    event = history.record(
         admin_user, "x.update", changes={"secret": ["a", "b"], "api_key": "k", "name": ["a", "b"]}
     )
     assert event.changes == {"secret": "•••", "api_key": "•••", "name": ["a", "b"]}
 
 
 def test_audit_page_filters_by_actor_action_object_and_dates(viewer_client, admin_user, operator_user):
-    audit.record(admin_user, "node.create", object_type="node", object_repr="attic")
+    history.record(admin_user, "node.create", object_type="node", object_repr="attic")
     # Append-only rows cannot be backdated later, so this one is written with an old time.
     backdated = AuditEvent(
         actor=admin_user,
@@ -115,7 +115,7 @@ def test_audit_page_filters_by_actor_action_object_and_dates(viewer_client, admi
         at=timezone.now() - timedelta(days=10),
     )
     backdated.save()
-    audit.record(operator_user, "deployment.confirm", object_type="deployment", object_repr="llama-70b")
+    history.record(operator_user, "deployment.confirm", object_type="deployment", object_repr="llama-70b")
     url = reverse("audit")
 
     def rows(**params):
@@ -132,7 +132,7 @@ def test_audit_page_filters_by_actor_action_object_and_dates(viewer_client, admi
 
 def test_audit_page_paginates(viewer_client, admin_user):
     for i in range(120):
-        audit.record(admin_user, "node.update", object_type="node", object_repr=f"node-{i:03}")
+        history.record(admin_user, "node.update", object_type="node", object_repr=f"node-{i:03}")
     first = viewer_client.get(reverse("audit")).content.decode()
     assert "Page 1 of 3" in first and "node-119" in first and "node-000" not in first
     last = viewer_client.get(reverse("audit"), {"page": 3}).content.decode()
@@ -148,7 +148,7 @@ def test_admin_role_opens_user_management_and_operator_does_not(admin_client, cl
 def test_a_user_without_a_role_gets_a_dashboard_that_says_so_and_shows_nothing(
     client, stranger_user, admin_user
 ):
-    audit.record(admin_user, "node.create", object_type="node", object_repr="secret-attic")
+    history.record(admin_user, "node.create", object_type="node", object_repr="secret-attic")
     client.force_login(stranger_user)
     body = client.get(reverse("dashboard")).content.decode()
     assert "Your account has no role yet" in body

@@ -17,7 +17,7 @@ from deployments.build_job import (
     rpc_target_of,
     src_dir_name,
 )
-from jobs.models import Job, JobKind, JobState
+from jobs.models import Job, JobState
 from nodes.models import Build, BuildSource
 from tests.deploy_fixtures import lab_node, log_text, rpc_server_binary, run
 
@@ -129,7 +129,7 @@ def test_an_existing_install_is_registered_after_running_it(lab, lab_host):
     node = lab_node(lab, lab_host)
     job = run(
         Job.objects.create(
-            kind=JobKind.BUILD, node=node, params={"source": "existing", "path": str(rpc_server.parent)}
+            kind="build", node=node, params={"source": "existing", "path": str(rpc_server.parent)}
         )
     )
     assert job.state == JobState.SUCCEEDED, (job.result, log_text(job))
@@ -147,9 +147,7 @@ def test_an_existing_install_is_registered_after_running_it(lab, lab_host):
 def test_a_path_without_llama_cpp_is_refused(lab, lab_host, tmp_path):
     node = lab_node(lab, lab_host)
     job = run(
-        Job.objects.create(
-            kind=JobKind.BUILD, node=node, params={"source": "existing", "path": str(tmp_path)}
-        )
+        Job.objects.create(kind="build", node=node, params={"source": "existing", "path": str(tmp_path)})
     )
     assert job.state == JobState.FAILED
     assert "holds no ggml-rpc-server/rpc-server and llama-server" in job.result
@@ -209,7 +207,7 @@ def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_hos
     node = lab_node(lab, lab_host)
     params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
 
-    first = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    first = run(Job.objects.create(kind="build", node=node, params=params))
     assert first.state == JobState.SUCCEEDED, (first.result, log_text(first)[-3000:])
     text = log_text(first)
     assert "uploading mini-1.0.tar.gz" in text
@@ -222,7 +220,7 @@ def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_hos
     assert (tree / "build-cpu" / "bin" / "llama-server").exists()
     assert not list((tmp_path / "root").glob("*.tmp"))  # the unpack folder was moved into place
 
-    second = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    second = run(Job.objects.create(kind="build", node=node, params=params))
     assert second.state == JobState.SUCCEEDED, second.result
     text = log_text(second)
     assert "already unpacked on the node (cached by source hash)" in text
@@ -243,7 +241,7 @@ def test_two_nodes_building_into_one_shared_folder_at_once_do_not_clash(lab, lab
     settings.RAMDECK_TARBALL_DIR = str(tmp_path)  # builds upload only from the tarball folder
     nodes = [lab_node(lab, host) for host in lab_hosts(2)]
     params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
-    jobs = [Job.objects.create(kind=JobKind.BUILD, node=node, params=params) for node in nodes]
+    jobs = [Job.objects.create(kind="build", node=node, params=params) for node in nodes]
     threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
     for thread in threads:
         thread.start()
@@ -277,7 +275,7 @@ def test_a_git_source_is_cloned_at_its_ref_and_built(lab, lab_host, tmp_path, se
     subprocess.run([*git, "tag", "b9999"], check=True)
     node = lab_node(lab, lab_host)
     params = {"source": "git", "git_url": str(repo), "git_ref": "b9999", "backend": "cpu"}
-    job = run(Job.objects.create(kind=JobKind.BUILD, node=node, params=params))
+    job = run(Job.objects.create(kind="build", node=node, params=params))
     assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
     build = Build.objects.get(node=node)
     assert (build.source_kind, build.source, build.ref) == (BuildSource.GIT, str(repo), "b9999")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deployments.calibrate_job import _refusal, start_calibration
-from jobs.models import Job, JobKind, JobState
+from jobs.models import Job, JobState
 from jobs.runner import run_job
 from nodes.models import Build, BuildSource, Node
 from tests.deploy_fixtures import lab_node, listeners_in, log_text, run
@@ -37,7 +37,7 @@ def ready_node(lab, host, name: str, **fields) -> Node:
     """A lab node that the probe has seen, with the cached llama.cpp build registered as its build."""
     binaries = require_llamacpp()
     node = lab_node(lab, host, name=name, **fields)
-    probe = run(Job.objects.create(kind=JobKind.PROBE, node=node))
+    probe = run(Job.objects.create(kind="probe", node=node))
     assert probe.state == JobState.SUCCEEDED, probe.result
     Build.objects.create(
         node=node,
@@ -69,9 +69,7 @@ def our_processes(host) -> list[str]:
 def calibrate_at_once(nodes: list[Node]) -> list[Job]:
     """Calibrate the nodes in parallel, each job with its own event loop and database connection, as Celery
     workers run them; the finished jobs."""
-    jobs = [
-        Job.objects.create(kind=JobKind.CALIBRATE, node=node, title=f"Calibrate {node}") for node in nodes
-    ]
+    jobs = [Job.objects.create(kind="calibrate", node=node, title=f"Calibrate {node}") for node in nodes]
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         list(pool.map(lambda job: run_job(job.pk), jobs))
@@ -116,7 +114,7 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
 
     # The probe sees other hardware (the quota changed): the figure is stale and the table is used again.
     lab.throttle_cpu(slow_host, 0.5, period_us=10_000)
-    assert run(Job.objects.create(kind=JobKind.PROBE, node=slow)).state == JobState.SUCCEEDED
+    assert run(Job.objects.create(kind="probe", node=slow)).state == JobState.SUCCEEDED
     slow_cpu = Node.objects.get(pk=slow.pk).devices.get(name="CPU")
     assert slow_cpu.measurement_state == "hardware_changed" and slow_cpu.measurement_is_stale
     assert slow_cpu.effective_bandwidth_gbs == slow_cpu.bandwidth_gbs
@@ -139,7 +137,7 @@ def test_a_node_serving_a_deployment_or_without_a_build_is_not_calibrated(lab, l
     settings.VAR_DIR = tmp_path
     node = lab_node(lab, lab_host, name="busy-pc")
     assert "no llama.cpp build" in _refusal(node)
-    job = run(Job.objects.create(kind=JobKind.CALIBRATE, node=node))
+    job = run(Job.objects.create(kind="calibrate", node=node))
     assert job.state == JobState.FAILED and "no llama.cpp build" in job.result
     assert start_calibration(node) is not None
     assert start_calibration(node) is None  # one at a time per node

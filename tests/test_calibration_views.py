@@ -9,8 +9,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from audit.models import AuditEvent
 from jobs import tasks
-from jobs.models import AuditEvent, Job, JobKind
+from jobs.models import Job
 from nodes.models import Build, Device, Reachability
 from tests.factories import DeviceFactory, NodeFactory
 
@@ -92,12 +93,12 @@ def test_an_operator_calibrates_a_node_and_lands_on_the_job(
     device = calibrated_cpu()
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("nodes:calibrate", args=[device.node.name]))
-    job = Job.objects.get(kind=JobKind.CALIBRATE, node=device.node)
+    job = Job.objects.get(kind="calibrate", node=device.node)
     assert response.status_code == 302 and response.url == job.get_absolute_url()
     assert no_broker == [job.pk]
     assert AuditEvent.objects.get(action="node.calibrate").changes == {"job": job.pk}
     operator_client.post(reverse("nodes:calibrate", args=[device.node.name]))
-    assert Job.objects.filter(kind=JobKind.CALIBRATE).count() == 1  # one at a time per node
+    assert Job.objects.filter(kind="calibrate").count() == 1  # one at a time per node
 
 
 def test_calibrate_all_starts_one_job_per_node_that_has_a_build_and_devices(
@@ -110,7 +111,7 @@ def test_calibrate_all_starts_one_job_per_node_that_has_a_build_and_devices(
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("nodes:calibrate_all"))
     assert response.status_code == 302
-    jobs = Job.objects.filter(kind=JobKind.CALIBRATE)
+    jobs = Job.objects.filter(kind="calibrate")
     assert sorted(j.node.name for j in jobs) == ["pc-0", "pc-1"]
     assert sorted(no_broker) == sorted(j.pk for j in jobs)
     assert AuditEvent.objects.get(action="node.calibrate_all").changes == {"nodes": ["pc-0", "pc-1"]}

@@ -13,7 +13,7 @@ from playwright.sync_api import expect
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import Job, JobKind, JobState
+from jobs.models import Job, JobState
 from nodes.models import Device, DeviceKind
 from tests.browser import log_in
 from tests.deploy_fixtures import (
@@ -62,7 +62,7 @@ def cluster(transactional_db, lab, lab_hosts, tmp_path, settings):
                               free_bytes=12 * MIB, bandwidth_gbs=40.0)  # fmt: skip
     for node in [coordinator, *workers]:
         job = Job.objects.create(
-            kind=JobKind.BUILD, node=node, params={"source": "tarball", "tarball": str(TARBALL)}
+            kind="build", node=node, params={"source": "tarball", "tarball": str(TARBALL)}
         )
         # Playwright's sync API keeps an event loop on this thread; the runner wants one of its own.
         thread = threading.Thread(target=run, args=(job,))

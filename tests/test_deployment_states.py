@@ -163,10 +163,16 @@ def _build(node, protocol: str = "7.0.0"):
 
 @pytest.fixture
 def no_enqueue(monkeypatch):
-    from deployments import lifecycle
+    """Jobs the test would send to a worker, as (kind, deployment pk); nothing is sent."""
+    from jobs.models import Job
 
     calls = []
-    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+
+    def send(job) -> bool:
+        calls.append((job.kind, job.params.get("deployment")))
+        return True
+
+    monkeypatch.setattr(Job, "send_to_worker", send)
     return calls
 
 
@@ -178,8 +184,8 @@ def _ready(cluster) -> Deployment:
 
 
 def test_a_node_without_a_build_is_refused_by_name(cluster, no_enqueue):
+    from audit.models import AuditEvent
     from deployments.lifecycle import start_deploy
-    from jobs.models import AuditEvent
 
     deployment = _ready(cluster)
     _build(cluster[0])
@@ -228,10 +234,11 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
     assert no_enqueue == [("deploy", deployment.pk)]
 
 
+@pytest.mark.django_db(transaction=True)  # the runner works on its own database connection
 def test_stop_pressed_before_the_first_step_skips_every_step_and_stops(
     cluster, no_enqueue, django_capture_on_commit_callbacks
 ):
-    from deployments.lifecycle import run_deployment, start_deploy, stop_deployment
+    from deployments.lifecycle import DEPLOY, run_deployment, run_stop, runs_of, start_deploy, stop_deployment
     from jobs.models import JobState
 
     deployment = _ready(cluster)
@@ -240,67 +247,46 @@ def test_stop_pressed_before_the_first_step_skips_every_step_and_stops(
     with django_capture_on_commit_callbacks(execute=True):
         assert start_deploy(deployment)[0]
         assert stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
-    assert no_enqueue == [("deploy", deployment.pk)]  # the run itself finishes the stop
-    run_deployment(deployment.pk)
+    assert no_enqueue == [("deploy", deployment.pk), ("undeploy", deployment.pk)]
+    # The queued run was cancelled at once, its steps with it: a late delivery of its message does nothing.
+    assert runs_of(deployment, DEPLOY).get().state == JobState.CANCELLED
+    assert run_deployment(deployment.pk) is None
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED
     assert set(deployment.steps.values_list("job__state", flat=True)) == {JobState.CANCELLED}
     assert not deployment.claims.exists()
 
 
-def test_a_redelivered_run_after_a_lost_worker_fails_the_deployment_with_the_step(cluster, no_enqueue):
-    """The worker running the deploy task died during the rpc-server step; the sweeper made that job
-    errored; the task's second delivery must not leave the deployment launching forever."""
-    from deployments.lifecycle import run_deployment, start_deploy
-    from jobs.models import AuditEvent, JobState
+def test_a_second_delivery_of_the_run_leaves_it_to_the_first(cluster, no_enqueue):
+    from deployments.lifecycle import DEPLOY, runs_of, start_deploy
+    from jobs import runner
 
     deployment = _ready(cluster)
     _build(cluster[0])
     _build(cluster[1])
     assert start_deploy(deployment)[0]
-    steps = {s.name: s.job for s in deployment.steps.select_related("job")}
-    for name in ("reap",):
-        for step in deployment.steps.filter(name=name).select_related("job"):
-            step.job.mark_running()
-            step.job.finish(JobState.SUCCEEDED, result="port 50052 was free")
-    deployment.mark_launching()
-    steps["rpc-server"].mark_running()
-    steps["rpc-server"].finish(JobState.ERRORED, result="Worker lost: worker w1 stopped answering.")
-
-    run_deployment(deployment.pk)
-
-    deployment.refresh_from_db()
-    assert deployment.state == DeploymentState.FAILED
-    assert deployment.failed_step == "rpc-server"
-    assert "Worker lost" in deployment.state_reason
-    later = deployment.steps.filter(name__in=["llama-server", "verify", "measure"]).values_list(
-        "job__state", flat=True
-    )
-    assert set(later) == {JobState.CANCELLED}
-    assert AuditEvent.objects.filter(action="deployment.failed").exists()
-    assert not deployment.claims.exists()
-
-
-def test_a_duplicate_delivery_leaves_a_running_step_to_the_first(cluster, no_enqueue):
-    from deployments.lifecycle import run_deployment, start_deploy
-
-    deployment = _ready(cluster)
-    _build(cluster[0])
-    _build(cluster[1])
-    assert start_deploy(deployment)[0]
-    first = deployment.steps.order_by("order").first().job
-    first.mark_running()
-    run_deployment(deployment.pk)
+    run = runs_of(deployment, DEPLOY).get()
+    run.mark_running(worker="celery@first")
+    assert runner.run_job(run.pk) is False
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.PREPARING
-    assert deployment.steps.filter(job__state="queued").count() == 5
+    assert deployment.steps.filter(job__state="queued").count() == 6
+
+
+def test_stop_is_refused_for_a_deployment_that_is_not_active(cluster, no_enqueue):
+    from deployments.lifecycle import stop_deployment
+
+    deployment = _ready(cluster)
+    assert stop_deployment(deployment) == (False, "This deployment is confirmed: nothing to stop.")
+    assert no_enqueue == []
 
 
 def test_a_wildcard_rpc_bind_is_used_audited_and_warned_about(cluster, no_enqueue, client, operator_user):
     from django.urls import reverse
 
+    from audit.models import AuditEvent
     from deployments.lifecycle import start_deploy
-    from jobs.models import AuditEvent
 
     worker = cluster[1]
     worker.rpc_bind_address = "0.0.0.0"

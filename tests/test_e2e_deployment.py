@@ -20,12 +20,13 @@ import httpx
 import pytest
 from django.conf import settings
 
+from audit.models import AuditEvent
 from deployments import lifecycle, monitor, planner
 from deployments.build_job import file_sha256
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import AuditEvent, Job, JobKind, JobLogLine, JobState
+from jobs.models import Job, JobLogLine, JobState
 from nodes.models import Build, Device, DeviceKind
 from tests.deploy_fixtures import (
     lab_node,
@@ -50,6 +51,20 @@ pytestmark = [
 ]
 
 MIB = 2**20
+
+
+def record_enqueued(monkeypatch) -> list[tuple[str, int]]:
+    """Jobs sent to a worker, as (kind, deployment pk), and not sent: the test runs them itself."""
+    calls = []
+
+    def send(job) -> bool:
+        calls.append((job.kind, job.params.get("deployment")))
+        return True
+
+    monkeypatch.setattr(Job, "send_to_worker", send)
+    return calls
+
+
 LLAMA_PORT = 8080
 RPC_PORT = 50052
 
@@ -115,7 +130,7 @@ class Cluster:
         for node in self.nodes:
             job = run(
                 Job.objects.create(
-                    kind=JobKind.BUILD,
+                    kind="build",
                     node=node,
                     created_by=self.operator,
                     params={"source": "tarball", "tarball": str(TARBALL)},
@@ -152,8 +167,7 @@ class Cluster:
         )
 
     def deploy(self, deployment: Deployment, monkeypatch) -> Deployment:
-        enqueued = []
-        monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: enqueued.append((task, pk)))
+        enqueued = record_enqueued(monkeypatch)
         started, message = lifecycle.start_deploy(deployment, self.operator)
         assert started, message
         assert enqueued == [("deploy", deployment.pk)]
@@ -169,7 +183,7 @@ class Cluster:
         return deployment
 
     def stop(self, deployment: Deployment, monkeypatch) -> Deployment:
-        monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: None)
+        record_enqueued(monkeypatch)
         stopped, message = lifecycle.stop_deployment(deployment, self.operator)
         assert stopped, message
         lifecycle.run_stop(deployment.pk)
@@ -389,12 +403,11 @@ def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
     cluster.build_all()
     first = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
     assert first.state == DeploymentState.RUNNING
-    calls = []
-    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+    calls = record_enqueued(monkeypatch)
     restarted, message = lifecycle.stop_deployment(first, cluster.operator, then_redeploy=True)
     assert restarted, message
-    assert calls == [("restart", first.pk)]
-    lifecycle.run_restart(first.pk)
+    assert calls == [("undeploy", first.pk)]
+    lifecycle.run_stop(first.pk)
     first.refresh_from_db()
     assert first.state == DeploymentState.STOPPED
     second = Deployment.objects.get(redeployed_from=first)

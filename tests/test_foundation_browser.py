@@ -8,7 +8,7 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from jobs.models import AuditEvent
+from audit.models import AuditEvent
 from nodes.models import Credential, Node
 from tests.browser import log_in
 from tests.factories import PASSWORD, UserFactory

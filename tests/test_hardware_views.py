@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from jobs import tasks
-from jobs.models import AuditEvent, Job, JobKind, JobState
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
 from nodes.models import Reachability
 from tests.factories import DeviceFactory, NodeFactory
 
@@ -22,7 +22,7 @@ NEW_FP = "SHA256:newnewnewnewnewnewnewnewnewnewnewnewnewnew1"
 def no_broker(monkeypatch):
     """Jobs are queued on commit; here the queue is a list instead of Redis."""
     sent: list[int] = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: sent.append(job.pk))
     return sent
 
 
@@ -55,7 +55,7 @@ def test_admin_approves_a_first_contact_key_and_a_probe_is_queued(
     event = AuditEvent.objects.get(action="node.host_key.approve")
     assert event.changes == {"host_key_fingerprint": ["", NEW_FP], "replaced": False}
     assert event.actor == admin_user and event.object_id == str(node.pk)
-    probe = Job.objects.get(node=node, kind=JobKind.PROBE)
+    probe = Job.objects.get(node=node, kind="probe")
     assert no_broker == [probe.pk]
 
 
@@ -94,7 +94,7 @@ def test_approval_needs_post(admin_client):
 def test_operator_probes_now_and_lands_on_the_job(operator_client, operator_user, no_broker):
     node = NodeFactory(host_key=OLD_KEY)
     response = operator_client.post(reverse("nodes:probe", args=[node.name]))
-    job = Job.objects.get(node=node, kind=JobKind.PROBE)
+    job = Job.objects.get(node=node, kind="probe")
     assert response.status_code == 302 and response.url == job.get_absolute_url()
     assert job.created_by == operator_user and job.state == JobState.QUEUED
     assert AuditEvent.objects.get(action="node.probe").changes == {"job": job.pk}
@@ -102,7 +102,7 @@ def test_operator_probes_now_and_lands_on_the_job(operator_client, operator_user
 
 def test_probe_now_while_a_probe_is_active_queues_nothing_more(operator_client):
     node = NodeFactory(host_key=OLD_KEY)
-    Job.objects.create(kind=JobKind.PROBE, node=node)
+    Job.objects.create(kind="probe", node=node)
     response = operator_client.post(reverse("nodes:probe", args=[node.name]))
     assert response.url == node.get_absolute_url()
     assert Job.objects.filter(node=node).count() == 1
@@ -178,7 +178,7 @@ def test_an_unreachable_node_is_marked_with_its_error(viewer_client):
 
 def test_the_hardware_partial_polls_while_a_probe_runs(operator_client):
     node = NodeFactory(host_key=OLD_KEY)
-    job = Job.objects.create(kind=JobKind.PROBE, node=node)
+    job = Job.objects.create(kind="probe", node=node)
     url = reverse("nodes:hardware", args=[node.name])
     html = operator_client.get(url, headers={"HX-Request": "true"}).content.decode()
     assert 'hx-trigger="every 3s"' in html and job.get_absolute_url() in html

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from jobs import tasks
-from jobs.models import AuditEvent, Job, JobKind, JobState
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
 from tests.factories import NodeFactory, UserFactory
 from tests.job_fixtures import make_command_job
 
@@ -50,7 +50,7 @@ def test_the_job_list_filters_by_state_kind_and_node(viewer_client, node):
     other = NodeFactory(name="cellar")
     wanted = make_command_job(node, ["true"])
     make_command_job(other, ["true"])
-    Job.objects.create(kind=JobKind.PROBE, node=node)
+    Job.objects.create(kind="probe", node=node)
     response = viewer_client.get(
         reverse("jobs:list"), {"kind": "command", "node": "attic", "state": "queued"}
     )
@@ -187,14 +187,14 @@ def test_an_operator_runs_a_command_line_split_like_a_shell(
     operator_client, operator_user, ssh_node, monkeypatch, django_capture_on_commit_callbacks
 ):
     sent = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: sent.append(job.pk))
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(
-            reverse("jobs:create"), {"node": "cellar", "command": "ls -la '/var/log/my dir'", "timeout": "60"}
+            reverse("run_command"), {"node": "cellar", "command": "ls -la '/var/log/my dir'", "timeout": "60"}
         )
     job = Job.objects.get()
     assert response.status_code == 302 and response["Location"] == job.get_absolute_url()
-    assert job.kind == JobKind.COMMAND and job.node == ssh_node and job.created_by == operator_user
+    assert job.kind == "command" and job.node == ssh_node and job.created_by == operator_user
     assert job.params == {"argv": ["ls", "-la", "/var/log/my dir"], "timeout": 60}
     assert sent == [job.pk]
     event = AuditEvent.objects.get(action="job.create")
@@ -204,11 +204,11 @@ def test_an_operator_runs_a_command_line_split_like_a_shell(
 def test_an_operator_cannot_run_a_command_on_the_consoles_own_host(
     operator_client, node, ssh_node, monkeypatch
 ):
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: pytest.fail("nothing should be enqueued"))
-    form_html = operator_client.get(reverse("jobs:create")).content.decode()
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: pytest.fail("nothing should be enqueued"))
+    form_html = operator_client.get(reverse("run_command")).content.decode()
     assert '<option value="cellar">' in form_html and 'value="attic"' not in form_html
     response = operator_client.post(
-        reverse("jobs:create"), {"node": "attic", "command": "cat var/encryption_key"}
+        reverse("run_command"), {"node": "attic", "command": "cat var/encryption_key"}
     )
     assert response.status_code == 403
     assert not Job.objects.exists()
@@ -219,36 +219,36 @@ def test_an_operator_cannot_run_a_command_on_the_consoles_own_host(
 def test_an_admin_may_run_a_command_on_the_consoles_own_host(
     admin_client, node, monkeypatch, django_capture_on_commit_callbacks
 ):
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: None)
-    assert 'value="attic"' in admin_client.get(reverse("jobs:create")).content.decode()
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
+    assert 'value="attic"' in admin_client.get(reverse("run_command")).content.decode()
     with django_capture_on_commit_callbacks(execute=True):
-        response = admin_client.post(reverse("jobs:create"), {"node": "attic", "command": "id"})
+        response = admin_client.post(reverse("run_command"), {"node": "attic", "command": "id"})
     job = Job.objects.get()
     assert response.status_code == 302 and job.node == node and job.params == {"argv": ["id"]}
     assert not AuditEvent.objects.filter(action="permission_denied").exists()
 
 
 def test_an_unbalanced_quote_is_a_form_error_and_runs_nothing(operator_client, ssh_node, monkeypatch):
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: pytest.fail("nothing should be enqueued"))
-    response = operator_client.post(reverse("jobs:create"), {"node": "cellar", "command": "echo 'oops"})
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: pytest.fail("nothing should be enqueued"))
+    response = operator_client.post(reverse("run_command"), {"node": "cellar", "command": "echo 'oops"})
     assert response.status_code == 200
     assert "cannot be split into arguments" in response.content.decode()
     assert not Job.objects.exists()
 
 
 def test_viewers_cannot_run_commands(viewer_client, node):
-    assert viewer_client.get(reverse("jobs:create")).status_code == 403
-    assert viewer_client.post(reverse("jobs:create"), {"node": "attic", "command": "id"}).status_code == 403
+    assert viewer_client.get(reverse("run_command")).status_code == 403
+    assert viewer_client.post(reverse("run_command"), {"node": "attic", "command": "id"}).status_code == 403
     assert not Job.objects.exists()
 
 
 def test_the_run_form_preselects_the_node_from_the_query(operator_client, ssh_node):
-    html = operator_client.get(reverse("jobs:create"), {"node": "cellar"}).content.decode()
+    html = operator_client.get(reverse("run_command"), {"node": "cellar"}).content.decode()
     assert '<option value="cellar" selected>' in html
 
 
 def test_job_pages_link_the_node_and_the_starter(admin_client, node):
     starter = UserFactory(username="olga")
-    job = Job.objects.create(kind=JobKind.COMMAND, node=node, created_by=starter, params={"argv": ["id"]})
+    job = Job.objects.create(kind="command", node=node, created_by=starter, params={"argv": ["id"]})
     html = admin_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
     assert node.get_absolute_url() in html and "olga" in html

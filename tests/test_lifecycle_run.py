@@ -1,60 +1,95 @@
-"""deployments/lifecycle.py's run of the steps, with the job runner replaced by a function that ends each
-job as the test says (a unit test of the ordering and of the failure paths; the real runner over SSH with
-real llama.cpp is tests/test_e2e_deployment.py)."""
+"""A deployment's runs (deployments/lifecycle_runs.py) under the real runner, with each step kind's body
+replaced by one that ends as the test says: the ordering, rollback, stop, worker loss and time limit,
+supervised once by jobs/runner.py for the run and its steps alike. The real step bodies over SSH with real
+llama.cpp are tests/test_e2e_deployment.py."""
 
 # ruff: noqa: F811 - pytest fixtures imported from tests/test_lifecycle_views.py are parameters here
 from __future__ import annotations
 
+import asyncio
+import threading
 from datetime import timedelta
 
 import pytest
-from celery.exceptions import SoftTimeLimitExceeded
 from django.utils import timezone
 
-from deployments import lifecycle, tasks
+from audit.models import AuditEvent
+from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState
-from jobs.models import AuditEvent, Job, JobState
+from jobs import runner, sweeper
+from jobs.context import JobFailed
+from jobs.models import Job, JobState
+from tests.job_fixtures import wait_for
 from tests.test_lifecycle_views import deployment, no_enqueue  # noqa: F401 - fixtures
 
-pytestmark = pytest.mark.django_db
+pytestmark = pytest.mark.django_db(transaction=True)
+
+STEP_KINDS = ("reap", "rpc_server", "llama_server", "verify", "measure", "stop")
 
 
-def _fake_runner(monkeypatch, outcome):
-    """Replace lifecycle._run: `outcome(job)` gives (state, result) for each job it "runs"."""
-    ran = []
+@pytest.fixture
+def steps(job_kind):
+    """Replace every step kind's body: `steps(outcome)`, where outcome(job) returns the result line, raises
+    JobFailed, or returns "wait" to run until cancelled."""
+    ran: list[Job] = []
 
-    def run(job: Job, worker: str = "") -> Job:
-        state, result = outcome(job)
-        job.mark_running(worker=worker)
-        job.finish(state, result=result)
-        job.refresh_from_db()
-        ran.append(job)
-        return job
+    def install(outcome):
+        async def body(ctx) -> str:
+            ran.append(ctx.job)
+            answer = outcome(ctx.job)
+            while answer == "wait":
+                await asyncio.sleep(0.1)
+            return answer
 
-    monkeypatch.setattr(lifecycle, "_run", run)
-    return ran
+        for kind in STEP_KINDS:
+            job_kind(kind, body, needs_transport=False)
+        return ran
+
+    return install
 
 
-def _started(deployment, no_enqueue):
+def fail_when(kind: str, reason: str = "boom"):
+    def outcome(job):
+        if job.kind == kind:
+            raise JobFailed(reason)
+        return "ok"
+
+    return outcome
+
+
+def _started(deployment) -> Job:
     ok, message = lifecycle.start_deploy(deployment, deployment.created_by)
     assert ok, message
     deployment.add_process(
         "rpc-server@old-pc", {"node": "old-pc", "role": "rpc-server", "pid": 777, "port": 50052, "log": "/l"}
     )
+    return lifecycle.runs_of(deployment, lifecycle.DEPLOY).get()
 
 
-def test_a_rollback_that_fails_is_named_in_the_failure_reason(deployment, no_enqueue, monkeypatch):
-    _started(deployment, no_enqueue)
+def test_the_steps_run_in_order_as_children_of_the_run(deployment, no_enqueue, steps):
+    ran = steps(lambda job: "ok")
+    run = _started(deployment)
+    assert lifecycle.run_deployment(deployment.pk).state == JobState.SUCCEEDED
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING
+    assert [job.kind for job in ran] == ["reap", "reap", "rpc_server", "llama_server", "verify", "measure"]
+    children = Job.objects.filter(parent=run)
+    assert {job.worker for job in children} == {Job.objects.get(pk=run.pk).worker}
+    assert set(children.values_list("state", flat=True)) == {JobState.SUCCEEDED}
+    assert AuditEvent.objects.filter(action="deployment.running").exists()
 
+
+def test_a_rollback_that_fails_is_named_in_the_failure_reason(deployment, no_enqueue, steps):
     def outcome(job):
         if job.kind == "stop":
-            return JobState.FAILED, "rpc-server PID 777 on old-pc did not end"
-        if job.params.get("step") == "rpc-server":
-            return JobState.FAILED, "boom"
-        return JobState.SUCCEEDED, "ok"
+            raise JobFailed("rpc-server PID 777 on old-pc did not end")
+        if job.kind == "rpc_server":
+            raise JobFailed("boom")
+        return "ok"
 
-    _fake_runner(monkeypatch, outcome)
-    lifecycle.run_deployment(deployment.pk)
+    steps(outcome)
+    _started(deployment)
+    assert lifecycle.run_deployment(deployment.pk).state == JobState.FAILED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "rpc-server"
     assert "boom" in deployment.state_reason
@@ -64,126 +99,135 @@ def test_a_rollback_that_fails_is_named_in_the_failure_reason(deployment, no_enq
     assert event.changes["rollback_failures"]
 
 
-def test_a_clean_rollback_says_nothing_more(deployment, no_enqueue, monkeypatch):
-    _started(deployment, no_enqueue)
-    _fake_runner(
-        monkeypatch,
-        lambda job: (
-            (JobState.FAILED, "boom")
-            if job.params.get("step") == "rpc-server"
-            else (JobState.SUCCEEDED, "ok")
-        ),
-    )
+def test_a_clean_rollback_says_nothing_more_and_the_later_steps_are_skipped(deployment, no_enqueue, steps):
+    ran = steps(fail_when("rpc_server"))
+    _started(deployment)
     lifecycle.run_deployment(deployment.pk)
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and "Rollback" not in deployment.state_reason
     assert not Deployment.objects.get(pk=deployment.pk).claims.exists()
+    assert [job.kind for job in ran][-1] == "stop"  # the rollback
+    later = deployment.steps.filter(name__in=["llama-server", "verify", "measure"])
+    assert set(later.values_list("job__state", flat=True)) == {JobState.CANCELLED}
 
 
-def _all_succeed(job):
-    return JobState.SUCCEEDED, "ok"
-
-
-def test_the_steps_run_under_the_celery_workers_name(deployment, no_enqueue, monkeypatch):
-    import socket
-
-    from jobs import runner
-
-    _started(deployment, no_enqueue)
-    workers = []
-
-    def run_job(job_id, *, worker=""):
-        workers.append(worker)
-        job = Job.objects.get(pk=job_id)
-        job.mark_running(worker=worker)
-        job.finish(JobState.SUCCEEDED, result="ok")
-
-    monkeypatch.setattr(runner, "run_job", run_job)
-    tasks.deploy.apply(args=[deployment.pk])  # eager: request.hostname is this host's name
-    assert workers and set(workers) == {socket.gethostname()}
-    assert Job.objects.filter(worker=socket.gethostname()).count() == len(workers)
-
-
-def _left_running(deployment, *, beat_age_s: float) -> Job:
+def _left_running(deployment, run: Job, *, beat_age_s: float) -> Job:
     """The reap steps succeeded, then the worker running the rpc-server step died (or still beats)."""
+    run.mark_running(worker="celery@w1")
     for step in deployment.steps.filter(name="reap").select_related("job"):
         step.job.mark_running(worker="celery@w1")
         step.job.finish(JobState.SUCCEEDED, result="free")
     deployment.mark_launching()
     job = deployment.steps.get(name="rpc-server").job
     job.mark_running(worker="celery@w1")
-    Job.objects.filter(pk=job.pk).update(heartbeat_at=timezone.now() - timedelta(seconds=beat_age_s))
+    stale = timezone.now() - timedelta(seconds=beat_age_s)
+    Job.objects.filter(pk__in=[run.pk, job.pk]).update(heartbeat_at=stale)
     return job
 
 
-def test_a_redelivered_run_finding_a_step_with_a_stale_heartbeat_rolls_back_and_fails(
-    deployment,
-    no_enqueue,
-    monkeypatch,
-):
-    _started(deployment, no_enqueue)
-    job = _left_running(deployment, beat_age_s=3600)
-    ran = _fake_runner(monkeypatch, _all_succeed)
-    lifecycle.run_deployment(deployment.pk, "celery@w2")
+def test_a_run_whose_worker_died_is_rolled_back_and_fails_with_its_step(deployment, no_enqueue, steps):
+    ran = steps(lambda job: "ok")
+    run = _started(deployment)
+    step = _left_running(deployment, run, beat_age_s=3600)
+
+    assert sweeper.sweep(alive=set()) == [run.pk]
+
+    run.refresh_from_db()
+    step.refresh_from_db()
+    assert run.state == JobState.ERRORED and "Worker lost" in run.result
+    assert step.state == JobState.ERRORED
+    assert ("undeploy", deployment.pk) in no_enqueue  # the rollback, queued by the deploy kind's on_end
+    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
-    job.refresh_from_db()
-    assert job.state == JobState.ERRORED and "Worker lost" in job.result
     assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "rpc-server"
-    assert [j.kind for j in ran] == ["stop"]  # the rollback, and no later step
+    assert "Worker lost" in deployment.state_reason
+    assert [job.kind for job in ran] == ["stop"]  # the rollback, and no later step
+    assert not deployment.claims.exists()
+    assert AuditEvent.objects.filter(action="deployment.failed").exists()
+
+
+def test_a_run_still_beating_is_left_to_its_worker(deployment, no_enqueue, steps):
+    steps(lambda job: "ok")
+    run = _started(deployment)
+    _left_running(deployment, run, beat_age_s=1)
+    assert sweeper.sweep(alive=set()) == []
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.LAUNCHING
+    assert not runner.run_job(run.pk)  # a second delivery of its message does nothing
+
+
+def test_stop_after_the_run_died_declares_it_lost_and_stops(deployment, no_enqueue, steps):
+    ran = steps(lambda job: "ok")
+    run = _started(deployment)
+    _left_running(deployment, run, beat_age_s=3600)
+    assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
+    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    deployment.refresh_from_db()
+    run.refresh_from_db()
+    assert deployment.state == DeploymentState.STOPPED
+    assert run.state == JobState.ERRORED and "Worker lost" in run.result
+    assert [job.kind for job in ran] == ["stop"]
+    assert not deployment.steps.filter(job__state__in=[JobState.QUEUED, JobState.RUNNING]).exists()
     assert not deployment.claims.exists()
 
 
-def test_a_step_still_beating_is_left_to_its_run(deployment, no_enqueue, monkeypatch):
-    _started(deployment, no_enqueue)
-    _left_running(deployment, beat_age_s=1)
-    ran = _fake_runner(monkeypatch, _all_succeed)
-    lifecycle.run_deployment(deployment.pk, "celery@w2")
-    deployment.refresh_from_db()
-    assert deployment.state == DeploymentState.LAUNCHING and ran == []
+def test_stop_during_a_step_cancels_the_run_and_the_stop_run_finishes_it(deployment, no_enqueue, steps):
+    ran = steps(lambda job: "wait" if job.kind == "rpc_server" else "ok")
+    run = _started(deployment)
+    thread = threading.Thread(target=runner.run_job, args=(run.pk,), daemon=True)
+    thread.start()
+    rpc = deployment.steps.get(name="rpc-server").job
+    wait_for(lambda: Job.objects.get(pk=rpc.pk).state == JobState.RUNNING, what="the rpc-server step")
 
+    assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
+    # Pressed again while the stop waits for a worker: sent again (harmless), never a second stop run.
+    assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk)) == (
+        True,
+        "Stopping: the stop was sent to a worker again.",
+    )
+    assert lifecycle.runs_of(deployment, lifecycle.UNDEPLOY).count() == 1
+    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    thread.join(timeout=30)
 
-def test_stop_after_the_run_died_is_done_by_a_stop_task(
-    deployment,
-    no_enqueue,
-    monkeypatch,
-    django_capture_on_commit_callbacks,
-):
-    _started(deployment, no_enqueue)
-    _left_running(deployment, beat_age_s=3600)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
-    assert ("stop", deployment.pk) in no_enqueue
-    ran = _fake_runner(monkeypatch, _all_succeed)
-    lifecycle.run_stop(deployment.pk, "celery@w2")
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED
-    assert [j.kind for j in ran] == ["stop"]
-    assert not deployment.steps.filter(job__state=JobState.QUEUED).exists()
+    assert Job.objects.get(pk=run.pk).state == JobState.CANCELLED
+    assert Job.objects.get(pk=rpc.pk).state == JobState.CANCELLED
+    later = deployment.steps.filter(name__in=["llama-server", "verify", "measure"])
+    assert set(later.values_list("job__state", flat=True)) == {JobState.CANCELLED}
+    assert [job.kind for job in ran] == ["reap", "reap", "rpc_server", "stop"]
+    assert not deployment.claims.exists()
 
 
-def test_stop_while_a_step_beats_is_left_to_the_run(
-    deployment,
-    no_enqueue,
-    django_capture_on_commit_callbacks,
-):
-    _started(deployment, no_enqueue)
-    _left_running(deployment, beat_age_s=1)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
-    assert ("stop", deployment.pk) not in no_enqueue
+def test_a_run_past_its_time_limit_is_stopped_rolled_back_and_failed(deployment, no_enqueue, steps, job_kind):
+    from jobs import kinds
 
-
-def test_a_deploy_past_the_soft_time_limit_rolls_back_and_fails(deployment, no_enqueue, monkeypatch):
-    _started(deployment, no_enqueue)
-
-    def outcome(job):
-        if job.params.get("step") == "llama-server":
-            raise SoftTimeLimitExceeded()
-        return JobState.SUCCEEDED, "ok"
-
-    ran = _fake_runner(monkeypatch, outcome)
-    tasks.deploy.apply(args=[deployment.pk])
+    deploy = kinds.get("deploy")
+    job_kind("deploy", deploy.body, needs_transport=False, on_end=deploy.on_end, time_limit=2)
+    steps(lambda job: "wait" if job.kind == "llama_server" else "ok")
+    run = _started(deployment)
+    assert lifecycle.run_deployment(deployment.pk).state == JobState.ERRORED
+    run.refresh_from_db()
+    assert "time limit" in run.result
+    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED  # the rollback it queued
     deployment.refresh_from_db()
-    assert deployment.state == DeploymentState.FAILED and "time limit" in deployment.state_reason
-    assert ran[-1].kind == "stop"  # rolled back
+    assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "llama-server"
+    assert "time limit" in deployment.state_reason
+    assert deployment.steps.filter(name="rollback", job__state=JobState.SUCCEEDED).exists()
     assert not deployment.steps.filter(job__state__in=[JobState.QUEUED, JobState.RUNNING]).exists()
+    assert not deployment.claims.exists()
+
+
+def test_a_lost_stop_run_is_started_again(deployment, no_enqueue, steps):
+    steps(lambda job: "ok")
+    _started(deployment)
+    assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
+    first = lifecycle.active_run(deployment, lifecycle.UNDEPLOY)
+    first.mark_running(worker="celery@gone")
+    Job.objects.filter(pk=first.pk).update(heartbeat_at=timezone.now() - timedelta(hours=1))
+    assert sweeper.sweep(alive=set()) == [first.pk]
+    second = lifecycle.active_run(deployment, lifecycle.UNDEPLOY)
+    assert second is not None and second.pk != first.pk
+    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.STOPPED and not deployment.claims.exists()

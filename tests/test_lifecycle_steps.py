@@ -14,14 +14,14 @@ import pytest
 
 from deployments import lifecycle_steps
 from deployments.models import Deployment, ModelFile
-from jobs.runner import JobFailed
+from jobs.context import JobFailed
 from tests.job_fixtures import local_node  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 class Ctx:
-    """The part of jobs.runner.JobContext a step body uses, with the log kept in a list."""
+    """The part of jobs.context.JobContext a step body uses, with the log kept in a list."""
 
     def __init__(self, job_params: dict, node=None, transport=None):
         self.job = type("J", (), {"params": job_params, "created_by": None, "created_by_id": None})()
@@ -182,10 +182,10 @@ def local_rpc_server(tmp_path):
 
 
 def _reap_job(node, port: int, pid: int):
-    from jobs.models import Job, JobKind
+    from jobs.models import Job
     from tests.deploy_fixtures import run
 
-    return run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [port], "pid": pid}))
+    return run(Job.objects.create(kind="reap", node=node, params={"ports": [port], "pid": pid}))
 
 
 def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):
@@ -241,11 +241,11 @@ def other_program():
 
 
 def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, other_program):
-    from jobs.models import Job, JobKind, JobState
+    from jobs.models import Job, JobState
     from tests.deploy_fixtures import run
 
     info = {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": _free_port()}
-    job = run(Job.objects.create(kind=JobKind.STOP, node=local_node, params={"processes": [info]}))
+    job = run(Job.objects.create(kind="stop", node=local_node, params={"processes": [info]}))
     assert job.state == JobState.SUCCEEDED, job.result
     assert other_program.poll() is None
     assert "now runs another program" in "\n".join(job.log_lines.values_list("text", flat=True))

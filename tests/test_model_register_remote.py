@@ -14,11 +14,11 @@ import pytest
 from asgiref.sync import async_to_sync
 from django.urls import reverse
 
+from audit.models import AuditEvent
 from deployments import download_job, gguf_profile
 from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.local import LocalTransport
-from jobs.models import AuditEvent
 from jobs.ssh import SSHTransport
 from tests.deploy_fixtures import lab_node
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.urls import reverse
 
-from jobs.models import AuditEvent
+from audit.models import AuditEvent
 from nodes.models import Node
 from tests.factories import CredentialFactory, NodeFactory
 

@@ -15,11 +15,11 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from django.utils import timezone
 from playwright.sync_api import expect
 
+from audit import history
 from deployments import gguf_profile
 from deployments.models import Deployment, DeploymentState, DeploymentStep, ModelFile, StaleProcess
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs import audit
-from jobs.models import Job, JobKind, JobLogLine, JobState
+from jobs.models import Job, JobLogLine, JobState
 from nodes.models import Build, BuildSource, CredentialKind, DeviceKind, Reachability, Transport
 from tests.browser import log_in
 from tests.factories import PASSWORD, CredentialFactory, DeviceFactory, NodeFactory, UserFactory
@@ -184,7 +184,7 @@ def household(transactional_db, tmp_path):
     )
     for order, name in enumerate(["reap", "rpc-server", "llama-server", "verify", "measure"]):
         job = Job.objects.create(
-            kind=JobKind.LAUNCH,
+            kind=name.replace("-", "_"),
             node=desk,
             title=f"{name} for {deployment.name} on desk with a long title",
             state=JobState.SUCCEEDED,
@@ -198,7 +198,7 @@ def household(transactional_db, tmp_path):
             [JobLogLine(job=job, seq=i, text=f"{i:03d} {long_line}") for i in range(30)]
         )
     failed = Job.objects.create(
-        kind=JobKind.BUILD,
+        kind="build",
         node=attic,
         title="Build llama.cpp on old-gaming-pc-in-the-attic (git https://github.com/ggml-org/llama.cpp.git)",
         state=JobState.FAILED,
@@ -220,7 +220,7 @@ def household(transactional_db, tmp_path):
         cmdline=f"{LONG_PATH}/llama.cpp/build-cuda-rpc-release/bin/ggml-rpc-server --host 0.0.0.0 "
         "--port 50052 --threads 16 --cache --mem 12000",
     )
-    audit.record(
+    history.record(
         admin,
         "node.update",
         attic,

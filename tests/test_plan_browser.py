@@ -7,10 +7,10 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import expect
 
+from audit.models import AuditEvent
 from deployments import gguf_profile
 from deployments.models import Deployment, DeploymentState, ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import AuditEvent
 from nodes.models import DeviceKind, Transport
 from tests.browser import log_in
 from tests.factories import PASSWORD, DeviceFactory, NodeFactory, UserFactory

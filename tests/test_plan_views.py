@@ -6,10 +6,10 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
+from audit.models import AuditEvent
 from deployments import views
 from deployments.models import Deployment, DeploymentState, ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
-from jobs.models import AuditEvent
 from nodes.models import DeviceKind, Transport
 from tests.factories import DeviceFactory, NodeFactory
 

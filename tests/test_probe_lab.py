@@ -6,8 +6,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from jobs import runner, tasks
-from jobs.models import Job, JobKind, JobState
+from jobs import runner
+from jobs.models import Job, JobState
 from nodes import tasks as node_tasks
 from nodes.models import CredentialKind, Device, DeviceKind, Reachability, Transport
 from nodes.probe_job import start_probe
@@ -36,7 +36,7 @@ def lab_node(lab, host, *, approved: bool = True, **fields):
 
 
 def probe_job(node) -> Job:
-    return Job.objects.create(kind=JobKind.PROBE, node=node, title=f"Probe {node.name}")
+    return Job.objects.create(kind="probe", node=node, title=f"Probe {node.name}")
 
 
 def assert_sane_cpu(device: Device) -> None:
@@ -136,7 +136,7 @@ def test_a_windows_node_fails_with_advice(local_node):  # noqa: F811
 
 def test_beat_queues_one_probe_per_enabled_node_without_a_pending_key(monkeypatch, transactional_db):
     sent: list[int] = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: sent.append(job.pk))
     ready = NodeFactory()
     NodeFactory(enabled=False)
     NodeFactory(pending_host_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIG")
@@ -148,11 +148,11 @@ def test_beat_queues_one_probe_per_enabled_node_without_a_pending_key(monkeypatc
 
     assert [Job.objects.get(pk=pk).node for pk in created] == [ready]
     assert sent == created
-    assert Job.objects.filter(node=busy, kind=JobKind.PROBE).count() == 1
+    assert Job.objects.filter(node=busy, kind="probe").count() == 1
 
 
 def test_start_probe_does_not_queue_a_second_probe_while_one_is_active(monkeypatch, transactional_db):
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: None)
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
     node = NodeFactory(transport=Transport.LOCAL)
     assert start_probe(node) is not None
     assert start_probe(node) is None
@@ -164,9 +164,8 @@ def test_a_changed_host_key_blocks_probes_until_an_admin_approves_it(
 ):
     from django.urls import reverse
 
-    monkeypatch.setattr(
-        tasks.run_job, "delay", lambda pk: None
-    )  # The approval queues a probe; we run it here.
+    # The approval queues a probe; we run it here.
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
     node = lab_node(lab, lab_host)
     lab.start_sshd(lab_host, new_host_key=True)  # Reinstalled, or someone in the middle.
     blocked = probe_job(node)
@@ -183,7 +182,7 @@ def test_a_changed_host_key_blocks_probes_until_an_admin_approves_it(
     )
     node.refresh_from_db()
     assert node.host_key == lab_host.host_public_key
-    queued = Job.objects.get(node=node, kind=JobKind.PROBE, state=JobState.QUEUED)
+    queued = Job.objects.get(node=node, kind="probe", state=JobState.QUEUED)
     runner.run_job(queued.pk)
     queued.refresh_from_db()
     assert queued.state == JobState.SUCCEEDED, queued.result

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.models import AuditEvent, Job, JobKind, JobState
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
 from tests.deploy_fixtures import (
     lab_node,
     listeners_in,
@@ -37,7 +38,7 @@ def test_a_stale_rpc_server_holding_the_port_is_reaped_by_pid(host_node, tmp_pat
     stale = start_in(host, [str(rpc_server), "-H", host.address, "-p", str(PORT)], tmp_path / "stale.log")
     try:
         assert f"pid={stale.pid}" in wait_listening(host, PORT)
-        job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+        job = run(Job.objects.create(kind="reap", node=node, params={"ports": [PORT]}))
         assert job.state == JobState.SUCCEEDED, job.result
         stale.wait(timeout=10)
         assert not pid_alive(stale.pid)
@@ -54,7 +55,7 @@ def test_a_stale_rpc_server_holding_the_port_is_reaped_by_pid(host_node, tmp_pat
 
 def test_a_free_port_is_reported_free_and_nothing_is_killed(host_node):
     host, node, _ = host_node
-    job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+    job = run(Job.objects.create(kind="reap", node=node, params={"ports": [PORT]}))
     assert job.state == JobState.SUCCEEDED, job.result
     assert "was free" in job.result
     assert not AuditEvent.objects.filter(action="process.reaped").exists()
@@ -67,7 +68,7 @@ def test_a_foreign_process_is_never_killed_and_the_job_fails_naming_it(host_node
     )
     try:
         wait_listening(host, PORT)
-        job = run(Job.objects.create(kind=JobKind.REAP, node=node, params={"ports": [PORT]}))
+        job = run(Job.objects.create(kind="reap", node=node, params={"ports": [PORT]}))
         assert job.state == JobState.FAILED
         assert "python3" in job.result
         assert "http.server" in job.result
@@ -97,9 +98,9 @@ def test_the_periodic_scan_lists_a_stale_rpc_server_and_one_click_reaps_it(
         assert (row.node, row.port, row.pid, row.program) == (node, PORT, stale.pid, "rpc-server")
         client.force_login(UserFactory(username="oscar", role="operator"))
         assert str(stale.pid) in client.get(reverse("deployments:stale")).content.decode()
-        monkeypatch.setattr("deployments.lifecycle_views.enqueue", lambda job: None)
+        monkeypatch.setattr(Job, "send_to_worker", lambda job: None)
         response = client.post(reverse("deployments:stale_reap", args=[row.pk]))
-        job = run(Job.objects.get(kind=JobKind.REAP))
+        job = run(Job.objects.get(kind="reap"))
         assert response.url == job.get_absolute_url()
         assert job.state == JobState.SUCCEEDED, job.result
         stale.wait(timeout=10)

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from jobs import bodies, broadcast, runner
+from jobs import broadcast, logwriter, runner
 from jobs.broadcast import call_sync
-from jobs.models import Job, JobKind, JobLogLine, JobState
+from jobs.models import Job, JobLogLine, JobState
 from tests.job_fixtures import (
     log_of,
     make_command_job,
@@ -59,7 +59,7 @@ def test_lines_are_sent_to_the_job_group_after_they_are_saved(local_node, channe
     assert states == ["running", "succeeded"]
     # Output is sent in bounded batches, not one message per line nor all of it at the end.
     sizes = [len(m["lines"]) for m in batches]
-    assert len(sizes) >= 3 and len(sizes) < 5002 and max(sizes) <= runner.MAX_BATCH_LINES
+    assert len(sizes) >= 3 and len(sizes) < 5002 and max(sizes) <= logwriter.MAX_BATCH_LINES
 
 
 def test_a_redelivered_task_does_nothing(local_node, channel_layer, tmp_path):
@@ -92,7 +92,7 @@ def test_a_command_that_does_not_exist_is_errored_with_an_actionable_reason(loca
 
 
 def test_a_job_without_argv_fails(local_node, channel_layer):
-    job = Job.objects.create(kind=JobKind.COMMAND, node=local_node, params={})
+    job = Job.objects.create(kind="command", node=local_node, params={})
     runner.run_job(job.pk)
     job.refresh_from_db()
     assert job.state == JobState.FAILED
@@ -110,10 +110,10 @@ async def daemon_body(ctx) -> str:
 
 
 def test_an_unexpected_exception_is_errored_and_its_traceback_is_in_the_log(
-    local_node, channel_layer, monkeypatch
+    local_node, channel_layer, job_kind
 ):
-    monkeypatch.setitem(bodies.BODIES, "benchmark", "tests.test_runner.exploding_body")
-    job = Job.objects.create(kind=JobKind.BENCHMARK, node=local_node)
+    job_kind("test-explode", exploding_body)
+    job = Job.objects.create(kind="test-explode", node=local_node)
     runner.run_job(job.pk)
     job.refresh_from_db()
     assert job.state == JobState.ERRORED
@@ -123,19 +123,18 @@ def test_an_unexpected_exception_is_errored_and_its_traceback_is_in_the_log(
     assert any(text.startswith("Traceback (most recent call last)") for text in texts)
 
 
-def test_an_unknown_kind_is_errored(local_node, channel_layer, monkeypatch):
-    monkeypatch.delitem(bodies.BODIES, "command")
-    job = make_command_job(local_node, ["true"])
+def test_an_unknown_kind_is_errored(local_node, channel_layer):
+    job = Job.objects.create(kind="no-such-kind", node=local_node)
     runner.run_job(job.pk)
     job.refresh_from_db()
     assert job.state == JobState.ERRORED
-    assert "does not know how to run a 'command' job" in job.result
+    assert "does not know how to run a 'no-such-kind' job" in job.result
 
 
-def test_a_daemon_started_by_a_job_is_recorded_by_pid(local_node, channel_layer, monkeypatch, tmp_path):
-    monkeypatch.setitem(bodies.BODIES, "launch", "tests.test_runner.daemon_body")
+def test_a_daemon_started_by_a_job_is_recorded_by_pid(local_node, channel_layer, job_kind, tmp_path):
+    job_kind("test-daemon", daemon_body, adopt_on_loss=True)
     job = Job.objects.create(
-        kind=JobKind.LAUNCH, node=local_node, params={"log_path": str(tmp_path / "d.log")}
+        kind="test-daemon", node=local_node, params={"log_path": str(tmp_path / "d.log")}
     )
     runner.run_job(job.pk)
     job.refresh_from_db()
@@ -260,12 +259,27 @@ def test_two_hundred_thousand_lines_are_all_stored_in_order_with_gap_free_seq(lo
 def test_enqueue_sends_the_task_only_after_the_transaction_commits(local_node, monkeypatch):
     from django.db import transaction
 
-    from jobs import tasks
-
     sent = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: sent.append(job.pk))
     with transaction.atomic():
         job = make_command_job(local_node, ["true"])
-        runner.enqueue(job)
+        job.enqueue()
         assert sent == []
     assert sent == [job.pk]
+
+
+def test_a_log_past_the_cap_keeps_its_head_and_tail_and_marks_the_cut(
+    local_node, channel_layer, settings, monkeypatch
+):
+    settings.RAMDECK_JOB_LOG_MAX_LINES = 1000
+    monkeypatch.setattr(logwriter, "TRIM_SLACK", 100)
+    job = python_job(local_node, "for i in range(6000): print('line', i)")
+    runner.run_job(job.pk)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED
+    rows = list(JobLogLine.objects.filter(job=job).order_by("seq").values_list("seq", "text"))
+    assert len(rows) == 1001  # 500 first, the marker, 500 last
+    assert [seq for seq, _ in rows[:501]] == list(range(501))
+    assert rows[500][1].startswith(f"[… {job.next_seq - 1000} lines cut here")
+    assert rows[-1] == (job.next_seq - 1, f"Succeeded: {job.result}")
+    assert rows[1][1] == "line 0" and rows[-2][1] == "line 5999"

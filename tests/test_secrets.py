@@ -12,7 +12,7 @@ from cryptography.fernet import Fernet
 from django.core.management import call_command
 from django.urls import reverse
 
-from jobs.models import AuditEvent
+from audit.models import AuditEvent
 from nodes.models import Credential
 from tests.factories import NodeFactory
 

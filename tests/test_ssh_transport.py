@@ -64,18 +64,20 @@ async def test_lines_arrive_while_the_command_is_still_running(lab, lab_host, tm
     script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; echo done'
     seen = []
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
-        async for line in ssh.stream(["sh", "-c", script], timeout=60):
+        command = ssh.command(["sh", "-c", script], timeout=60)
+        async for line in command.lines():
             seen.append(line.text)
             if line.text == "ready":
                 gate.touch()
-        assert ssh.last_result.exit_status == 0
+        assert command.result.exit_status == 0
     assert seen == ["ready", "done"]
 
 
 async def test_two_hundred_thousand_lines_all_arrive_in_order(lab, lab_host):
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
-        texts = [line.text async for line in ssh.stream(["seq", "1", "200000"])]
-        assert ssh.last_result.exit_status == 0
+        command = ssh.command(["seq", "1", "200000"])
+        texts = [line.text async for line in command.lines()]
+        assert command.result.exit_status == 0
     assert len(texts) == 200_000
     assert texts == [str(n) for n in range(1, 200_001)]
 
@@ -101,45 +103,49 @@ async def test_a_failing_command_with_check_raises_command_failed_with_its_outpu
 
 async def test_a_command_that_overruns_its_timeout_is_ended_on_the_node(lab, lab_host):
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        command = ssh.command(["sleep", "300"], timeout=1)
         with pytest.raises(CommandTimeout, match="ran longer than 1 s"):
-            await ssh.run(["sleep", "300"], timeout=1)
-        assert ssh.last_pid is not None
-        assert not await ssh.pid_alive(ssh.last_pid)
+            [line async for line in command.lines()]
+        assert command.pid is not None
+        assert not await ssh.pid_alive(command.pid)
 
 
 async def test_a_stream_closed_early_ends_the_command_on_the_node(lab, lab_host):
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
-        async with contextlib.aclosing(ssh.stream(["sh", "-c", "echo started; exec sleep 300"])) as lines:
+        command = ssh.command(["sh", "-c", "echo started; exec sleep 300"])
+        async with contextlib.aclosing(command.lines()) as lines:
             async for line in lines:
                 assert line.text == "started"
                 break
-        pid = ssh.last_pid
+        pid = command.pid
         assert pid is not None
         assert not await ssh.pid_alive(pid)
 
 
-async def test_helper_commands_during_a_stream_leave_its_bookkeeping_alone(lab, lab_host, tmp_path):
+async def test_helper_commands_during_a_command_leave_its_handle_alone(lab, lab_host, tmp_path):
     gate = tmp_path / "gate"
     script = f'echo ready; while [ ! -e "{gate}" ]; do sleep 0.05; done; exit 5'
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
-        async for line in ssh.stream(["sh", "-c", script]):
+        command = ssh.command(["sh", "-c", script])
+        async for line in command.lines():
             assert line.text == "ready"
-            pid = ssh.current_pid
+            pid = command.pid
             assert pid is not None and await ssh.pid_alive(pid)
-            assert ssh.current_pid == pid  # The helper command did not replace it.
+            assert command.pid == pid and command.running  # The helper command did not disturb it.
             gate.touch()
-        assert ssh.last_result.exit_status == 5
-        assert ssh.last_pid == pid and ssh.current_pid is None
+        assert command.result.exit_status == 5
+        assert command.pid == pid and not command.running
 
 
 async def test_killing_the_streaming_command_by_pid_ends_it_with_term(lab, lab_host):
     # What the runner does when an operator cancels a job.
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
-        async for line in ssh.stream(["sh", "-c", "echo ready; exec sleep 300"]):
+        command = ssh.command(["sh", "-c", "echo ready; exec sleep 300"])
+        async for line in command.lines():
             assert line.text == "ready"
-            assert await ssh.kill(ssh.current_pid, grace=2.0)
-        assert ssh.last_result.signal == "TERM"
-        assert ssh.last_result.exit_status is None
+            assert await ssh.kill(command.pid, grace=2.0)
+        assert command.result.signal == "TERM"
+        assert command.result.exit_status is None
 
 
 async def test_the_tcp_handshake_gives_the_round_trip_time(lab, lab_host):
@@ -205,7 +211,7 @@ async def test_a_node_that_goes_away_mid_command_ends_in_a_transport_error(lab, 
     # Keepalive every second, three misses: the loss is noticed within a few seconds, not hours.
     async with SSHTransport(target_for(lab, lab_host)) as ssh:
         with pytest.raises(TransportError, match="connection to .* was lost"):
-            async for line in ssh.stream(["sh", "-c", "echo started; sleep 300"], timeout=3600):
+            async for line in ssh.command(["sh", "-c", "echo started; sleep 300"], timeout=3600).lines():
                 if line.text == "started":
                     lab.link_down(lab_host)
 

@@ -13,10 +13,13 @@ import uuid
 from datetime import timedelta
 
 import pytest
+import redis
+from django.conf import settings
 from django.utils import timezone
 
-from jobs import sweeper, tasks
+from jobs import runner, sweeper, tasks
 from jobs.models import Job, JobState
+from nodes import tasks as node_tasks
 from tests.job_fixtures import CeleryWorker, log_of, pid_running, python_job, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -115,12 +118,10 @@ def test_a_live_worker_with_a_fresh_heartbeat_is_not_swept(local_node):
     assert job.state == JobState.ERRORED
 
 
-def test_a_lost_launch_keeps_its_daemon_running_as_adopted(local_node, orphans):
-    from jobs.models import JobKind
-
+def test_a_lost_rpc_server_step_keeps_its_daemon_running_as_adopted(local_node, orphans):
     daemon = subprocess.Popen(["sleep", "600"], start_new_session=True)
     orphans.append(daemon.pid)
-    job = Job.objects.create(kind=JobKind.LAUNCH, node=local_node)
+    job = Job.objects.create(kind="rpc_server", node=local_node)
     job.mark_running(worker="gone@nowhere")
     job.record_remote_pid(daemon.pid)
     assert sweeper.sweep(stale_after=0, alive=set()) == [job.pk]
@@ -181,3 +182,72 @@ def test_a_reused_pid_is_never_ended_by_the_sweeper(local_node, orphans):
 )
 def test_ps_elapsed_time_is_read_in_both_formats(text, seconds):
     assert sweeper.parse_etime(text) == seconds
+
+
+# -- queued jobs whose message was lost -----------------------------------------------------------------
+
+
+@pytest.fixture
+def private_queues(settings):
+    """Queues of this test's own on the real broker, emptied afterwards."""
+    from ramdeck_site.celery import app
+
+    tag = uuid.uuid4().hex[:8]
+    saved = (app.conf.task_default_queue, settings.RAMDECK_CONTROL_QUEUE)
+    app.conf.task_default_queue = f"ramdeck-test-{tag}"
+    settings.RAMDECK_CONTROL_QUEUE = f"ramdeck-test-{tag}-control"
+    yield app.conf.task_default_queue, settings.RAMDECK_CONTROL_QUEUE
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(
+        app.conf.task_default_queue, settings.RAMDECK_CONTROL_QUEUE
+    )
+    app.conf.task_default_queue, settings.RAMDECK_CONTROL_QUEUE = saved
+
+
+def _queued_long_ago(job: Job, *, minutes: int) -> None:
+    then = timezone.now() - timedelta(minutes=minutes)
+    Job.objects.filter(pk=job.pk).update(created_at=then, enqueued_at=then)
+
+
+def test_a_queued_job_whose_message_was_lost_is_sent_again(local_node, private_queues):
+    job = python_job(local_node, "print(1)")
+    assert job.send_to_worker()
+    assert job.pk in sweeper.job_ids_in_broker()
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(*private_queues)  # Redis lost its queues.
+    assert job.pk not in sweeper.job_ids_in_broker()
+    _queued_long_ago(job, minutes=5)
+
+    assert sweeper.sweep_queued() == ([job.pk], [])
+
+    assert job.pk in sweeper.job_ids_in_broker()
+    job.refresh_from_db()
+    assert job.state == JobState.QUEUED and job.enqueue_count == 2
+
+
+def test_a_queued_job_whose_message_still_waits_is_left_alone(local_node, private_queues):
+    job = python_job(local_node, "print(1)")
+    assert job.send_to_worker()
+    _queued_long_ago(job, minutes=5)
+    assert sweeper.sweep_queued() == ([], [])
+    job.refresh_from_db()
+    assert job.enqueue_count == 1
+
+
+def test_a_job_queued_for_too_long_is_errored_as_never_started(local_node, private_queues, settings):
+    settings.RAMDECK_QUEUED_GIVE_UP_S = 600
+    job = python_job(local_node, "print(1)")
+    _queued_long_ago(job, minutes=11)
+    assert sweeper.sweep_queued() == ([], [job.pk])
+    job.refresh_from_db()
+    assert job.state == JobState.ERRORED and job.result.startswith("Never started")
+
+
+def test_a_lost_probe_message_does_not_stop_the_probe_schedule(local_node, private_queues):
+    first = node_tasks.probe_all_nodes()
+    assert len(first) == 1
+    assert node_tasks.probe_all_nodes() == []  # One probe per node at a time...
+    redis.Redis.from_url(settings.CELERY_BROKER_URL).delete(*private_queues)  # ...but its message is lost.
+    _queued_long_ago(Job.objects.get(pk=first[0]), minutes=5)
+    assert sweeper.sweep_queued() == (first, [])
+    assert runner.run_job(first[0])  # The message sent again is taken and the probe runs.
+    assert Job.objects.get(pk=first[0]).state == JobState.SUCCEEDED
+    assert len(node_tasks.probe_all_nodes()) == 1  # and the schedule goes on.

@@ -4,11 +4,9 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('nodes', '0003_calibration'),
-        ('nodes', '0003_device_wired_limit_raw_unified_memory'),
+        ("nodes", "0003_calibration"),
+        ("nodes", "0003_device_wired_limit_raw_unified_memory"),
     ]
 
-    operations = [
-    ]
+    operations = []

@@ -21,13 +21,13 @@ from pathlib import Path
 import asyncssh
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
+from jobs.ssh_node import NodeSSHTransport, target_for_node
 
+from audit import history
 from deployments import gguf_profile
 from deployments.models import ModelFile
 from deployments.tiny_model import write_tiny_llama
-from jobs import audit
 from jobs.ssh import SSHTarget
-from jobs.ssh_node import NodeSSHTransport, target_for_node
 from jobs.transport import HostKeyChanged, HostKeyUnknown, TransportError
 from nodes.models import Credential, CredentialKind, Node, Transport
 
@@ -99,7 +99,7 @@ class Command(BaseCommand):
             credential.set_secret(key.export_private_key("openssh").decode())
             credential.public_fingerprint = key.get_fingerprint("sha256")
             credential.save()
-            audit.record(None, "credential.create", credential, actor_name=ACTOR)
+            history.record(None, "credential.create", credential, actor_name=ACTOR)
         self.stdout.write(f"Generated the demo nodes' login key {credential.public_fingerprint}.")
         return credential
 
@@ -124,7 +124,9 @@ class Command(BaseCommand):
         node.full_clean()
         with transaction.atomic():
             node.save()
-            audit.record(None, "node.create", node, changes={"address": name, "demo": True}, actor_name=ACTOR)
+            history.record(
+                None, "node.create", node, changes={"address": name, "demo": True}, actor_name=ACTOR
+            )
         self.stdout.write(f"Registered demo node {name}.")
         return node
 
@@ -148,7 +150,7 @@ class Command(BaseCommand):
                 size_bytes=profile.get("size_bytes", 0),
                 profile=profile,
             )
-            audit.record(
+            history.record(
                 None,
                 "model.register",
                 model,

@@ -1,4 +1,5 @@
-"""Run the whole console in the foreground: web (daphne), Celery worker and beat, and Redis if needed.
+"""Run the whole console in the foreground: web (daphne), the two Celery workers (long work, and control work
+that must never wait behind it) and beat, and Redis if needed.
 
 `make run` calls this. It prepares the database and the admin account, then hands the processes to honcho
 (a Procfile runner), which prefixes their output and stops all of them on Ctrl-C.
@@ -16,9 +17,15 @@ from django.core.management.base import BaseCommand
 
 from ramdeck_site import services
 
+# Control work is short; two at once let a stop proceed while a probe waits on an unreachable node.
+CONTROL_CONCURRENCY = 2
+
 
 class Command(BaseCommand):
-    help = "Run web server, Celery worker and beat (and a private Redis when none answers) under honcho."
+    help = (
+        "Run the web server, the work and control Celery workers and beat (and a private Redis when none "
+        "answers) under honcho."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("RAMDECK_HOST", "127.0.0.1"))
@@ -41,8 +48,6 @@ class Command(BaseCommand):
         os.execve(honcho, [honcho, "-f", str(procfile), "-d", str(settings.BASE_DIR), "start"], env)
 
     def _procfile(self, env: dict[str, str], host: str, port: int, concurrency: int) -> Path:
-        python = sys.executable
-        bin_dir = Path(python).parent
         lines = []
         url = env.get("REDIS_URL") or services.DEFAULT_REDIS_URL
         if services.redis_answers(url):
@@ -55,16 +60,28 @@ class Command(BaseCommand):
             env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
             lines.append("redis: " + " ".join(_quoted(services.redis_command(redis_port, str(workdir)))))
             self.stdout.write(f"No Redis answers at {url}; starting a private one on port {redis_port}.")
-        schedule = settings.VAR_DIR / "celerybeat-schedule"
-        lines += [
-            f"web: {bin_dir / 'daphne'} -b {host} -p {port} ramdeck_site.asgi:application",
-            f"worker: {bin_dir / 'celery'} -A ramdeck_site worker -l INFO -c {concurrency}",
-            f"beat: {bin_dir / 'celery'} -A ramdeck_site beat -l INFO -s {schedule}",
-        ]
+        lines += console_processes(host, port, concurrency)
         settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
         procfile = settings.VAR_DIR / "Procfile"
         procfile.write_text("\n".join(lines) + "\n")
         return procfile
+
+
+def console_processes(host: str, port: int, concurrency: int) -> list[str]:
+    """Procfile lines of the console itself: the web server, the two workers and beat."""
+    bin_dir = Path(sys.executable).parent
+    celery = bin_dir / "celery"
+    schedule = settings.VAR_DIR / "celerybeat-schedule"
+    return [
+        f"web: {bin_dir / 'daphne'} -b {host} -p {port} ramdeck_site.asgi:application",
+        # Builds, downloads, deployments, commands: up to `concurrency` at once.
+        f"worker: {celery} -A ramdeck_site worker -l INFO -c {concurrency} "
+        f"-Q {settings.CELERY_TASK_DEFAULT_QUEUE} -n work@%h",
+        # Stop, reap, probe, the monitor and the sweeper: never behind a build.
+        f"control: {celery} -A ramdeck_site worker -l INFO -c {CONTROL_CONCURRENCY} "
+        f"-Q {settings.RAMDECK_CONTROL_QUEUE} -n control@%h",
+        f"beat: {celery} -A ramdeck_site beat -l INFO -s {schedule}",
+    ]
 
 
 def _quoted(argv: list[str]) -> list[str]:

@@ -65,7 +65,7 @@ def audit_list(request):
     page = Paginator(filter_events(form), PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
-    template = "jobs/audit_list.html"
+    template = "audit/audit_list.html"
     if request.htmx and request.htmx.target == "audit-table":
         template += "#table"
     context = {

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("deployments", "0004_deployment_live_status"),
+        ("deployments", "0007_self_heal"),
     ]
 
     operations = [

@@ -1,10 +1,22 @@
-"""The SSH transport bound to a Node row: credentials decrypted at connect time, refused host keys and
-connection failures recorded on the node for the node page."""
+"""How the console reaches a Node: the local transport for the console's own host, else SSH bound to the
+node's row (credentials decrypted at connect time, refused host keys and connection failures recorded on
+the node for the node page). Registered with jobs/transport.py in NodesConfig.ready()."""
 
 from __future__ import annotations
 
-from .ssh import SSHTarget, SSHTransport
-from .transport import HostKeyChanged, HostKeyUnknown, TransportError
+from jobs.local import LocalTransport
+from jobs.ssh import SSHTarget, SSHTransport
+from jobs.transport import HostKeyChanged, HostKeyUnknown, Transport, TransportError
+
+
+def transport_for(node) -> Transport:
+    """The transport for a Node row (not yet connected: use it with `async with`).
+
+    Call from synchronous code (or through sync_to_async): it reads the node's credential from the database.
+    """
+    if node.is_local:
+        return LocalTransport()
+    return NodeSSHTransport(target_for_node(node), node.pk)
 
 
 class NodeSSHTransport(SSHTransport):
@@ -29,7 +41,7 @@ class NodeSSHTransport(SSHTransport):
 
 
 def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
-    from nodes.models import Node
+    from .models import Node
 
     Node(pk=node_pk).record_offered_host_key(
         exc.offered_key, exc.fingerprint, changed=isinstance(exc, HostKeyChanged), message=str(exc)
@@ -37,7 +49,7 @@ def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> N
 
 
 def _record_unreachable(node_pk: int, message: str) -> None:
-    from nodes.models import Node
+    from .models import Node
 
     Node(pk=node_pk).mark_unreachable(message)
 
@@ -46,7 +58,7 @@ def target_for_node(node) -> SSHTarget:
     """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
     from django.conf import settings
 
-    from nodes.models import CredentialKind
+    from .models import CredentialKind
 
     target = SSHTarget(
         host=node.address,

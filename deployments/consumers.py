@@ -1,0 +1,97 @@
+"""The deployment page over a websocket (ws/deployments/<pk>/): one group per deployment, fed by its runs'
+and steps' status and log lines and by the deployment's own changes (deployments/live.py). Whatever
+arrives, the consumer renders the page's live regions again (state, steps with their last log lines, the
+buttons) and sends them to be swapped out of band; a burst of messages makes one render."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.template.loader import render_to_string
+
+from jobs.watchers import FORBIDDEN, UserBoundConsumer
+from ramdeck_site.roles import can_view
+
+from . import live
+from .models import Deployment
+
+# Changes arriving within this long of each other are shown together.
+COALESCE_S = 0.25
+
+
+def _may_view(user) -> bool:
+    return bool(user is not None and user.is_authenticated and can_view(user))
+
+
+class DeploymentConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
+    async def connect(self) -> None:
+        self.deployment_id = int(self.scope["url_route"]["kwargs"]["pk"])
+        self.group = None
+        self._pending: asyncio.Task | None = None
+        user = self.scope.get("user")
+        allowed = await database_sync_to_async(_may_view)(user)
+        exists = await database_sync_to_async(Deployment.objects.filter(pk=self.deployment_id).exists)()
+        if not allowed or not exists:
+            await self.close(code=FORBIDDEN)
+            return
+        self.group = live.group_name(self.deployment_id)
+        await self.channel_layer.group_add(self.group, self.channel_name)
+        await self.accept()
+        await self.bind_to_user()
+        await self._render_and_send()  # whatever changed between the page load and now
+
+    async def disconnect(self, code: int) -> None:
+        await self.unbind_from_user()
+        if self._pending is not None:
+            self._pending.cancel()
+        if self.group:
+            await self.channel_layer.group_discard(self.group, self.channel_name)
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        """Clients only listen."""
+
+    async def deployment_changed(self, event: dict) -> None:
+        self._soon()
+
+    async def job_status(self, event: dict) -> None:
+        self._soon()
+
+    async def job_lines(self, event: dict) -> None:
+        self._soon()
+
+    def _soon(self) -> None:
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.create_task(self._render_later())
+
+    async def _render_later(self) -> None:
+        await asyncio.sleep(COALESCE_S)
+        with contextlib.suppress(Exception):  # a closed socket: nothing to tell
+            await self._render_and_send()
+
+    async def _render_and_send(self) -> None:
+        html = await database_sync_to_async(self._render)()
+        if html:
+            await self.send(text_data=html)
+
+    def _render(self) -> str:
+        from .lifecycle_views import run_context
+
+        deployment = (
+            Deployment.objects.select_related("coordinator", "model_file", "created_by")
+            .filter(pk=self.deployment_id)
+            .first()
+        )
+        if deployment is None:
+            return ""
+        context = {
+            **run_context(self.scope["user"], deployment),
+            "oob": True,
+            # The page's forms post with the CSRF cookie's secret, which Django accepts as the form token.
+            "csrf_token": self.scope.get("cookies", {}).get(settings.CSRF_COOKIE_NAME, ""),
+        }
+        template = "deployments/lifecycle/run.html"
+        return render_to_string(f"{template}#actions", context) + render_to_string(f"{template}#run", context)
