@@ -18,8 +18,8 @@ from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, Resou
 from jobs import sweeper
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job
-from tests.deploy_fixtures import TARBALL, require_tarball
 from tests.job_fixtures import CeleryWorker, wait_for
+from tests.llamacpp_build import use_cached_llamacpp
 from tests.test_e2e_deployment import Cluster
 
 TERMINAL = (DeploymentState.STOPPED, DeploymentState.FAILED)
@@ -151,8 +151,7 @@ def wait_step(deployment: Deployment, name: str, states, timeout: float = 240) -
 
 @pytest.fixture
 def fault_lab(lab, lab_hosts, tmp_path, settings):
-    require_tarball()
-    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)
+    use_cached_llamacpp(settings)  # builds upload the pinned source and find it compiled
     cluster = FaultLab(lab, lab_hosts(2), tmp_path)
     yield cluster
     cluster.stop_workers()

@@ -10,7 +10,6 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit.models import AuditEvent
-from jobs import tasks
 from jobs.models import Job
 from nodes.models import Build, Device, Reachability
 from tests.factories import DeviceFactory, NodeFactory
@@ -21,7 +20,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def no_broker(monkeypatch):
     sent: list[int] = []
-    monkeypatch.setattr(tasks.run_job, "delay", lambda pk: sent.append(pk))
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: sent.append(job.pk))
     return sent
 
 

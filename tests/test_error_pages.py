@@ -32,7 +32,7 @@ def test_a_404_for_someone_not_logged_in_shows_no_navigation(client):
 
 
 def test_a_viewer_refused_an_operator_page_gets_the_styled_403_naming_the_role(viewer_client, viewer_user):
-    response = viewer_client.get(reverse("jobs:create"))
+    response = viewer_client.get(reverse("run_command"))
     assert response.status_code == 403
     body = response.content.decode()
     assert 'id="error-403"' in body

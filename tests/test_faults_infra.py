@@ -20,8 +20,9 @@ from jobs import runner, sweeper
 from jobs.models import Job, JobLogLine, JobState
 from nodes import tasks as node_tasks
 from ramdeck_site import services
-from tests.deploy_fixtures import TARBALL, lab_node, log_text, require_tarball, run
+from tests.deploy_fixtures import lab_node, log_text, run
 from tests.job_fixtures import CeleryWorker, python_job, wait_for
+from tests.llamacpp_build import TARBALL, use_cached_llamacpp
 from tests.test_consumers import connect, viewer
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
@@ -150,8 +151,7 @@ async def test_redis_restarted_during_a_log_stream_loses_no_line(local_node, pri
 @pytest.mark.lab
 @pytest.mark.llamacpp
 def test_a_full_disk_during_a_build_fails_naming_it(lab, lab_host, tmp_path, settings):
-    require_tarball()
-    settings.RAMDECK_TARBALL_DIR = str(TARBALL.parent)
+    use_cached_llamacpp(settings)  # builds upload the pinned source and find it compiled
     small = tmp_path / "small-disk"
     small.mkdir()
     # Mounted where the lab host's sshd (and so every command of the build) sees it: its mount namespace.

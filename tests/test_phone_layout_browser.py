@@ -249,7 +249,7 @@ def _pages(data: dict) -> dict[str, str]:
         # Answers htmx with the hardware panel; a full load lands on the node page.
         "nodes:hardware": reverse("nodes:hardware", args=[attic.name]),
         "jobs:list": reverse("jobs:list"),
-        "jobs:create": reverse("jobs:create"),
+        "run_command": reverse("run_command"),
         "jobs:detail": reverse("jobs:detail", args=[data["job"].pk]),
         "deployments:models": reverse("deployments:models"),
         "deployments:plan": reverse("deployments:plan", args=[data["model"].pk]),
@@ -339,7 +339,7 @@ def test_every_page_fits_the_window_without_sideways_scroll(live_server_url, bro
         # A viewer meets the 403 page where only operators may go.
         page.context.clear_cookies()
         log_in(page, live_server_url, "vera-viewer", PASSWORD)
-        _check(page, f"{live_server_url}{reverse('jobs:create')}", "403", width, problems, shot=True)
+        _check(page, f"{live_server_url}{reverse('run_command')}", "403", width, problems, shot=True)
         expect(page.locator("#error-403")).to_be_visible()
     finally:
         context.close()
