@@ -74,7 +74,7 @@ def _wait_for_probe(stack: compose.ComposeStack, name: str, timeout: float = 180
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"the probe of {name} did not finish in {timeout:g} s: {state}\n"
-                + stack.logs("worker")[-4000:]
+                + stack.logs("control")[-4000:]
             )
         time.sleep(2)
 
@@ -114,7 +114,7 @@ def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_
                 == stack.exec(OTHER_NODE, "ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub").split()[1]
             )
 
-            # Approving starts a probe, which the Celery worker in its own container runs over SSH.
+            # Approving starts a probe, which the control worker (its own container) runs over SSH.
             _post_form(client, f"/nodes/{NODE}/host-key/approve/", {"fingerprint": offered})
             state = _wait_for_probe(stack, NODE)
             assert state["approved"] == offered and not state["pending"]

@@ -44,6 +44,9 @@ POST_ONLY = {
     "deployments:redeploy": "redeploys a plan",
     "deployments:node_build_start": "starts a build (the form is on the builds page)",
     "deployments:stale_reap": "reaps a stale process",
+    "nodes:calibrate": "starts a calibration job (the button is on the node page)",
+    "nodes:calibrate_all": "starts calibration jobs (the button is on the node list)",
+    "deployments:self_heal": "turns self-healing on or off (the switch is on the run page)",
 }
 NOT_PAGES = {
     "deployments:processes": "an htmx fragment of the run page (measured there, where it is loaded)",
@@ -248,6 +251,7 @@ def _pages(data: dict) -> dict[str, str]:
         "nodes:delete": reverse("nodes:delete", args=[attic.name]),
         # Answers htmx with the hardware panel; a full load lands on the node page.
         "nodes:hardware": reverse("nodes:hardware", args=[attic.name]),
+        "nodes:bandwidth": reverse("nodes:bandwidth", args=[desk.name]),
         "jobs:list": reverse("jobs:list"),
         "run_command": reverse("run_command"),
         "jobs:detail": reverse("jobs:detail", args=[data["job"].pk]),
