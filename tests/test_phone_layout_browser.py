@@ -378,6 +378,8 @@ def _post_only_url(name: str, data: dict) -> str:
         "deployments:redeploy": [data["deployment"].pk],
         "deployments:node_build_start": [data["desk"].name],
         "deployments:stale_reap": [StaleProcess.objects.get().pk],
+        "nodes:calibrate": [data["desk"].name],
+        "deployments:self_heal": [data["deployment"].pk],
     }
     return reverse(name, args=args_by_route.get(name, []))
 

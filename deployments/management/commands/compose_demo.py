@@ -21,7 +21,6 @@ from pathlib import Path
 import asyncssh
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
-from jobs.ssh_node import NodeSSHTransport, target_for_node
 
 from audit import history
 from deployments import gguf_profile
@@ -30,6 +29,7 @@ from deployments.tiny_model import write_tiny_llama
 from jobs.ssh import SSHTarget
 from jobs.transport import HostKeyChanged, HostKeyUnknown, TransportError
 from nodes.models import Credential, CredentialKind, Node, Transport
+from nodes.transports import NodeSSHTransport, target_for_node
 
 CREDENTIAL_NAME = "compose-demo-key"
 MODEL_NAME = "tiny-llama-demo"
