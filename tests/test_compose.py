@@ -157,8 +157,9 @@ def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_
         existed = stack.leftovers()
         down = stack.down()
     assert down.returncode == 0, down.stdout + down.stderr
-    # The label lookup finds the project's things while they exist (so its empty answer below means gone).
-    assert len(existed["container"]) == 7 and len(existed["volume"]) == 8 and existed["network"], existed
+    # The label lookup finds the project's things while they exist (so its empty answer below means gone):
+    # web, worker, control, beat, postgres, redis and the two demo nodes.
+    assert len(existed["container"]) == 8 and len(existed["volume"]) == 8 and existed["network"], existed
     assert stack.leftovers() == {"container": [], "volume": [], "network": []}
 
 
