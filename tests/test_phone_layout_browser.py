@@ -355,7 +355,14 @@ def _phone_tables_say_what_they_hide(page, base_url: str, data: dict) -> None:
     page.goto(base_url + reverse("deployments:run", args=[data["deployment"].pk]))
     table = page.locator("#verification table")
     expect(table).to_have_class(re.compile(r"\bscrolls-x\b"))
-    assert table.evaluate("t => getComputedStyle(t, '::before').content") == '"scroll →"'
+    # The run page re-renders its regions from the websocket: wait for the table that is there now to say it.
+    page.wait_for_function(
+        """() => {
+        const t = document.querySelector('#verification table');
+        return t && getComputedStyle(t, '::before').content === '"scroll →"';
+    }""",
+        timeout=10_000,
+    )
     table.evaluate("t => { t.scrollLeft = t.scrollWidth; }")
     expect(table).to_have_class(re.compile(r"\bscrolled-end\b"))
     page.goto(base_url + reverse("deployments:node_builds", args=[data["desk"].name]))
