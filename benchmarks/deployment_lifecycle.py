@@ -16,27 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from figures_of_test import figures_from_test
+
 TEST = "tests/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop"
 
 
 def one_round() -> dict:
-    result = subprocess.run(
-        [str(ROOT / ".venv/bin/pytest"), TEST, "-q", "-s", "-p", "no:cacheprovider"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    for line in result.stdout.splitlines():
-        if line.startswith("E2E "):
-            return json.loads(line[4:])
-    sys.stderr.write(result.stdout[-3000:] + result.stderr[-2000:])
-    raise SystemExit("the end-to-end test did not report its figures (did it fail?)")
+    return figures_from_test(TEST, "E2E", timeout=900)
 
 
 def main() -> None:

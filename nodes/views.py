@@ -195,14 +195,20 @@ def probe_now(request, name: str):
             request, f"{node.name}'s host key awaits an admin's approval; nothing runs there until then."
         )
         return redirect(node)
+    return _start_node_job(request, node, start_probe, action="node.probe", what="probe", doing="Probing")
+
+
+def _start_node_job(request, node: Node, start, *, action: str, what: str, doing: str):
+    """Start one job of a kind on the node unless one is queued or running (`start` returns None then), with
+    its audit entry in the same transaction; land on the job, or back on the node with the reason."""
     with transaction.atomic():
-        job = start_probe(node, user=request.user)
+        job = start(node, user=request.user)
         if job is not None:
-            history.record(request, "node.probe", node, changes={"job": job.pk})
+            history.record(request, action, node, changes={"job": job.pk})
     if job is None:
-        messages.info(request, f"A probe of {node.name} is already queued or running.")
+        messages.info(request, f"A {what} of {node.name} is already queued or running.")
         return redirect(node)
-    messages.success(request, f"Probing {node.name}.")
+    messages.success(request, f"{doing} {node.name}.")
     return redirect(job)
 
 
@@ -251,15 +257,9 @@ def calibrate_now(request, name: str):
     if not node.enabled or node.pending_host_key:
         messages.error(request, f"{node.name} is disabled or awaits host-key approval: nothing runs there.")
         return redirect(node)
-    with transaction.atomic():
-        job = start_calibration(node, user=request.user)
-        if job is not None:
-            history.record(request, "node.calibrate", node, changes={"job": job.pk})
-    if job is None:
-        messages.info(request, f"A calibration of {node.name} is already queued or running.")
-        return redirect(node)
-    messages.success(request, f"Calibrating {node.name}.")
-    return redirect(job)
+    return _start_node_job(
+        request, node, start_calibration, action="node.calibrate", what="calibration", doing="Calibrating"
+    )
 
 
 @role_required(OPERATOR)
