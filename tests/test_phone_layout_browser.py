@@ -363,8 +363,19 @@ def _phone_tables_say_what_they_hide(page, base_url: str, data: dict) -> None:
     }""",
         timeout=10_000,
     )
-    table.evaluate("t => { t.scrollLeft = t.scrollWidth; }")
-    expect(table).to_have_class(re.compile(r"\bscrolled-end\b"))
+    # Scroll whichever table is there when polled: a websocket re-render between scrolling and checking
+    # replaces the table with one scrolled back to its start (CI saw exactly that once).
+    page.wait_for_function(
+        """() => {
+        const t = document.querySelector('#verification table');
+        if (!t) return false;
+        if (t.classList.contains('scrolled-end')) return true;
+        t.scrollLeft = t.scrollWidth;
+        return false;
+    }""",
+        timeout=10_000,
+        polling=100,
+    )
     page.goto(base_url + reverse("deployments:node_builds", args=[data["desk"].name]))
     first_card = page.locator("#builds table.cards tbody tr").first
     expect(first_card.locator("td").nth(1)).to_have_attribute("data-label", "Source")
