@@ -29,6 +29,7 @@ from django.conf import settings
 from deployments.llamacpp import RPC_SERVER_BINARIES as RPC_BINARIES
 from deployments.llamacpp import parse_rpc_banner_version, parse_server_version
 from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball, file_sha256
+from jobs.aio import db
 from jobs.context import JobFailed
 
 COMMON_FLAGS = [
@@ -254,7 +255,7 @@ async def _tarball_tree(ctx, found: dict[str, str], root: str, params: dict) -> 
             f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
             "the only folder builds may upload from"
         )
-    sha = params.get("tarball_sha256") or await sync_to_async(file_sha256)(local)
+    sha = params.get("tarball_sha256") or await db(file_sha256)(local)
     src = posixpath.join(root, src_dir_name(sha))
     for tree in (posixpath.join(src, "llama.cpp"), src):
         if await _exists(ctx, posixpath.join(tree, "CMakeLists.txt")):
@@ -364,7 +365,7 @@ async def build_body(ctx) -> str:
     params = ctx.job.params or {}
     source = params.get("source", "tarball")
     found = parse_prerequisites((await ctx.transport.run(["sh", "-c", _PREREQ_SCRIPT], timeout=60)).stdout)
-    kinds = await sync_to_async(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
+    kinds = await db(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
     backend = choose_backend(params.get("backend", "auto"), found, kinds)
     missing = missing_prerequisites(found, source=source, backend=backend)
     if missing:
@@ -393,7 +394,7 @@ async def build_body(ctx) -> str:
     if not probed["rpc_protocol"]:
         raise JobFailed("could not tell the RPC protocol version of this build")
 
-    build = await sync_to_async(Build.objects.create)(
+    build = await db(Build.objects.create)(
         node=ctx.node,
         source_kind=BuildSource(source),
         backend=backend,

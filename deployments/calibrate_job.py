@@ -47,6 +47,7 @@ from deployments.gguf_profile import profile_path
 from deployments.lifecycle_steps import _write_key_file, node_platform, run_dir, tail_lines, wait_listening
 from deployments.reaper import find_holders
 from deployments.tiny_model import TinyLlama, write_tiny_llama
+from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
@@ -352,11 +353,11 @@ async def calibrate_body(ctx) -> str:
     node = ctx.node
     if node is None:
         raise JobFailed("A calibration needs a node.")
-    reason = await sync_to_async(_refusal)(node)
+    reason = await db(_refusal)(node)
     if reason:
         raise JobFailed(reason)
-    build = await sync_to_async(lambda: node.current_build)()
-    devices = await sync_to_async(lambda: sorted(node.devices.all(), key=lambda d: d.name != "CPU"))()
+    build = await db(lambda: node.current_build)()
+    devices = await db(lambda: sorted(node.devices.all(), key=lambda d: d.name != "CPU"))()
     port = node.rpc_port
     holders = await find_holders(ctx.transport, node_platform(node), port)
     if holders:
@@ -429,7 +430,7 @@ async def calibrate_body(ctx) -> str:
     finally:
         await procs.end_all()
     results["link"] = asdict(link) if link else None
-    summary = await sync_to_async(store)(node, results)
+    summary = await db(store)(node, results)
     for line in summary:
         await ctx.log(line)
     return "; ".join(summary)

@@ -20,8 +20,7 @@ import posixpath
 import re
 from typing import TYPE_CHECKING, Any
 
-from asgiref.sync import sync_to_async
-
+from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.transport import TransportError, shell_join
 
@@ -374,7 +373,7 @@ async def download_body(ctx: JobContext) -> str:
         raise JobFailed(f"The download is not a usable model, so it was removed: {exc}") from None
     except TimeoutError:
         raise JobFailed(f"Reading the header of {dest} took longer than {PROFILE_TIMEOUT_S:g} s.") from None
-    model = await sync_to_async(_create_model)(ctx.job, name, dest, profile, sha256)
+    model = await db(_create_model)(ctx.job, name, dest, profile, sha256)
     return (
         f"Downloaded and registered {model.name}: {profile['architecture']}, "
         f"{profile['block_count']} blocks, {mib(profile['size_bytes'])} MiB."

@@ -16,12 +16,12 @@ import secrets
 import tempfile
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.utils import timezone
 
 from deployments import placement
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
+from jobs.aio import db
 from jobs.context import JobFailed
 from nodes.listeners import redact_cmdline
 
@@ -62,7 +62,7 @@ def _deployment(pk: int):
 
 
 async def load_deployment(ctx):
-    return await sync_to_async(_deployment)(ctx.job.params["deployment"])
+    return await db(_deployment)(ctx.job.params["deployment"])
 
 
 def _audit(job, action: str, obj, changes: dict) -> None:
@@ -148,13 +148,13 @@ async def reap_pid(ctx, port: int, pid: int) -> str:
         return f"{ctx.node.name}: PID {pid} no longer holds port {port}; nothing to do"
     if not holder.ours:
         raise JobFailed(f"{ctx.node.name}: PID {pid} is not ours now ({holder.describe()}); not touched")
-    owner = await sync_to_async(_owner_of)(ctx.node, port, pid)
+    owner = await db(_owner_of)(ctx.node, port, pid)
     if owner:
         raise JobFailed(f"{ctx.node.name}: {owner}; PID {pid} not touched")
     await ctx.log(f"port {port}: stale {holder.kind} PID {pid} ({holder.cmdline}); sending TERM")
     if not await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S):
         raise JobFailed(f"{ctx.node.name}: {holder.kind} PID {pid} did not end")
-    await sync_to_async(_audit)(
+    await db(_audit)(
         ctx.job,
         "process.reaped",
         ctx.node,
@@ -179,7 +179,7 @@ async def reap_body(ctx) -> str:
         except (ForeignHolder, PortStillBusy) as exc:
             raise JobFailed(f"{ctx.node.name}: {exc}") from exc
         for holder in outcome.reaped:
-            await sync_to_async(_audit)(
+            await db(_audit)(
                 ctx.job,
                 "process.reaped",
                 ctx.node,
@@ -218,7 +218,7 @@ async def wait_listening(ctx, pid: int, port: int, log_path: str, *, timeout: fl
 async def rpc_server_body(ctx) -> str:
     params = ctx.job.params
     deployment = await load_deployment(ctx)
-    build = await sync_to_async(lambda: ctx.node.current_build)()
+    build = await db(lambda: ctx.node.current_build)()
     if build is None:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     port = int(params["port"])
@@ -232,7 +232,7 @@ async def rpc_server_body(ctx) -> str:
             f"set for {ctx.node.name}. It has no authentication: anyone who reaches port {port} can use it."
         )
     pid = await ctx.start_daemon(argv, log_path=log_path)
-    await sync_to_async(deployment.add_process)(
+    await db(deployment.add_process)(
         f"rpc-server@{ctx.node.name}",
         {
             "node": ctx.node.name,
@@ -304,7 +304,7 @@ async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeou
 
 async def llama_server_body(ctx) -> str:
     deployment = await load_deployment(ctx)
-    build = await sync_to_async(lambda: ctx.node.current_build)()
+    build = await db(lambda: ctx.node.current_build)()
     if build is None:
         raise JobFailed(f"{ctx.node.name} has no llama.cpp build")
     directory = await run_dir(ctx)
@@ -312,7 +312,7 @@ async def llama_server_body(ctx) -> str:
     log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.log")
     key_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-llama-server-{port}.key")
     key = secrets.token_urlsafe(32)
-    await sync_to_async(deployment.store_api_key)(key)
+    await db(deployment.store_api_key)(key)
     await _write_key_file(ctx, key_path, key)
     host = bind_host(deployment)
     argv = [
@@ -331,7 +331,7 @@ async def llama_server_body(ctx) -> str:
         "4",
     ]
     pid = await ctx.start_daemon(argv, log_path=log_path)
-    await sync_to_async(deployment.add_process)(
+    await db(deployment.add_process)(
         f"llama-server@{ctx.node.name}",
         {
             "node": ctx.node.name,
@@ -371,7 +371,7 @@ async def verify_body(ctx) -> str:
     report = placement.compare(deployment.plan, log_text)
     for line in report["lines"]:
         await ctx.log(line)
-    await sync_to_async(deployment.record)(verification=report)
+    await db(deployment.record)(verification=report)
     if report["problems"]:
         message = "placement differs from the plan: " + "; ".join(report["problems"])
         if getattr(settings, "RAMDECK_PLACEMENT_MISMATCH", "fail") == "fail":
@@ -383,7 +383,7 @@ async def verify_body(ctx) -> str:
 
 async def measure_body(ctx) -> str:
     deployment = await load_deployment(ctx)
-    key = await sync_to_async(deployment.api_key)()
+    key = await db(deployment.api_key)()
     url = endpoint_url(deployment)
     body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "cache_prompt": False}
     async with httpx.AsyncClient(timeout=600.0) as client:
@@ -402,7 +402,7 @@ async def measure_body(ctx) -> str:
             f"(predicted_per_second={decode!r}, prompt_per_second={prompt!r}); cannot measure"
         )
     predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
-    await sync_to_async(deployment.record)(
+    await db(deployment.record)(
         measured_decode_tps=decode, measured_prompt_tps=prompt, predicted_decode_tps=predicted
     )
     error = deployment.speed_error
@@ -410,7 +410,7 @@ async def measure_body(ctx) -> str:
     await ctx.log(
         f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}){off}; prompt {prompt:.1f} tokens/s"
     )
-    advice = await sync_to_async(deployment.recalibration_advice)()
+    advice = await db(deployment.recalibration_advice)()
     if advice:
         await ctx.log(f"The prediction is off by more than 25%: calibrate {', '.join(advice)} again.")
     return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s"

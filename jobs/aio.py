@@ -4,20 +4,71 @@ coroutine, one event loop per synchronous call, and opening a node's transport f
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, sync_to_async
-from django.db import connections
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, connections
 
 from . import transport as transport_module
 from .transport import Transport
 
+logger = logging.getLogger(__name__)
+
+# Waits between attempts while the database server is away (a PostgreSQL restart takes a few seconds).
+RECONNECT_DELAYS_S = (0.5, 1, 2, 4)
+
 
 def db(func: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
-    """`func` (an ORM call) for a coroutine: run in the database thread, one call after another."""
-    return sync_to_async(func, thread_sensitive=True)
+    """`func` (an ORM call) for a coroutine: run in the database thread, one call after another, and
+    carried over a database restart (see `surviving_database_restarts`)."""
+    return sync_to_async(surviving_database_restarts(func), thread_sensitive=True)
+
+
+def _drop_lost_connections() -> bool:
+    """Close the connections that a failed call showed to be dead, so the next call opens a new one
+    (Django never does that by itself inside a long task); True if any was lost or never opened."""
+    lost = False
+    for connection in connections.all(initialized_only=True):
+        if connection.connection is None:
+            lost = True  # connecting itself failed: the server is not answering yet
+        elif connection.errors_occurred and not connection.is_usable():
+            connection.close()
+            lost = True
+    return lost
+
+
+def surviving_database_restarts(func: Callable[..., Any]) -> Callable[..., Any]:
+    """`func`, tried again while the database server is unreachable, for up to
+    RAMDECK_DATABASE_OUTAGE_S. A long job's connection dies with a PostgreSQL restart; without this, the
+    first query after it fails the step, and the failure cannot even be recorded.
+
+    Only lost connections are retried: a call on a dead connection never reached the server (a restart
+    ends idle connections, so the next statement is the one that fails), and a call inside a transaction
+    was rolled back with it. Other errors (an integrity error, SQLite's "database is locked") are raised
+    as before."""
+
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        deadline = time.monotonic() + settings.RAMDECK_DATABASE_OUTAGE_S
+        attempt = 0
+        while True:
+            try:
+                return func(*args, **kwargs)
+            except (OperationalError, InterfaceError) as exc:
+                if not _drop_lost_connections() or time.monotonic() >= deadline:
+                    raise
+                delay = RECONNECT_DELAYS_S[min(attempt, len(RECONNECT_DELAYS_S) - 1)]
+                logger.warning("Database unreachable (%s); trying again in %g s.", str(exc).strip(), delay)
+                time.sleep(delay)
+                attempt += 1
+
+    return call
 
 
 async def open_transport_for(node) -> Transport:

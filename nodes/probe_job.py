@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asgiref.sync import sync_to_async
 from django.db import transaction
 
+from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.models import Job
 from jobs.transport import CommandTimeout, TransportError
@@ -41,7 +41,7 @@ async def probe(ctx: JobContext) -> str:
         raise JobFailed("A probe needs a node.")
     await ctx.log(f"Probing {node.name} ({node.address}) ...")
     try:
-        build = await sync_to_async(lambda: node.current_build)()
+        build = await db(lambda: node.current_build)()
         report = await collect(
             ctx.transport,
             node.platform_hint,
@@ -49,17 +49,17 @@ async def probe(ctx: JobContext) -> str:
             known_server=(build.llama_server_path, build.version) if build and build.version else None,
         )
     except ProbeUnsupported as exc:
-        await sync_to_async(record_probe_failure)(node, str(exc))
+        await db(record_probe_failure)(node, str(exc))
         raise JobFailed(str(exc)) from exc
     except CommandTimeout as exc:
-        await sync_to_async(record_probe_failure)(node, str(exc))
+        await db(record_probe_failure)(node, str(exc))
         raise
     except TransportError as exc:
-        await sync_to_async(record_probe_failure)(node, str(exc), reachability=Reachability.UNREACHABLE)
+        await db(record_probe_failure)(node, str(exc), reachability=Reachability.UNREACHABLE)
         raise
     for line in summary_lines(report):
         await ctx.log(line)
-    devices = await sync_to_async(apply_probe_report)(node, report)
+    devices = await db(apply_probe_report)(node, report)
     if not devices:
         raise JobFailed("The probe found no device llama.cpp could use on this node.")
     names = ", ".join(f"{d.name} {d.free_bytes / GIB:.1f}/{d.total_bytes / GIB:.1f} GiB" for d in devices)

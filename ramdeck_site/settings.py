@@ -282,6 +282,8 @@ RAMDECK_QUEUED_RESEND_AFTER_S = env_int("RAMDECK_QUEUED_RESEND_AFTER_S", 120, mi
 RAMDECK_QUEUED_GIVE_UP_S = env_int("RAMDECK_QUEUED_GIVE_UP_S", 24 * 3600, minimum=60)
 # A job keeps at most this many log lines: the first and the last half, the cut marked (0: no cap).
 RAMDECK_JOB_LOG_MAX_LINES = env_int("RAMDECK_JOB_LOG_MAX_LINES", 500_000, minimum=0)
+# How long a running job waits for the database to come back (a PostgreSQL restart) before it gives up.
+RAMDECK_DATABASE_OUTAGE_S = env_int("RAMDECK_DATABASE_OUTAGE_S", 120, minimum=0)
 
 RAMDECK_PROBE_INTERVAL_S = env_int("RAMDECK_PROBE_INTERVAL_S", 300, minimum=0)
 RAMDECK_SWEEP_INTERVAL_S = env_int("RAMDECK_SWEEP_INTERVAL_S", 60, minimum=10)
