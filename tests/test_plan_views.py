@@ -308,3 +308,22 @@ def test_confirm_posts_the_values_the_shown_plan_was_computed_with(model, operat
     assert response.status_code == 302
     deployment = Deployment.objects.get()
     assert deployment.name == "from the page" and deployment.plan_settings["ctx"] == 1024
+
+
+def test_controls_with_one_choice_are_text_not_inputs(model, pool, viewer_client):
+    url = reverse("deployments:plan", args=[model.pk])
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    # One node may coordinate (desk): named, not a select; two nodes to choose from: the checkboxes stay.
+    assert '<select name="coordinator"' not in page and '<div id="only-coordinator">desk</div>' in page
+    assert f'<input type="hidden" name="coordinator" value="{pool["desk"].pk}">' in page
+    assert 'type="checkbox" name="nodes"' in page
+    pool["pc"].may_coordinate = True
+    pool["pc"].save()
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert '<select name="coordinator"' in page and 'id="only-coordinator"' not in page
+    pool["pc"].enabled = False
+    pool["pc"].save()
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert 'type="checkbox" name="nodes"' not in page
+    assert f'<input type="hidden" name="nodes" value="{pool["desk"].pk}">' in page
+    assert 'id="server-command"' in page and "--rpc" not in page  # the plan is for desk alone
