@@ -143,3 +143,30 @@ def test_strangers_get_no_dashboard_socket(stranger_user):
         return connected
 
     assert not async_to_sync(scenario)()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_dashboard_socket_follows_a_deployments_state(viewer_user):
+    from channels.db import database_sync_to_async
+
+    from tests.test_consumers import connect
+
+    desk = NodeFactory(name="desk", address="127.0.0.1", transport="local", may_coordinate=True)
+    model = ModelFile.objects.create(name="tiny", node=desk, path="/m/tiny.gguf", profile={})
+    deployment = Deployment.objects.create(name="tiny @ 512", model_file=model, coordinator=desk, plan={},
+                                           state=DeploymentState.RUNNING)  # fmt: skip
+
+    async def scenario() -> tuple[str, str]:
+        socket, connected, _ = await connect("/ws/dashboard/", viewer_user)
+        assert connected
+        first = await socket.receive_from(timeout=15)
+        # As the monitor does it: the model's state change tells the deployment's page and the dashboard.
+        await database_sync_to_async(deployment.mark_degraded)("llama-server does not answer")
+        again = await socket.receive_from(timeout=15)
+        await socket.disconnect()
+        return first, again
+
+    first, again = async_to_sync(scenario)()
+    row = f'id="dash-deployment-{deployment.pk}"'
+    assert row in first and "Running" in first.split(row)[1].split("</li>")[0]
+    assert "Degraded" in again.split(row)[1].split("</li>")[0]
