@@ -132,6 +132,14 @@ class PlanForm(forms.Form):
             coordinators_qs if coordinators_qs is not None else Node.objects.filter(may_coordinate=True)
         )
         self.fields["clamp"].initial = site_settings.RAMDECK_UNIFIED_MEMORY_CLAMP
+        # Each field names its error list (the page swaps the lists in after every recompute).
+        for name, field in self.fields.items():
+            field.widget.attrs["aria-describedby"] = f"errors-{name}"
+        # The name goes with Confirm (its own POST form, after the evidence), not with the recompute.
+        self.fields["name"].widget.attrs["form"] = "confirm-form"
+        # A choice of one is no choice: the page shows the coordinator and the nodes as text then.
+        self.shows_coordinator = self.fields["coordinator"].queryset.count() > 1
+        self.shows_nodes = self.fields["nodes"].queryset.count() > 1
         # The clamp only matters to unified memory (Apple Silicon): the page shows it when the pool has some.
         self.shows_clamp = Device.objects.filter(
             node__in=self.fields["nodes"].queryset, unified_memory=True

@@ -12,14 +12,29 @@ from django.db import transaction
 
 from jobs import broadcast
 
+# The dashboard's watchers (ramdeck_site/consumers.py) hear every deployment's changes too, and the job
+# list's group (every job's state).
+DASHBOARD_GROUP = "dashboard"
+
 
 def group_name(deployment_id: int) -> str:
     return f"deployment-{deployment_id}"
 
 
+async def _send_to(groups: tuple[str, ...], message: dict) -> None:
+    for group in groups:
+        await broadcast.send_event(group, message)
+
+
 def changed(deployment_id: int) -> None:
-    """Tell the deployment's watchers, once the current transaction (if any) has committed."""
+    """Tell the deployment's watchers and the dashboard's, once the current transaction (if any) has
+    committed."""
     message = {"type": "deployment.changed", "deployment_id": deployment_id}
-    transaction.on_commit(
-        lambda: broadcast.call_sync(broadcast.send_event, group_name(deployment_id), message)
-    )
+    groups = (group_name(deployment_id), DASHBOARD_GROUP)
+    transaction.on_commit(lambda: broadcast.call_sync(_send_to, groups, message))
+
+
+def dashboard_changed() -> None:
+    """Something only the dashboard shows changed (the stale processes found by a scan)."""
+    message = {"type": "dashboard.changed"}
+    transaction.on_commit(lambda: broadcast.call_sync(_send_to, (DASHBOARD_GROUP,), message))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import httpx
 from django.utils import timezone
@@ -22,16 +23,20 @@ from jobs.aio import run_to_completion
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
 
-from . import healing
-from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
+from . import healing, live
+from .models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 
 logger = logging.getLogger(__name__)
 
 LOG_LINES = 15
+# Speed samples older than this are deleted (the dashboard shows the last hour).
+SPEED_SAMPLES_KEPT = timedelta(days=1)
 HEALTH_TIMEOUT_S = 10.0
 METRICS_SHOWN = (
     "llamacpp:prompt_tokens_total",
     "llamacpp:tokens_predicted_total",
+    # With the tokens' total, the decode speed between two looks (SpeedSample): the dashboard's sparkline.
+    "llamacpp:tokens_predicted_seconds_total",
     "llamacpp:predicted_tokens_seconds",
     "llamacpp:requests_processing",
     "llamacpp:requests_deferred",
@@ -204,6 +209,8 @@ def _apply(deployment: Deployment, seen: Seen) -> str:
             "metrics": seen.metrics,
         }
     )
+    if seen.metrics:
+        SpeedSample.record(deployment, seen.metrics)
     problems = list(seen.dead.values()) or seen.health
     if not problems:
         # Everything answers again (a node that was unreachable for a while is back): running again.
@@ -250,6 +257,7 @@ def check_all() -> list[int]:
     """Check every running or degraded deployment; the ids of those that are degraded now."""
     watched = (DeploymentState.RUNNING, DeploymentState.DEGRADED)
     deployments = list(Deployment.objects.filter(state__in=watched).select_related("coordinator"))
+    SpeedSample.objects.filter(at__lt=timezone.now() - SPEED_SAMPLES_KEPT).delete()
     return [pk for pk, reason in check_deployments(deployments).items() if reason]
 
 
@@ -321,4 +329,5 @@ def scan_stale() -> int:
             keep.append(row.pk)
         StaleProcess.objects.filter(node=node).exclude(pk__in=keep).delete()
         seen += keep
+    live.dashboard_changed()
     return len(seen)

@@ -15,6 +15,7 @@ from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
+from django_htmx.http import reswap
 
 from audit import history
 from jobs.models import Job
@@ -22,7 +23,7 @@ from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
-from . import gguf_profile, planner
+from . import bars, gguf_profile, planner
 from .download_job import read_model_profile
 from .forms import ModelDownloadForm, ModelRegisterForm, PlanForm
 from .models import Deployment, DeploymentState, ModelFile
@@ -289,23 +290,59 @@ def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
     return plan, ""
 
 
-@role_required(VIEWER)
-def plan_preview(request, pk: int):
-    model = _get_model(pk)
-    form = _plan_form(request, model, request.GET)
+def _confirm_fields(form: PlanForm) -> list[tuple[str, object]]:
+    """The settings the page's plan was computed with, as the Confirm form posts them: what is confirmed is
+    what was shown, whatever the settings form holds by then."""
+    data = form.cleaned_data
+    fields: list[tuple[str, object]] = [("full", 1)]
+    if data.get("coordinator"):
+        fields.append(("coordinator", data["coordinator"].pk))
+    fields += [("nodes", node.pk) for node in data.get("nodes") or []]
+    fields += [(key, data[key]) for key in ("ctx", "parallel", "cache_type", "clamp")]
+    return fields
+
+
+def _stale_reasons(form: PlanForm) -> list[str]:
+    """Why the values on the form cannot be planned: each invalid field's label and error."""
+    reasons = []
+    for name, errors in form.errors.items():
+        field = form.fields.get(name)
+        label = (field.label or name.capitalize()) if field is not None else ""
+        reasons += [f"{label}: {error}" if label else str(error) for error in errors]
+    return reasons
+
+
+def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
     plan, error = _compute_plan(model, form)
-    context = {
+    fits = bool(plan and plan["fits"])
+    return {
         "model": model,
         "form": form,
         "plan": plan,
         "error": error,
-        "commands": _commands(model, plan) if plan and plan["fits"] else None,
-        "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
+        "bars": bars.plan_bars(plan) if fits else None,
+        "commands": _commands(model, plan) if fits else None,
+        "stale_reasons": _stale_reasons(form),
+        "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
+        "confirmable": fits and not form.errors,
+        "confirm_token": uuid.uuid4().hex,
     }
+
+
+@role_required(VIEWER)
+def plan_preview(request, pk: int):
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.GET)
+    context = _preview_context(request, model, form)
     template = "deployments/plan_preview.html"
-    if request.htmx:
-        template += "#plan"
-    return render(request, template, context)
+    if not request.htmx:
+        return render(request, template, context)
+    context["oob"] = True
+    if form.errors:
+        context["stale_oob"] = True
+        # The plan on the page stays, marked stale with the reason; the fields show their errors.
+        return reswap(render(request, f"{template}#stale-update", context), "none")
+    return render(request, f"{template}#plan", context)
 
 
 @require_POST
@@ -316,7 +353,8 @@ def plan_confirm(request, pk: int):
     # The plan is computed again here: what is stored is what the planner says now, not what the page showed.
     plan, error = _compute_plan(model, form)
     if plan is None or not plan["fits"]:
-        context = {"model": model, "form": form, "plan": plan, "error": error or "This plan does not fit."}
+        context = _preview_context(request, model, form)
+        context["error"] = error or ("" if form.errors else "This plan does not fit.")
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
     token = _confirm_token(request.POST)

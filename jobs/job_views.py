@@ -9,6 +9,7 @@ from __future__ import annotations
 from django.contrib import messages
 from django.core.handlers.asgi import ASGIRequest
 from django.core.paginator import Paginator
+from django.db.models import Prefetch, Q
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.safestring import mark_safe
@@ -40,26 +41,38 @@ def _int_param(request: HttpRequest, name: str) -> int | None:
         return None
 
 
+def _grouped_jobs(form: JobFilterForm):
+    """Top-level jobs (a deployment's run, a build, a command) with their steps, newest first.
+
+    A filter matches a run when the run or one of its steps matches: filtering for failed reaps lists the
+    runs those reaps belong to, each with all its steps."""
+    match = Q()
+    if form.is_valid():
+        data = form.cleaned_data
+        for field in ("state", "kind", "node_name"):
+            value = data["node" if field == "node_name" else field]
+            if value:
+                match &= Q(**{field: value})
+    runs = Job.objects.filter(parent__isnull=True)
+    if match:
+        runs = runs.filter(Q(pk__in=Job.objects.filter(match).values("parent_id")) | match)
+    steps = Job.objects.select_related("created_by").order_by("created_at", "pk")
+    return runs.select_related("node", "created_by").prefetch_related(Prefetch("children", queryset=steps))
+
+
 @role_required(VIEWER)
 def job_list(request: HttpRequest) -> HttpResponse:
     form = JobFilterForm(request.GET or None)
-    jobs = Job.objects.select_related("node", "created_by")
-    if form.is_valid():
-        data = form.cleaned_data
-        if data["state"]:
-            jobs = jobs.filter(state=data["state"])
-        if data["kind"]:
-            jobs = jobs.filter(kind=data["kind"])
-        if data["node"]:
-            jobs = jobs.filter(node_name=data["node"])
-    page = Paginator(jobs, 50).get_page(request.GET.get("page"))
+    page = Paginator(_grouped_jobs(form), 50).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
     context = {
         "filter_form": form,
         "page": page,
         "jobs": page.object_list,
-        "any_active": any(job.is_active for job in page.object_list),
+        "any_active": any(
+            job.is_active or any(step.is_active for step in job.children.all()) for job in page.object_list
+        ),
         "query": query.urlencode(),
     }
     template = "jobs/job_list.html#table" if request.htmx else "jobs/job_list.html"

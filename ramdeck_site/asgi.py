@@ -15,12 +15,13 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 
 from deployments.routing import websocket_urlpatterns as deployment_routes  # noqa: E402
 from jobs.routing import websocket_urlpatterns as job_routes  # noqa: E402
+from ramdeck_site.routing import websocket_urlpatterns as site_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
         "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter(job_routes + deployment_routes))
+            AuthMiddlewareStack(URLRouter(job_routes + deployment_routes + site_routes))
         ),
     }
 )

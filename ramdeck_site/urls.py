@@ -10,6 +10,7 @@ from . import views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
+    path("dashboard/live/", views.dashboard_live_regions, name="dashboard_live"),
     path("login/", views.RamdeckLoginView.as_view(), name="login"),
     path("logout/", views.logout_view, name="logout"),
     path("password/", views.RamdeckPasswordChangeView.as_view(), name="password_change"),

@@ -6,7 +6,9 @@ from django.contrib import messages
 from django.contrib.auth import logout
 from django.contrib.auth import views as auth_views
 from django.db.models import Count, Sum
+from django.http import HttpResponse
 from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
 from django.urls import reverse_lazy
 from django.views.decorators.http import require_POST
 
@@ -17,7 +19,8 @@ from deployments.models import Deployment
 from jobs.models import Job
 from nodes.models import Device, Node
 
-from .roles import can_view
+from . import dashboard_live
+from .roles import VIEWER, can_view, role_required
 
 
 def dashboard(request):
@@ -42,8 +45,17 @@ def dashboard(request):
             "model_file", "coordinator"
         ),
         "recent_events": AuditEvent.objects.all()[:8],
+        **dashboard_live.live_context(),
     }
     return render(request, "ramdeck_site/dashboard.html", context)
+
+
+@role_required(VIEWER)
+def dashboard_live_regions(request):
+    """The dashboard's live regions, out of band: the polling fallback while its websocket is not open."""
+    context = {**dashboard_live.live_context(), "oob": True}
+    html = "".join(render_to_string(name, context, request=request) for name in dashboard_live.REGIONS)
+    return HttpResponse(html)
 
 
 class RamdeckLoginView(auth_views.LoginView):

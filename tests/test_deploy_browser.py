@@ -115,6 +115,14 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     expect(page.locator("#processes")).to_contain_text("alive")
     expect(page.locator("#processes")).to_contain_text("As of")
     expect(page.locator("#processes")).to_contain_text("tokens_predicted_total")  # from /metrics
+    # The dashboard: the deployment's speed from that look at /metrics (the measure step's tokens), and what
+    # it holds on each node's devices.
+    page.goto(f"{live_url}/")
+    row = page.locator(f"#dash-deployment-{deployment.pk}")
+    expect(row.locator("svg.sparkline")).to_have_count(1)
+    expect(row).to_contain_text("tok/s")
+    expect(page.locator('[data-node="old-pc-1"] .bar-labels')).to_contain_text("tiny on the lab")
+    page.goto(run_url)
 
     # The plan was confirmed with llama-server's default host (loopback); a remote coordinator binds to
     # its own address instead, and that is the endpoint people are given.

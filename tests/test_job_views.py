@@ -252,3 +252,35 @@ def test_job_pages_link_the_node_and_the_starter(admin_client, node):
     job = Job.objects.create(kind="command", node=node, created_by=starter, params={"argv": ["id"]})
     html = admin_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
     assert node.get_absolute_url() in html and "olga" in html
+
+
+def test_a_runs_steps_are_grouped_under_it_in_the_job_list(viewer_client, node):
+    run = Job.objects.create(kind="deploy", node=node, title="Deploy tiny", state=JobState.FAILED)
+    reap = Job.objects.create(kind="reap", node=node, parent=run, state=JobState.SUCCEEDED)
+    start = Job.objects.create(
+        kind="rpc_server", node=node, parent=run, state=JobState.FAILED, result="port taken"
+    )
+    skipped = Job.objects.create(kind="verify", node=node, parent=run, state=JobState.CANCELLED)
+    alone = make_command_job(node, ["true"])
+    response = viewer_client.get(reverse("jobs:list"))
+    # Only top-level jobs are rows of their own; the steps are listed under their run, in order.
+    assert [job.pk for job in response.context["jobs"]] == [alone.pk, run.pk]
+    html = response.content.decode()
+    group = html.split(f'id="job-steps-{run.pk}"')[1].split("</tr>")[0]
+    assert "<details open>" in group and "3 steps of" in group  # a failed run's steps show at once
+    positions = [group.index(f'id="job-row-{step.pk}"') for step in (reap, start, skipped)]
+    assert positions == sorted(positions)
+    assert f'id="job-badge-{start.pk}" class="badge failed"' in group and "port taken" in group
+    assert f'id="job-steps-{alone.pk}"' not in html  # a job without steps has no group
+
+
+def test_a_succeeded_runs_steps_are_folded_and_a_filter_finds_runs_by_their_steps(viewer_client, node):
+    run = Job.objects.create(kind="deploy", node=node, state=JobState.SUCCEEDED)
+    Job.objects.create(kind="reap", node=node, parent=run, state=JobState.SUCCEEDED)
+    other = Job.objects.create(kind="deploy", node=node, state=JobState.SUCCEEDED)
+    html = viewer_client.get(reverse("jobs:list")).content.decode()
+    group = html.split(f'id="job-steps-{run.pk}"')[1].split("</tr>")[0]
+    assert "<details>" in group and "1 step of" in group
+    # Filtering by a step's kind lists the run it belongs to (the step itself is not a row of its own).
+    found = viewer_client.get(reverse("jobs:list"), {"kind": "reap"}).context["jobs"]
+    assert [job.pk for job in found] == [run.pk] and other.pk not in [job.pk for job in found]

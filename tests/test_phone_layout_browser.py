@@ -49,6 +49,7 @@ POST_ONLY = {
     "deployments:self_heal": "turns self-healing on or off (the switch is on the run page)",
 }
 NOT_PAGES = {
+    "dashboard_live": "the dashboard's live regions as htmx fragments (its polling fallback)",
     "deployments:processes": "an htmx fragment of the run page (measured there, where it is loaded)",
     "jobs:log_download": "a text/plain download of the log, not a page",
     "admin:*": "Django's stock admin (users move into the console in issue 12's users part)",

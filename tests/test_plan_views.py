@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.urls import reverse
 from django.utils import timezone
@@ -87,7 +89,12 @@ def test_models_page_says_what_runs_on_this_pool(model, viewer_client):
 def test_plan_preview_shows_each_device_with_bars_prediction_and_commands(model, viewer_client):
     page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
     assert 'data-device="desk/CPU"' in page and 'data-device="pc/CPU"' in page
-    assert 'class="clamp"' in page and 'class="weights"' in page
+    # One bar for this plan and one for llama.cpp's default per device, and the pool-wide pair, with labels.
+    assert page.count('class="bar-row"') == 2 * 2 + 2
+    assert 'id="pool-bar-plan"' in page and 'id="pool-bar-default"' in page
+    assert 'data-part="weights"' in page and 'data-part="kv"' in page and 'data-part="free"' in page
+    assert 'class="limit at' in page  # the plan's limit on the device
+    assert "style=" not in page.split('id="plan"')[1]  # widths are classes: nothing for a CSP to refuse
     assert 'id="predicted-tps"' in page and 'id="baseline-tps"' in page
     assert "ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU" in page
     assert "llama-server -m " in page and "--rpc 10.77.0.2:50052" in page and "--fit off" in page
@@ -229,3 +236,94 @@ def test_the_pool_overview_plans_with_the_clamp_setting(model, mac, settings):
     tight = views.pool_fit(model, views._pool_nodes())
     assert roomy["fits"] and tight["fits"]
     assert (roomy["ctx"], roomy["tps"]) > (tight["ctx"], tight["tps"])
+
+
+# -- Invalid input: the field says why, the plan says it is stale, nothing falls back to a default ----------
+
+
+@pytest.mark.parametrize(
+    ("ctx", "message"),
+    [
+        ("2000000", "less than or equal to 1048576"),
+        ("-5", "greater than or equal to 256"),
+        ("lots", "Enter a whole number"),
+    ],
+)
+def test_an_invalid_context_marks_the_field_and_plans_nothing(model, operator_client, ctx, message):
+    url = reverse("deployments:plan", args=[model.pk])
+    page = operator_client.get(url, {"ctx": ctx, "parallel": 1, "cache_type": "f16"}).content.decode()
+    errors = page.split('id="errors-ctx"')[1].split("</ul>")[0]
+    assert message in errors and "Context:" in errors
+    stale = page.split('id="plan-stale"')[1].split('id="confirm-row"')[0]
+    assert "Not planned" in stale and message in stale
+    # No plan for some other context than the one typed (the old fallback planned 4096 or 32768 silently).
+    assert 'id="predicted-tps"' not in page and 'id="server-command"' not in page
+    assert 'id="confirm-form"' not in page
+    assert '<button class="button" id="confirm-plan" type="submit" form="confirm-form" disabled>' in page
+
+
+def test_an_invalid_recompute_keeps_the_shown_plan_and_marks_it_stale(model, operator_client):
+    url = reverse("deployments:plan", args=[model.pk])
+    response = operator_client.get(url, {"full": 1, "ctx": 2_000_000, "parallel": 1, "cache_type": "f16"},
+                                   HTTP_HX_REQUEST="true")  # fmt: skip
+    assert response.status_code == 200
+    assert response["HX-Reswap"] == "none"  # the plan on the page stays, under the stale mark
+    html = response.content.decode()
+    assert '<div id="plan-stale" hx-swap-oob="outerHTML">' in html and "Stale:" in html
+    errors = '<ul class="errorlist" id="errors-ctx" hx-swap-oob="outerHTML"><li>Context: Ensure this value'
+    assert errors in html
+    assert 'id="confirm-plan" type="submit" form="confirm-form" disabled' in html
+    # A valid recompute clears the marks again.
+    fixed = operator_client.get(url, {"full": 1, "ctx": 1024, "parallel": 1, "cache_type": "f16",
+                                      "nodes": [model.node.pk]}, HTTP_HX_REQUEST="true")  # fmt: skip
+    html = fixed.content.decode()
+    assert "HX-Reswap" not in fixed and "-c 1024" in html
+    assert '<ul class="errorlist" id="errors-ctx" hx-swap-oob="outerHTML"></ul>' in html
+    assert '<div id="plan-stale"></div>' in html
+    assert 'id="confirm-plan" type="submit" form="confirm-form">' in html
+
+
+def test_the_settings_form_carries_no_csrf_token_and_confirm_follows_the_evidence(model, operator_client):
+    page = operator_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    settings_form = page.split('<form id="plan-form"')[1].split("</form>")[0]
+    assert 'method="get"' in settings_form and "csrfmiddlewaretoken" not in settings_form
+    assert "novalidate" in settings_form  # the server validates; the browser does not swallow the request
+    confirm_form = page.split('<form id="confirm-form"')[1].split("</form>")[0]
+    assert 'method="post"' in confirm_form and "csrfmiddlewaretoken" in confirm_form
+    assert '<input type="hidden" name="ctx" value="1024">' in confirm_form
+    # The evidence (prediction, bars, commands) comes before the Confirm button.
+    confirm_at = page.index('id="confirm-plan"')
+    assert page.index('id="predicted-tps"') < page.index('id="server-command"') < confirm_at
+    assert page.index('id="pool-bar-plan"') < page.index('id="confirm-plan"')
+
+
+def test_confirm_posts_the_values_the_shown_plan_was_computed_with(model, operator_client):
+    page = operator_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    confirm_form = page.split('<form id="confirm-form"')[1].split("</form>")[0]
+    data: dict[str, list[str]] = {}
+    for name, value in re.findall(r'name="([^"]+)" value="([^"]*)"', confirm_form):
+        data.setdefault(name, []).append(value)
+    data["name"] = ["from the page"]
+    response = operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    assert response.status_code == 302
+    deployment = Deployment.objects.get()
+    assert deployment.name == "from the page" and deployment.plan_settings["ctx"] == 1024
+
+
+def test_controls_with_one_choice_are_text_not_inputs(model, pool, viewer_client):
+    url = reverse("deployments:plan", args=[model.pk])
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    # One node may coordinate (desk): named, not a select; two nodes to choose from: the checkboxes stay.
+    assert '<select name="coordinator"' not in page and '<div id="only-coordinator">desk</div>' in page
+    assert f'<input type="hidden" name="coordinator" value="{pool["desk"].pk}">' in page
+    assert 'type="checkbox" name="nodes"' in page
+    pool["pc"].may_coordinate = True
+    pool["pc"].save()
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert '<select name="coordinator"' in page and 'id="only-coordinator"' not in page
+    pool["pc"].enabled = False
+    pool["pc"].save()
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert 'type="checkbox" name="nodes"' not in page
+    assert f'<input type="hidden" name="nodes" value="{pool["desk"].pk}">' in page
+    assert 'id="server-command"' in page and "--rpc" not in page  # the plan is for desk alone
