@@ -17,6 +17,7 @@ from deployments.models import Deployment
 from jobs.models import Job
 from nodes.models import Device, Node
 
+from .first_run import first_run_context
 from .roles import can_view
 
 
@@ -42,6 +43,7 @@ def dashboard(request):
             "model_file", "coordinator"
         ),
         "recent_events": AuditEvent.objects.all()[:8],
+        **first_run_context(request.user),
     }
     return render(request, "ramdeck_site/dashboard.html", context)
 

@@ -32,6 +32,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "phones"
 POST_ONLY = {
     "logout": "logs out",
     "nodes:probe": "starts a probe job",
+    "nodes:add_this_machine": "adds the console's host as a node (a button on the dashboard, node list)",
     "nodes:approve_host_key": "approves a host key",
     "nodes:credential_delete": "deletes at once (the list asks first)",
     "jobs:cancel": "cancels a job",
