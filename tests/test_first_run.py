@@ -218,3 +218,16 @@ def test_the_runner_ends_a_job_refused_for_its_host_key_as_needing_approval(
     job.refresh_from_db()
     assert job.state == JobState.NEEDS_APPROVAL and job.is_terminal
     assert "no admin has approved" in job.result
+
+
+def test_the_checklist_is_gone_once_every_step_is_done(admin_client, monkeypatch):
+    from ramdeck_site import first_run
+
+    everything = FirstRunState(
+        has_credential=True, has_local_node=True, has_node=True, has_trusted_node=True, has_probed_node=True,
+        has_build=True, has_model=True, has_deployment=True, has_run_deployment=True,
+        has_answering_deployment=True, first_node="box", first_model=1, first_deployment=1,
+    )  # fmt: skip
+    assert all(step.done for step in checklist(everything))
+    monkeypatch.setattr(first_run, "gather_state", lambda: everything)
+    assert 'id="first-run"' not in admin_client.get(reverse("dashboard")).content.decode()
