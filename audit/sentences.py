@@ -56,8 +56,12 @@ def actor_of(event) -> str:
     return event.actor_name or "the console"
 
 
+# Model names (Django's lower-cased class names) as people say them.
+OBJECT_TYPES = {"modelfile": "model", "staleprocess": "stale process"}
+
+
 def object_of(event) -> str:
-    kind = (event.object_type or "").replace("_", " ")
+    kind = OBJECT_TYPES.get(event.object_type or "", (event.object_type or "").replace("_", " "))
     name = event.object_repr or ""
     return f"{kind} {name}".strip() or "something"
 

@@ -69,3 +69,13 @@ def test_the_audit_page_and_the_dashboard_show_sentences_without_reprs(admin_cli
         assert repr_ not in page.split('id="audit-table"')[1].split("</table>")[0]
     dashboard = admin_client.get(reverse("dashboard")).content.decode()
     assert "alice changed node this-box" in dashboard
+
+
+def test_a_speed_is_not_mistaken_for_a_token_but_a_token_still_is():
+    from audit.history import redact
+
+    assert redact({"predicted_tokens_per_s": 12.5, "confirm_token": "abc", "token": "x"}) == {
+        "predicted_tokens_per_s": 12.5,
+        "confirm_token": "•••",
+        "token": "•••",
+    }

@@ -6,6 +6,7 @@ The deploy and chat steps need a running model (tests/test_deploy_browser.py dep
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from playwright.sync_api import expect
@@ -103,3 +104,15 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llama
     expect(page.locator("#first-run-deploy-action")).to_have_attribute(
         "href", f"/deployments/{Deployment.objects.get().pk}/run/"
     )
+
+    # The audit history tells the story in sentences.
+    page.goto(f"{live_url}/audit/")
+    expect(page.locator("#audit-table")).to_contain_text(f"nina-new added node {node.name}: transport: local")
+    expect(page.locator("#audit-table")).to_contain_text(
+        f"nina-new asked for a llama.cpp build on node {node.name}"
+    )
+    expect(page.locator("#audit-table")).to_contain_text("nina-new registered model tiny: node: ")
+    expect(page.locator("#audit-table")).to_contain_text(
+        "nina-new confirmed the plan of deployment tiny on this"
+    )
+    expect(page.locator("#audit-table")).to_contain_text(re.compile(r"predicted tokens per s: \d"))
