@@ -81,10 +81,11 @@ def checklist(state: FirstRunState) -> list[Step]:
         Step(
             "host_key",
             "Its SSH host key approved",
-            state.has_trusted_node and not state.node_awaiting_key,
+            # One node the console may act on is enough to go on; later keys show under "Needs attention".
+            state.has_trusted_node,
             key_page,
             "Approve the host key",
-            help="This machine needs none.",
+            help="The console's own machine needs none.",
         ),
         Step("probe", "Its hardware probed", state.has_probed_node, node_page, "Probe it"),
         Step(
