@@ -15,7 +15,10 @@ from .models import AuditEvent
 
 REDACTED = "•••"
 # Keys whose values are secret wherever they appear in a change set.
-_SECRET_KEY_PATTERN = re.compile(r"secret|password|passphrase|private|api_key|token|key_material", re.I)
+# "token" but not "tokens_per_s" (a speed, which an audit entry of a confirmed plan should show).
+_SECRET_KEY_PATTERN = re.compile(
+    r"secret|password|passphrase|private|api_key|token(?!s_per)|key_material", re.I
+)
 
 
 def redact(value: Any) -> Any:

@@ -43,6 +43,25 @@ class AuditEvent(models.Model):
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor_name or 'system'} {self.action} {self.object_repr}"
 
+    # As words for people (audit/sentences.py): "alice changed node box: name from — to box".
+    @property
+    def what(self) -> str:
+        from .sentences import what
+
+        return what(self)
+
+    @property
+    def details(self) -> str:
+        from .sentences import details
+
+        return details(self)
+
+    @property
+    def sentence(self) -> str:
+        from .sentences import sentence
+
+        return sentence(self)
+
     def save(self, *args, **kwargs):
         if self.pk is not None and not self._state.adding:
             raise PermissionError("Audit events are append-only.")

@@ -144,10 +144,21 @@ def deployment_deploy(request, pk: int):
     return redirect("deployments:run", pk=deployment.pk)
 
 
-@require_POST
 @role_required(OPERATOR)
 def deployment_stop(request, pk: int):
+    """Stop asks first: GET (the run page's Stop link) shows what stops; only a POST that says `confirm`
+    stops it. It works without JavaScript; a POST without `confirm` shows the question again."""
     deployment = _get_deployment(pk)
+    if request.method != "POST" or request.POST.get("confirm") != "yes":
+        rows, _metrics, _checked = _process_rows(deployment)
+        context = {
+            "deployment": deployment,
+            "rows": rows,
+            "endpoint": endpoint_url(deployment),
+            "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
+        }
+        status = 400 if request.method == "POST" else 200
+        return render(request, "deployments/lifecycle/stop_confirm.html", context, status=status)
     stopped, message = lifecycle.stop_deployment(deployment, request.user)
     (messages.success if stopped else messages.error)(request, message)
     return redirect("deployments:run", pk=deployment.pk)

@@ -19,12 +19,14 @@ RUN_TASK = "jobs.tasks.run_job"
 
 
 class JobState(models.TextChoices):
-    """queued → running → succeeded | failed | errored | cancelled.
+    """queued → running → succeeded | failed | errored | needs_approval | cancelled.
 
     `failed` means the command ran and reported failure (non-zero exit, a check that did not pass);
-    `errored` means it could not run at all or its worker died (unreachable host, host key changed,
-    worker lost). `cancelled` is an operator's decision. A queued job may also go straight to
-    `cancelled` or `errored`.
+    `errored` means it could not run at all or its worker died (unreachable host, worker lost).
+    `needs_approval` means nothing went wrong but nothing ran either: the node offered an SSH host key no
+    admin has approved (a first contact, or a key that changed), and the job page and the node page show
+    the key with its Approve button. `cancelled` is an operator's decision. A queued job may also go
+    straight to `cancelled` or `errored`.
     """
 
     QUEUED = "queued", "Queued"
@@ -32,11 +34,18 @@ class JobState(models.TextChoices):
     SUCCEEDED = "succeeded", "Succeeded"
     FAILED = "failed", "Failed"
     ERRORED = "errored", "Errored"
+    NEEDS_APPROVAL = "needs_approval", "Needs approval"
     CANCELLED = "cancelled", "Cancelled"
 
 
 ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING)
-TERMINAL_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.ERRORED, JobState.CANCELLED)
+TERMINAL_STATES = (
+    JobState.SUCCEEDED,
+    JobState.FAILED,
+    JobState.ERRORED,
+    JobState.NEEDS_APPROVAL,
+    JobState.CANCELLED,
+)
 
 
 class JobQuerySet(models.QuerySet):

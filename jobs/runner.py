@@ -10,8 +10,9 @@ One event loop per job (`asyncio.run`), never one per message. Inside it:
 - a watcher task per job beats the heartbeat (for the sweeper of lost jobs), polls `cancel_requested` and
   enforces the kind's time limit; on a cancel it ends the running remote process by its PID through the
   transport (TERM, then KILL), or asks the running step to cancel;
-- the outcome maps to a state: `JobFailed` → failed, `TransportError` → errored, cancel → cancelled,
-  time limit → errored, anything else → errored with its traceback in the job log.
+- the outcome maps to a state: `JobFailed` → failed, an SSH host key no admin approved →
+  needs_approval, any other `TransportError` → errored, cancel → cancelled, time limit → errored,
+  anything else → errored with its traceback in the job log.
 
 The ORM is synchronous, so every database call goes through `db` (one thread, in order).
 """
@@ -34,7 +35,7 @@ from .aio import db, event_loop_running, open_transport_for, with_own_db_thread
 from .context import JobCancelled, JobContext, JobFailed
 from .logwriter import LogWriter
 from .models import Job, JobState, LogStream
-from .transport import CommandTimeout, TransportError
+from .transport import CommandTimeout, HostKeyChanged, HostKeyUnknown, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int
     if isinstance(exc, CommandTimeout):
         # The command ran, but longer than allowed: the work failed, the node was reachable.
         return JobState.FAILED, None, str(exc), []
+    if isinstance(exc, HostKeyUnknown | HostKeyChanged):
+        # Not an error: the console did what it must (refuse an unapproved key); an admin decides next.
+        return JobState.NEEDS_APPROVAL, None, str(exc), []
     if isinstance(exc, TransportError):
         return JobState.ERRORED, None, str(exc), []
     lines = "".join(traceback.format_exception(exc)).splitlines()

@@ -62,11 +62,55 @@ class NodeForm(forms.ModelForm):
                 self.add_error("ssh_user", "An SSH node needs the user to log in as.")
             if not cleaned.get("credential"):
                 self.add_error("credential", "An SSH node needs a credential (a private key or a password).")
+        self._refuse_the_same_machine_twice(cleaned)
         return cleaned
+
+    def _refuse_the_same_machine_twice(self, cleaned: dict) -> None:
+        """One machine as two nodes would count its memory twice in every plan."""
+        others = Node.objects.exclude(pk=self.instance.pk)
+        if cleaned.get("transport") == Transport.LOCAL:
+            local = others.filter(transport=Transport.LOCAL).first()
+            if local is not None:
+                self.add_error("transport", same_machine_message(local))
+        elif cleaned.get("address") and cleaned.get("ssh_port"):
+            twin = others.filter(
+                transport=Transport.SSH, address__iexact=cleaned["address"], ssh_port=cleaned["ssh_port"]
+            ).first()
+            if twin is not None:
+                self.add_error(
+                    "address",
+                    f"Node {twin.name} already reaches {twin.address} on SSH port {twin.ssh_port}: the same "
+                    "machine twice would count its memory twice. Edit that node instead.",
+                )
+
+
+def same_machine_message(local: Node) -> str:
+    return (
+        f"This console's own host is already node {local.name}: the same machine twice would count its "
+        "memory twice. Edit that node instead."
+    )
+
+
+def generate_key_pair(comment: str) -> tuple[str, str, str]:
+    """A new ed25519 key pair: (private key in OpenSSH format, public key line, SHA-256 fingerprint)."""
+    key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
+    return (
+        key.export_private_key("openssh").decode(),
+        key.export_public_key("openssh").decode().strip(),
+        key.get_fingerprint("sha256"),
+    )
 
 
 class CredentialForm(forms.ModelForm):
-    """Create or edit a credential. The secret can be pasted or uploaded (private keys)."""
+    """Create or edit a credential. The secret can be pasted or uploaded (private keys), or the console
+    generates a new ed25519 key pair and shows its public half to put on the nodes."""
+
+    generate = forms.BooleanField(
+        label="Generate a new key pair for me (ed25519)",
+        required=False,
+        help_text="The console keeps the private key (encrypted) and shows you the public key, with the "
+        "line to run on each node. Leave the secret empty.",
+    )
 
     secret = forms.CharField(
         label="Secret",
@@ -87,6 +131,9 @@ class CredentialForm(forms.ModelForm):
     class Meta:
         model = Credential
         fields = ["name", "kind"]
+
+    # The generate box comes right after the kind: a person deciding how to get a key sees it first.
+    field_order = ["name", "kind", "generate", "secret", "key_file", "passphrase"]
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -119,6 +166,8 @@ class CredentialForm(forms.ModelForm):
         cleaned = super().clean()
         secret = cleaned.get("secret") or ""
         upload = cleaned.get("key_file")
+        if cleaned.get("generate"):
+            return self._clean_generated(cleaned, secret, upload)
         if upload:
             try:
                 secret = upload.read().decode("utf-8")
@@ -145,6 +194,20 @@ class CredentialForm(forms.ModelForm):
         cleaned["new_passphrase"] = passphrase
         return cleaned
 
+    def _clean_generated(self, cleaned: dict, secret: str, upload) -> dict:
+        if cleaned.get("kind") != CredentialKind.PRIVATE_KEY:
+            self.add_error("generate", "Only a private-key credential can have a generated key pair.")
+            return cleaned
+        if upload or secret not in ("", SECRET_PLACEHOLDER):
+            self.add_error(
+                "generate", "Either paste or upload a key, or let the console generate one: not both."
+            )
+            return cleaned
+        comment = f"ramdeck:{cleaned.get('name') or 'key'}"
+        cleaned["new_secret"], cleaned["public_key"], cleaned["fingerprint"] = generate_key_pair(comment)
+        cleaned["new_passphrase"] = ""
+        return cleaned
+
     def _check_private_key(self, secret: str, passphrase: str) -> str:
         try:
             key = asyncssh.import_private_key(secret.strip() + "\n", passphrase or None)
@@ -159,6 +222,7 @@ class CredentialForm(forms.ModelForm):
                     "secret", "This is not a private key that can be read (OpenSSH, PEM or PKCS#8)."
                 )
             return ""
+        self.cleaned_data["public_key"] = key.export_public_key("openssh").decode().strip()
         return key.get_fingerprint("sha256")
 
     def save(self, commit: bool = True) -> Credential:
@@ -167,6 +231,7 @@ class CredentialForm(forms.ModelForm):
         if new_secret is not None:
             credential.set_secret(new_secret, self.cleaned_data.get("new_passphrase", ""))
             credential.public_fingerprint = self.cleaned_data.get("fingerprint", "")
+            credential.public_key = self.cleaned_data.get("public_key", "")
         if commit:
             credential.save()
         return credential

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import posixpath
+import shlex
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.text import slugify
 
 from ramdeck_site import crypto
 
@@ -27,6 +31,9 @@ class Credential(models.Model):
     passphrase_encrypted = models.TextField(blank=True, editable=False)
     # Non-secret description shown on pages: the public key's fingerprint for keys.
     public_fingerprint = models.CharField(max_length=200, blank=True, editable=False)
+    # The public half of a private key (OpenSSH one-line format), not secret: the credential page shows it
+    # with the line that puts it into a node's authorized_keys.
+    public_key = models.TextField(blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -45,6 +52,21 @@ class Credential(models.Model):
 
     def passphrase(self) -> str:
         return crypto.decrypt(self.passphrase_encrypted)
+
+    @property
+    def authorized_keys_command(self) -> str:
+        """The shell line to run on a node, as the user the console logs in as, to let this key in."""
+        if not self.public_key:
+            return ""
+        key = shlex.quote(self.public_key.strip())
+        return (
+            "umask 077 && mkdir -p ~/.ssh && "
+            f"grep -qxF {key} ~/.ssh/authorized_keys 2>/dev/null || echo {key} >> ~/.ssh/authorized_keys"
+        )
+
+    @property
+    def public_key_file_name(self) -> str:
+        return f"ramdeck-{slugify(self.name) or 'key'}.pub"
 
     def rotate_encryption(self) -> None:
         self.secret_encrypted = crypto.rotate(self.secret_encrypted)
@@ -175,6 +197,26 @@ class Node(models.Model):
     def current_build(self) -> Build | None:
         """The newest llama.cpp build on this node, the one deployments use."""
         return self.builds.order_by("-created_at", "-pk").first()
+
+    @property
+    def detected_install_dir(self) -> str:
+        """The folder of the llama.cpp install the last probe found (ggml-rpc-server and llama-server side
+        by side, as a build of it needs), or ""."""
+        facts = self.facts or {}
+        rpc, server = facts.get("rpc_server_binary") or "", facts.get("llama_server_binary") or ""
+        if not rpc.startswith("/") or not server.startswith("/"):
+            return ""
+        folder = posixpath.dirname(server)
+        return folder if posixpath.dirname(rpc) == folder else ""
+
+    @property
+    def detected_install_unrecorded(self) -> bool:
+        """The probe found an install that no build of this node records yet."""
+        folder = self.detected_install_dir
+        if not folder:
+            return False
+        server = posixpath.join(folder, "llama-server")
+        return not self.builds.filter(llama_server_path=server).exists()
 
     @property
     def hardware_is_fresh(self) -> bool:

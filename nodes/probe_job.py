@@ -23,14 +23,46 @@ GIB = 1024**3
 PROBE = "probe"
 
 
-def start_probe(node: Node, *, user=None) -> Job | None:
-    """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped."""
+def start_probe(node: Node, *, user=None, register_detected: bool = False) -> Job | None:
+    """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped.
+
+    `register_detected`: when the probe finds a llama.cpp install no build records yet, it queues the build
+    job that records it (source "existing": nothing is compiled). "Add this machine" asks for that."""
     with transaction.atomic():
         # Lock the node row so two callers (beat and a button) cannot both pass the check.
         Node.objects.select_for_update().filter(pk=node.pk).first()
         if Job.objects.active().filter(node=node, kind=PROBE).exists():
             return None
-        job = Job.objects.create(kind=PROBE, node=node, title=f"Probe {node.name}", created_by=user)
+        params = {"register_detected": True} if register_detected else {}
+        job = Job.objects.create(
+            kind=PROBE, node=node, title=f"Probe {node.name}", params=params, created_by=user
+        )
+        job.enqueue()
+    return job
+
+
+def start_detected_install_build(node: Node, *, user=None, request=None) -> Job | None:
+    """Queue the build job that records the llama.cpp install the last probe found on `node` (nothing is
+    compiled: the job runs the binaries for their version and RPC protocol). None when there is nothing
+    new to record or a build of the node is already queued or running. Audited."""
+    from audit import history
+
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        folder = locked.detected_install_dir
+        if not locked.detected_install_unrecorded:
+            return None
+        if Job.objects.active().filter(node=locked, kind="build").exists():
+            return None
+        params = {"source": "existing", "path": folder, "backend": "auto", "rebuild": False}
+        job = Job.objects.create(
+            kind="build",
+            node=locked,
+            title=f"Use the detected llama.cpp in {folder} on {locked.name}",
+            params=params,
+            created_by=user,
+        )
+        history.record(request or user, "build.requested", locked, changes={**params, "detected": True})
         job.enqueue()
     return job
 
@@ -60,6 +92,11 @@ async def probe(ctx: JobContext) -> str:
     for line in summary_lines(report):
         await ctx.log(line)
     devices = await db(apply_probe_report)(node, report)
+    if (ctx.job.params or {}).get("register_detected"):
+        job = ctx.job
+        build_job = await db(lambda: start_detected_install_build(node, user=job.created_by))()
+        if build_job is not None:
+            await ctx.log(f"Recording the llama.cpp install it found as a build (job {build_job.pk}).")
     if not devices:
         raise JobFailed("The probe found no device llama.cpp could use on this node.")
     names = ", ".join(f"{d.name} {d.free_bytes / GIB:.1f}/{d.total_bytes / GIB:.1f} GiB" for d in devices)

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import views
+from . import this_machine, views
 
 app_name = "nodes"
 urlpatterns = [
     path("", views.node_list, name="list"),
     path("new/", views.node_create, name="create"),
+    path("this-machine/", this_machine.add_this_machine, name="add_this_machine"),
     path("calibrate/", views.calibrate_all, name="calibrate_all"),
     path("credentials/", views.credential_list, name="credentials"),
     path("credentials/new/", views.credential_create, name="credential_create"),

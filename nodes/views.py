@@ -146,11 +146,19 @@ def _credential_form(request, credential: Credential):
         with transaction.atomic():
             credential = form.save()
             changes = history.form_changes(form)
-            if form.cleaned_data.get("new_secret") is not None:
+            changes.pop("generate", None)
+            if form.cleaned_data.get("generate"):
+                changes["key_pair"] = f"generated (ed25519, {credential.public_fingerprint})"
+            elif form.cleaned_data.get("new_secret") is not None:
                 changes["secret"] = ["(replaced)", "(replaced)"]
             history.record(
                 request, "credential.create" if creating else "credential.update", credential, changes=changes
             )
+        if form.cleaned_data.get("generate"):
+            messages.success(
+                request, f"Key pair generated for {credential.name}. Put its public key on each node (below)."
+            )
+            return redirect("nodes:credential_edit", pk=credential.pk)
         messages.success(request, f"Credential {credential.name} saved.")
         return redirect("nodes:credentials")
     return render(request, "nodes/credential_form.html", {"form": form, "credential": credential})

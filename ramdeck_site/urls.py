@@ -6,7 +6,16 @@ from django.urls import include, path
 from audit.views import audit_list
 from nodes.command_views import run_command
 
-from . import views
+from . import user_views, views
+
+user_urls = (
+    [
+        path("", user_views.user_list, name="list"),
+        path("new/", user_views.user_create, name="create"),
+        path("<int:pk>/", user_views.user_edit, name="edit"),
+    ],
+    "users",
+)
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -20,6 +29,7 @@ urlpatterns = [
     path("jobs/new/", run_command, name="run_command"),
     path("jobs/", include("jobs.urls")),
     path("audit/", audit_list, name="audit"),
+    path("users/", include(user_urls)),
     path("", include("deployments.urls")),
     path("admin/", admin.site.urls),
 ]

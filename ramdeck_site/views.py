@@ -20,6 +20,7 @@ from jobs.models import Job
 from nodes.models import Device, Node
 
 from . import dashboard_live
+from .first_run import first_run_context
 from .roles import VIEWER, can_view, role_required
 
 
@@ -46,6 +47,7 @@ def dashboard(request):
         ),
         "recent_events": AuditEvent.objects.all()[:8],
         **dashboard_live.live_context(),
+        **first_run_context(request.user),
     }
     return render(request, "ramdeck_site/dashboard.html", context)
 

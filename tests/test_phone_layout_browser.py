@@ -32,6 +32,7 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "phones"
 POST_ONLY = {
     "logout": "logs out",
     "nodes:probe": "starts a probe job",
+    "nodes:add_this_machine": "adds the console's host as a node (a button on the dashboard, node list)",
     "nodes:approve_host_key": "approves a host key",
     "nodes:credential_delete": "deletes at once (the list asks first)",
     "jobs:cancel": "cancels a job",
@@ -39,7 +40,6 @@ POST_ONLY = {
     "deployments:model_download": "starts a download (the form is on the models page)",
     "deployments:confirm": "confirms a plan (the button is on the plan page)",
     "deployments:deploy": "starts a deployment",
-    "deployments:stop": "stops a deployment",
     "deployments:restart": "restarts a deployment",
     "deployments:redeploy": "redeploys a plan",
     "deployments:node_build_start": "starts a build (the form is on the builds page)",
@@ -52,7 +52,7 @@ NOT_PAGES = {
     "dashboard_live": "the dashboard's live regions as htmx fragments (its polling fallback)",
     "deployments:processes": "an htmx fragment of the run page (measured there, where it is loaded)",
     "jobs:log_download": "a text/plain download of the log, not a page",
-    "admin:*": "Django's stock admin (users move into the console in issue 12's users part)",
+    "admin:*": "Django's stock admin (users are managed on the console's own Users page)",
 }
 
 LONG_PATH = "/home/household/models/very-long-folder-name-for-the-family-models/qwen2.5-coder-32b-instruct"
@@ -264,6 +264,11 @@ def _pages(data: dict) -> dict[str, str]:
         "deployments:api_key": reverse("deployments:api_key", args=[deployment.pk]),
         "deployments:node_builds": reverse("deployments:node_builds", args=[desk.name]),
         "deployments:stale": reverse("deployments:stale"),
+        # Stop asks first: its GET is the question.
+        "deployments:stop": reverse("deployments:stop", args=[deployment.pk]),
+        "users:list": reverse("users:list"),
+        "users:create": reverse("users:create"),
+        "users:edit": reverse("users:edit", args=[data["admin"].pk]),
     }
 
 
@@ -392,7 +397,6 @@ def _post_only_url(name: str, data: dict) -> str:
         "jobs:cancel": [data["job"].pk],
         "deployments:confirm": [data["model"].pk],
         "deployments:deploy": [data["deployment"].pk],
-        "deployments:stop": [data["deployment"].pk],
         "deployments:restart": [data["deployment"].pk],
         "deployments:redeploy": [data["deployment"].pk],
         "deployments:node_build_start": [data["desk"].name],

@@ -88,7 +88,8 @@ def test_the_first_probe_of_a_new_node_records_its_key_and_runs_nothing(lab, lab
     runner.run_job(job.pk)
     job.refresh_from_db()
     node.refresh_from_db()
-    assert job.state == JobState.ERRORED
+    # Not an error: nothing went wrong, an admin has a key to look at (the job page shows it).
+    assert job.state == JobState.NEEDS_APPROVAL
     assert "no admin has approved" in job.result
     assert node.reachability == Reachability.HOST_KEY_PENDING
     assert node.pending_host_key == lab_host.host_public_key
@@ -172,7 +173,7 @@ def test_a_changed_host_key_blocks_probes_until_an_admin_approves_it(
     runner.run_job(blocked.pk)
     blocked.refresh_from_db()
     node.refresh_from_db()
-    assert blocked.state == JobState.ERRORED and "CHANGED" in blocked.result
+    assert blocked.state == JobState.NEEDS_APPROVAL and "CHANGED" in blocked.result
     assert node.reachability == Reachability.HOST_KEY_CHANGED
     assert node_tasks.probe_all_nodes() == []  # Beat leaves a blocked node alone.
 

@@ -124,6 +124,6 @@ def test_a_node_whose_host_key_is_not_approved_runs_nothing(lab, lab_host):
     runner.run_job(job.pk)
     job.refresh_from_db()
     node.refresh_from_db()
-    assert job.state == JobState.ERRORED
+    assert job.state == JobState.NEEDS_APPROVAL
     assert "no admin has approved" in job.result
     assert node.pending_host_key == lab_host.host_public_key

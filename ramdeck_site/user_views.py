@@ -1,0 +1,143 @@
+"""Users and their roles, managed inside the console (admins only): list, add, change the role, deactivate.
+
+A role is one of the three groups (ramdeck_site/roles.py). Every change is audited. An admin cannot take
+away their own admin role or deactivate themselves, and the last active admin stays one: the console is
+never left without someone who can manage it. A superuser (made by `manage.py ensure_admin` or
+`createsuperuser`) is an admin whatever its groups say, so its role is not offered for change here.
+"""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.forms import UserCreationForm
+from django.contrib.auth.models import Group
+from django.db import transaction
+from django.db.models import Q
+from django.shortcuts import get_object_or_404, redirect, render
+
+from audit import history
+
+from .roles import ADMIN, OPERATOR, ROLES, VIEWER, role_of, role_required
+
+User = get_user_model()
+ROLE_CHOICES = [
+    (VIEWER, "Viewer: sees everything, changes nothing"),
+    (OPERATOR, "Operator: probes, builds, plans, deploys and stops"),
+    (ADMIN, "Admin: also nodes, credentials, host keys, users"),
+]
+
+
+def set_role(user, role: str) -> None:
+    """Make `role` the user's only role group."""
+    user.groups.remove(*Group.objects.filter(name__in=ROLES))
+    user.groups.add(Group.objects.get_or_create(name=role)[0])
+    user.__dict__.pop("_ramdeck_role", None)
+
+
+def active_admin_count() -> int:
+    return (
+        User.objects.filter(is_active=True)
+        .filter(Q(is_superuser=True) | Q(groups__name=ADMIN))
+        .distinct()
+        .count()
+    )
+
+
+class UserCreateForm(UserCreationForm):
+    role = forms.ChoiceField(choices=ROLE_CHOICES, initial=VIEWER, widget=forms.RadioSelect)
+
+    class Meta(UserCreationForm.Meta):
+        model = User
+        fields = ("username", "email")
+
+
+class UserEditForm(forms.Form):
+    role = forms.ChoiceField(choices=ROLE_CHOICES, widget=forms.RadioSelect)
+    is_active = forms.BooleanField(
+        label="Active", required=False, help_text="A deactivated user cannot log in; their history stays."
+    )
+
+    def __init__(self, *args, target, by, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.target, self.by = target, by
+        if target.is_superuser:
+            self.fields["role"].disabled = True
+            self.fields["role"].help_text = "A superuser is always an admin."
+
+    def clean(self):
+        cleaned = super().clean()
+        role = ADMIN if self.target.is_superuser else cleaned.get("role")
+        active = cleaned.get("is_active")
+        was_admin = role_of(self.target) == ADMIN and self.target.is_active
+        stays_admin = role == ADMIN and active
+        if self.target.pk == self.by.pk and not stays_admin:
+            raise forms.ValidationError(
+                "You cannot take away your own admin role or deactivate yourself; ask another admin."
+            )
+        if was_admin and not stays_admin and active_admin_count() <= 1:
+            raise forms.ValidationError(f"{self.target.get_username()} is the last active admin.")
+        cleaned["role"] = role
+        return cleaned
+
+
+@role_required(ADMIN)
+def user_list(request):
+    users = User.objects.order_by("username").prefetch_related("groups")
+    rows = [{"user": user, "role": role_of(user) if user.is_active else _stored_role(user)} for user in users]
+    return render(request, "ramdeck_site/users/user_list.html", {"rows": rows})
+
+
+def _stored_role(user) -> str | None:
+    """The role a deactivated user would have again (role_of says None for them)."""
+    if user.is_superuser:
+        return ADMIN
+    names = {group.name for group in user.groups.all()}
+    return next((role for role in (ADMIN, OPERATOR, VIEWER) if role in names), None)
+
+
+@role_required(ADMIN)
+def user_create(request):
+    form = UserCreateForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        with transaction.atomic():
+            user = form.save()
+            set_role(user, form.cleaned_data["role"])
+            changes = {"username": user.get_username(), "role": form.cleaned_data["role"]}
+            if user.email:
+                changes["email"] = user.email
+            history.record(request, "user.create", user, changes=changes)
+        messages.success(request, f"User {user.get_username()} added as {form.cleaned_data['role']}.")
+        return redirect("users:list")
+    status = 400 if form.errors else 200
+    return render(request, "ramdeck_site/users/user_form.html", {"form": form, "target": None}, status=status)
+
+
+@role_required(ADMIN)
+def user_edit(request, pk: int):
+    target = get_object_or_404(User, pk=pk)
+    old_role, old_active = _stored_role(target), target.is_active
+    initial = {"role": old_role or VIEWER, "is_active": target.is_active}
+    form = UserEditForm(request.POST or None, initial=initial, target=target, by=request.user)
+    if request.method == "POST" and form.is_valid():
+        role, active = form.cleaned_data["role"], form.cleaned_data["is_active"]
+        changes = {}
+        with transaction.atomic():
+            if role != old_role and not target.is_superuser:
+                set_role(target, role)
+                changes["role"] = [old_role, role]
+            if active != old_active:
+                target.is_active = active
+                target.save(update_fields=["is_active"])
+                changes["active"] = [old_active, active]
+            if changes:
+                history.record(request, "user.update", target, changes=changes)
+        if changes:
+            messages.success(request, f"User {target.get_username()} saved.")
+        else:
+            messages.info(request, "Nothing changed.")
+        return redirect("users:list")
+    status = 400 if form.errors else 200
+    context = {"form": form, "target": target}
+    return render(request, "ramdeck_site/users/user_form.html", context, status=status)
