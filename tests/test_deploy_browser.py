@@ -96,7 +96,12 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
 
     page.click("text=Run and live status")
     page.click("#deploy-button")
-    expect(page.locator("#deployment-state")).to_have_text("Running", timeout=180_000)
+    try:
+        expect(page.locator("#deployment-state")).to_have_text("Running", timeout=180_000)
+    except AssertionError:
+        deployment.refresh_from_db()
+        steps = [(s.name, s.job.state, s.job.result) for s in deployment.steps.select_related("job")]
+        raise AssertionError(f"{deployment.state}: {deployment.state_reason}; steps: {steps}") from None
     expect(page.locator("#steps")).to_contain_text("Start llama-server on desk")
     expect(page.locator("#verification")).to_contain_text("matches")
     expect(page.locator("#speed")).to_contain_text("Measured")
