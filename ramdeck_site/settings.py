@@ -356,6 +356,18 @@ RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
 # The only folder on the console host whose tarballs a build may upload to a node (no other file leaves).
 # The pinned llama.cpp source (deployments/llamacpp_source.py) is fetched into it on first use.
 RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", str(RAMDECK_CACHE_DIR / "tarballs")))
+# Folders of the console's own host where models live: a download onto a Local-transport node goes into the
+# first, and registering a file there by path accepts only files under one of them (os.pathsep-separated).
+RAMDECK_MODEL_DIRS = [
+    os.path.abspath(os.path.expanduser(item))
+    for item in env_str("RAMDECK_MODEL_DIRS", str(VAR_DIR / "models")).split(os.pathsep)
+    if item.strip()
+]
+# Downloads on the console's own host never fetch from loopback, link-local, private or other non-public
+# addresses (its router, its metadata service, its own Redis) unless an admin lists the networks here
+# (comma-separated CIDRs, e.g. 192.168.1.0/24 for a NAS on the LAN). Redirects: at most this many.
+RAMDECK_DOWNLOAD_ALLOW_NETWORKS = env_list("RAMDECK_DOWNLOAD_ALLOW_NETWORKS", [])
+RAMDECK_DOWNLOAD_MAX_REDIRECTS = env_int("RAMDECK_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0, maximum=20)
 # The tarball the build form offers first: a file name in RAMDECK_TARBALL_DIR (default: the pinned source).
 RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".

@@ -248,7 +248,7 @@ def test_the_run_form_preselects_the_node_from_the_query(operator_client, ssh_no
 
 
 def test_job_pages_link_the_node_and_the_starter(admin_client, node):
-    starter = UserFactory(username="olga")
+    starter = UserFactory(username="olga", role="admin")  # the node is the console's own host
     job = Job.objects.create(kind="command", node=node, created_by=starter, params={"argv": ["id"]})
     html = admin_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
     assert node.get_absolute_url() in html and "olga" in html
