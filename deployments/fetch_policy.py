@@ -118,15 +118,13 @@ def address_refusal(address: str) -> str:
         return ""
     if any(ip in network for network in _allowed_networks()):
         return ""
-    what = (
-        "loopback"
-        if ip.is_loopback
-        else "link-local"
-        if ip.is_link_local
-        else "private"
-        if ip.is_private
-        else "not a public address"
-    )
+    kinds = [
+        (ip.is_loopback, "loopback"),
+        (ip.is_link_local, "link-local"),
+        (ip.is_unspecified, "unspecified (every interface)"),
+        (ip.is_private, "private"),
+    ]
+    what = next((label for matches, label in kinds if matches), "not a public address")
     return (
         f"{address} is {what}: downloads on the console's own host fetch only from public addresses "
         "(an admin can allow a network with RAMDECK_DOWNLOAD_ALLOW_NETWORKS)."

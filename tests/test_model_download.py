@@ -71,7 +71,7 @@ class RangeServer:
 
             def _serve(self, *, body: bool) -> None:
                 owner.requests.append((self.command, self.path, self.headers.get("Range")))
-                data = owner.files.get(self.path)
+                data = owner.files.get(self.path.split("?", 1)[0])
                 if data is None:
                     return self._empty(404)
                 start, end, status = 0, len(data) - 1, 200
