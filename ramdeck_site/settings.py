@@ -16,6 +16,7 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
 
 # The planner's default share of unified memory: a constant of a pure-Python module (no Django, no imports),
 # imported here so the setting and the planner cannot disagree about it.
@@ -175,6 +176,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Content-Security-Policy (SECURE_CSP below) with a fresh nonce per response.
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -202,6 +205,8 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                # {{ csp_nonce }}: the only inline <script>/<style> a page may have carries it.
+                "django.template.context_processors.csp",
                 "ramdeck_site.roles.role_context",
             ],
         },
@@ -417,6 +422,21 @@ SESSION_COOKIE_AGE = env_int("RAMDECK_SESSION_AGE_S", 12 * 3600, minimum=300)
 CSRF_COOKIE_HTTPONLY = False  # htmx reads the token from the page, not the cookie; keep Django's default.
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+# Content-Security-Policy: scripts and style sheets only from the console itself or carrying the response's
+# nonce; no eval (htmx runs with allowEval false, see base.html); no plugins, frames, foreign forms or
+# <base>. `style` attributes stay allowed (the bars' widths): they set layout, they cannot run script.
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF, CSP.NONCE],
+    "style-src": [CSP.SELF, CSP.NONCE],
+    "style-src-attr": [CSP.UNSAFE_INLINE],
+    "img-src": [CSP.SELF, "data:"],
+    "connect-src": [CSP.SELF],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "frame-ancestors": [CSP.NONE],
+    "form-action": [CSP.SELF],
+}
 SECURE_REFERRER_POLICY = "same-origin"
 
 # Behind TLS (a reverse proxy or a certificate of its own), RAMDECK_HTTPS=1 turns on every HTTPS-only
