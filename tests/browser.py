@@ -97,6 +97,10 @@ document.addEventListener("securitypolicyviolation", (event) => {
   console.error(`CSP violation: ${event.violatedDirective} blocked ${event.blockedURI || "inline"} ` +
                 `in ${event.sourceFile || document.location.pathname}:${event.lineNumber}`);
 });
+// htmx reports an eval it was denied (allowEval is off) as an event only: say it on the console too.
+document.addEventListener("htmx:evalDisallowedError", (event) => {
+  console.error(`htmx:evalDisallowedError on ${event.target.outerHTML.slice(0, 200)}`);
+});
 """
 CSP_PROBLEMS = ("CSP violation", "Content Security Policy", "htmx:evalDisallowedError")
 

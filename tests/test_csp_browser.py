@@ -80,3 +80,32 @@ def test_a_form_that_asks_first_still_asks_without_inline_script(live_server_url
     page.locator("form[data-confirm] button").click()
     expect(page.locator(".message")).to_contain_text("old-key")
     assert not Credential.objects.filter(name="old-key").exists()
+
+
+def test_the_policy_blocks_injected_script_and_eval_and_the_tests_would_notice(live_server_url, page):
+    """What the other browser tests rely on: an inline script without the nonce is blocked and reported, and
+    htmx refuses an expression that needs eval, also reported."""
+    UserFactory(username="vera-viewer", role="viewer")
+    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    page.goto(live_server_url + reverse("jobs:list"))
+    seen = len(page.console_messages_seen)
+    page.evaluate(
+        """() => {
+        const script = document.createElement("script");
+        script.textContent = "window.__injected = true";
+        document.body.append(script);
+        const button = document.createElement("button");
+        button.id = "needs-eval";
+        button.setAttribute("hx-get", "/jobs/");
+        button.setAttribute("hx-trigger", "click[window.__injected = true]");
+        document.body.append(button);
+        htmx.process(button);
+    }"""
+    )
+    page.click("#needs-eval")
+    page.wait_for_timeout(500)
+    assert page.evaluate("() => window.__injected") is None  # neither ran
+    caught = csp_problems(page.console_messages_seen[seen:])
+    assert any("CSP violation: script-src" in text for text in caught), caught
+    assert any("htmx:evalDisallowedError" in text for text in caught), caught
+    del page.console_messages_seen[seen:]  # expected here: the fixture checks for anything else
