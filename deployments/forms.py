@@ -10,10 +10,18 @@ from django import forms
 from django.conf import settings as site_settings
 
 from jobs.models import Job
-from nodes.models import Device, Node
+from nodes.models import Device, Node, Transport
 
 from . import fetch_policy, planner
 from .models import ModelFile
+
+
+def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
+    """The console's own host is not offered to others (jobs/models.py refuses them there anyway)."""
+    from ramdeck_site.roles import can_administer
+
+    if user is not None and not can_administer(user):
+        form.fields["node"].queryset = form.fields["node"].queryset.exclude(transport=Transport.LOCAL)
 
 
 class ModelRegisterForm(forms.Form):
@@ -24,6 +32,10 @@ class ModelRegisterForm(forms.Form):
     path = forms.CharField(
         max_length=1000, help_text="Path of the GGUF file on that node (the first shard of a split model)."
     )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()
@@ -66,6 +78,10 @@ class ModelDownloadForm(forms.Form):
     name = forms.CharField(
         max_length=200, required=False, help_text="How the console calls this model (default: the file name)."
     )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
 
     def clean_url(self) -> str:
         url = self.cleaned_data["url"]

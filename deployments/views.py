@@ -181,8 +181,8 @@ def _models_page(request, *, form=None, download_form=None, status: int = 200):
     rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
     context = {
         "rows": rows,
-        "form": form or ModelRegisterForm(),
-        "download_form": download_form or ModelDownloadForm(prefix="download"),
+        "form": form or ModelRegisterForm(user=request.user),
+        "download_form": download_form or ModelDownloadForm(prefix="download", user=request.user),
         "pool": pool,
     }
     return render(request, "deployments/model_list.html", context, status=status)
@@ -197,7 +197,7 @@ def model_list(request):
 @role_required(OPERATOR)
 async def model_register(request):
     await sync_to_async(_refuse_local)(request, "Model registrations")
-    form = ModelRegisterForm(request.POST)
+    form = await sync_to_async(ModelRegisterForm)(request.POST, user=request.user)
     if await sync_to_async(form.is_valid)():
         node, path = form.cleaned_data["node"], form.cleaned_data["path"]
         try:
@@ -238,7 +238,7 @@ def _register(request, name: str, node: Node, path: str, profile: dict) -> Model
 def model_download(request):
     """Start a download job; its page shows the live log, and the model appears once its header is read."""
     _refuse_local(request, "Downloads", field="download-node")
-    form = ModelDownloadForm(request.POST, prefix="download")
+    form = ModelDownloadForm(request.POST, prefix="download", user=request.user)
     if not form.is_valid():
         return _models_page(request, download_form=form, status=400)
     node, params = form.cleaned_data["node"], form.params()

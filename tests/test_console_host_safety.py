@@ -228,3 +228,14 @@ def test_local_commands_and_daemons_get_a_scrubbed_environment(monkeypatch, tmp_
         for value in leaked.values():
             assert value not in text
     assert os.environ["RAMDECK_SECRET_KEY"] == "django-secret"  # the console's own is untouched
+
+
+def test_the_model_forms_offer_the_console_host_to_admins_only(
+    console_host, remote, client, operator_user, admin_user
+):
+    client.force_login(operator_user)
+    page = client.get(reverse("deployments:models")).content.decode()
+    assert f'<option value="{remote.pk}">' in page and f'<option value="{console_host.pk}">' not in page
+    client.force_login(admin_user)
+    page = client.get(reverse("deployments:models")).content.decode()
+    assert f'<option value="{console_host.pk}">' in page
