@@ -10,7 +10,12 @@ of another URL is discarded), with a progress line in the job log every few seco
 optional SHA-256 check, `mv DEST.part DEST`, and the model is registered from its header. A file that is not
 a usable model fails the job with the reason and registers nothing.
 
-Job params (no secrets): {"url", "dest", "sha256" (may be ""), "name", "progress_every" (seconds, optional)}.
+Job params: {"url" (shown: its query hidden), "url_secret" (the real URL, encrypted), "dest", "sha256" (may be
+""), "name", "progress_every" (seconds, optional)}. The real URL is decrypted here and passed to curl only;
+logs and pages show `fetch_policy.redact_url`. Redirects are capped (RAMDECK_DOWNLOAD_MAX_REDIRECTS). On the
+console's own host (a Local-transport node) the destination must lie in a model folder and every hop of
+the redirect chain is resolved, checked (no loopback, link-local or private address unless an admin allows
+the network) and fetched pinned to the checked address (deployments/fetch_policy.py).
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import posixpath
 import re
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
+
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.transport import TransportError, shell_join
 
-from . import gguf_profile
+from . import fetch_policy, gguf_profile
 
 if TYPE_CHECKING:
     from jobs.context import JobContext
@@ -183,11 +190,18 @@ def content_length(headers: str) -> int | None:
     return int(found[-1]) if found and int(found[-1]) > 0 else None
 
 
-def curl_argv(url: str, part: str) -> list[str]:
+def curl_argv(url: str, part: str, *, pin: str | None = None, max_redirects: int | None = None) -> list[str]:
+    """curl's arguments for the download. With `pin` (host:port:address, the console's own host) it follows no
+    redirect: the chain was resolved and checked beforehand and `url` is its end."""
+    if max_redirects is None:
+        max_redirects = settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS
+    follow = ["--location", "--max-redirs", str(max_redirects)]
+    if pin:
+        follow = ["--resolve", pin, "--max-redirs", "0"]
     return [
         "curl",
         "--fail",
-        "--location",
+        *follow,
         "--no-progress-meter",
         "--continue-at",
         "-",
@@ -212,9 +226,57 @@ def curl_argv(url: str, part: str) -> list[str]:
     ]
 
 
+def shown_argv(argv: list[str]) -> str:
+    """The command line for the log: every URL with its query hidden."""
+    web = ("http://", "https://")
+    return shell_join([fetch_policy.redact_url(a) if a.startswith(web) else a for a in argv])
+
+
+_REDIRECT_CODES = {"301", "302", "303", "307", "308"}
+_CONTENT_RANGE_RE = re.compile(r"^content-range:\s*bytes\s+\d+-\d+/(\d+)\s*$", re.I | re.M)
+
+
+async def _checked_chain(ctx: JobContext, url: str) -> tuple[str, str, int | None]:
+    """On the console's own host: follow the redirects one by one, each target resolved and checked before
+    it is asked anything, each request pinned to the checked address. Returns (final URL, its pin, the size
+    the final answer announced or None). A refused hop fails the job before any byte of it is fetched."""
+    limit = settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS
+    for hop in range(limit + 1):
+        try:
+            host, port, address = await asyncio.to_thread(fetch_policy.checked_address, url)
+        except fetch_policy.TargetRefused as exc:
+            raise JobFailed(f"Download refused: {exc}") from None
+        pin = fetch_policy.curl_resolve(host, port, address)
+        # One byte of the body (a GET, as the download will be: a signed link may refuse HEAD); a server
+        # that ignores the range is cut off by --max-filesize after its headers.
+        probe = [
+            "curl", "-sS", "--max-redirs", "0", "--proto", "=http,https", "--resolve", pin,
+            "--range", "0-0", "--max-filesize", "1048576", "--max-time", "30", "--output", "/dev/null",
+            "--dump-header", "-", "--write-out", "\n%{http_code} %{redirect_url}", "--url", url,
+        ]  # fmt: skip
+        result = await ctx.transport.run(probe, timeout=60)
+        headers, _, status_line = result.stdout.rpartition("\n")
+        code, _, target = status_line.strip().partition(" ")
+        if code in _REDIRECT_CODES and target:
+            if hop == limit:
+                break
+            shown = fetch_policy.redact_url(target)
+            await ctx.log(f"Redirect {hop + 1} to {shown} (checked before it is followed).")
+            url = target
+            continue
+        await ctx.log(f"{fetch_policy.redact_url(url)} answers from {address} (checked).")
+        total = _CONTENT_RANGE_RE.findall(headers.replace("\r", ""))
+        size = int(total[-1]) if total else (content_length(headers) if code == "200" else None)
+        return url, pin, size
+    raise JobFailed(f"Download refused: more than {limit} redirects (RAMDECK_DOWNLOAD_MAX_REDIRECTS).")
+
+
 async def _announced_size(ctx: JobContext, url: str) -> int | None:
     """Content-Length from a HEAD request, for the percentages; servers that refuse HEAD just get none."""
-    head = ["curl", "-sSIL", "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30"]
+    head = [
+        "curl", "-sSIL", "--max-redirs", str(settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS),
+        "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30",
+    ]  # fmt: skip
     try:
         result = await ctx.transport.run([*head, "--url", url], timeout=60)
     except TransportError:  # The size is a nicety; the download itself reports real errors.
@@ -222,10 +284,12 @@ async def _announced_size(ctx: JobContext, url: str) -> int | None:
     return content_length(result.stdout) if result.ok else None
 
 
-async def _download(ctx: JobContext, url: str, part: str, total: int | None, every: int) -> None:
-    argv = curl_argv(url, part)
+async def _download(
+    ctx: JobContext, url: str, part: str, total: int | None, every: int, pin: str | None = None
+) -> None:
+    argv = curl_argv(url, part, pin=pin)
     for attempt in (1, 2):
-        await ctx.log("$ " + shell_join(argv))
+        await ctx.log("$ " + shown_argv(argv))
         result = await ctx.run(
             ["sh", "-c", _DOWNLOAD_SCRIPT, "sh", part, str(every), str(total or ""), *argv],
             check=False,
@@ -251,21 +315,23 @@ async def _download(ctx: JobContext, url: str, part: str, total: int | None, eve
 
 
 async def _claim_part(ctx: JobContext, url: str, part: str) -> None:
-    """Resume only a part file of the same URL: its URL is kept beside it (`DEST.part.url`). A part of
-    another URL is removed, so two files are never spliced together."""
+    """Resume only a part file of the same URL: a fingerprint of its URL is kept beside it (`DEST.part.url`;
+    never the URL itself, whose query may hold a token). A part of another URL is removed, so two files are
+    never spliced together."""
     origin = part + ".url"
+    fingerprint = fetch_policy.url_fingerprint(url)
     [state] = await file_sizes(ctx.transport, [part])
     if state != "missing":
         try:
             previous = (await ctx.transport.read_head(origin, 65536)).decode("utf-8", "replace")
         except TransportError:
             previous = None  # No record: a part file someone put there; curl resumes it.
-        if previous is not None and previous != url:
-            await ctx.log(f"{part} holds a download of another URL ({previous}); starting over.")
+        if previous is not None and previous not in (fingerprint, url):
+            await ctx.log(f"{part} holds a download of another URL; starting over.")
             await ctx.run(["rm", "-f", "--", part])
         elif isinstance(state, int) and state > 0:
             await ctx.log(f"Resuming after the {mib(state)} MiB already in {posixpath.basename(part)}.")
-    await ctx.run(["sh", "-c", 'printf %s "$1" > "$2"', "sh", url, origin], echo=False)
+    await ctx.run(["sh", "-c", 'printf %s "$1" > "$2"', "sh", fingerprint, origin], echo=False)
 
 
 def _err_text(result) -> str:
@@ -340,10 +406,13 @@ def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
 
 async def download_body(ctx: JobContext) -> str:
     params = ctx.job.params
-    url, dest = params.get("url", ""), params.get("dest", "")
+    url, dest = await db(fetch_policy.real_url)(params), params.get("dest", "")
     name, expected = params.get("name", "") or posixpath.basename(dest), (params.get("sha256") or "").lower()
     if not url or not dest.startswith("/"):
         raise JobFailed("This job has no URL or no absolute destination path.")
+    local = ctx.node.is_local
+    if local and (refusal := fetch_policy.local_dest_refusal(dest)):
+        raise JobFailed(f"Download refused: {refusal}")
     every = max(1, int(params.get("progress_every") or PROGRESS_EVERY_S))
     part = dest + ".part"
 
@@ -352,12 +421,18 @@ async def download_body(ctx: JobContext) -> str:
         raise JobFailed(f"{dest} already exists on {ctx.node.name}; register it by path instead.")
     if not await _has(ctx, "curl"):
         raise JobFailed(f"curl is not installed on {ctx.node.name}; install it and start the download again.")
+    pin = None
+    if local:
+        url, pin, total = await _checked_chain(ctx, url)
     await ctx.run(["mkdir", "-p", "--", posixpath.dirname(dest)])
-    total = await _announced_size(ctx, url)
+    if local and (refusal := fetch_policy.local_dest_refusal(dest)):  # A symlink made meanwhile.
+        raise JobFailed(f"Download refused: {refusal}")
+    if not local:
+        total = await _announced_size(ctx, url)
     if total:
         await ctx.log(f"The server announces {total} bytes ({mib(total)} MiB).")
     await _claim_part(ctx, url, part)
-    await _download(ctx, url, part, total, every)
+    await _download(ctx, url, part, total, every, pin)
     sha256 = await _check_sha256(ctx, part, expected) if expected else ""
     await ctx.run(["mv", "-f", "--", part, dest])
     await ctx.run(["rm", "-f", "--", part + ".url"], echo=False)

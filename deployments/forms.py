@@ -10,10 +10,18 @@ from django import forms
 from django.conf import settings as site_settings
 
 from jobs.models import Job
-from nodes.models import Device, Node
+from nodes.models import Device, Node, Transport
 
-from . import planner
+from . import fetch_policy, planner
 from .models import ModelFile
+
+
+def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
+    """The console's own host is not offered to others (jobs/models.py refuses them there anyway)."""
+    from ramdeck_site.roles import can_administer
+
+    if user is not None and not can_administer(user):
+        form.fields["node"].queryset = form.fields["node"].queryset.exclude(transport=Transport.LOCAL)
 
 
 class ModelRegisterForm(forms.Form):
@@ -24,6 +32,10 @@ class ModelRegisterForm(forms.Form):
     path = forms.CharField(
         max_length=1000, help_text="Path of the GGUF file on that node (the first shard of a split model)."
     )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()
@@ -36,6 +48,12 @@ class ModelRegisterForm(forms.Form):
         if data.get("node") and data.get("path"):
             if not data["path"].startswith("/"):
                 self.add_error("path", "Give an absolute path.")
+            elif data["node"].is_local and not fetch_policy.under_model_dirs(data["path"]):
+                self.add_error(
+                    "path",
+                    "On the console's own host only files under its model folders can be registered: "
+                    f"{fetch_policy.model_dirs_text()}.",
+                )
             elif ModelFile.objects.filter(node=data["node"], path=data["path"]).exists():
                 self.add_error("path", "This file is already registered on that node.")
         return data
@@ -51,7 +69,8 @@ class ModelDownloadForm(forms.Form):
     dest = forms.CharField(
         label="Destination path",
         max_length=1000,
-        help_text="Absolute path of the file on that node; ending in / puts the URL's file name there.",
+        help_text="Absolute path of the file on that node; ending in / puts the URL's file name there. "
+        "On the console's own host: inside its model folder (RAMDECK_MODEL_DIRS).",
     )
     sha256 = forms.CharField(
         label="SHA-256", max_length=64, required=False, help_text="Optional: checked before registering."
@@ -59,6 +78,10 @@ class ModelDownloadForm(forms.Form):
     name = forms.CharField(
         max_length=200, required=False, help_text="How the console calls this model (default: the file name)."
     )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
 
     def clean_url(self) -> str:
         url = self.cleaned_data["url"]
@@ -90,6 +113,11 @@ class ModelDownloadForm(forms.Form):
                 self.add_error("dest", "The URL has no file name; give the whole destination path.")
                 return data
         data["dest"] = dest = posixpath.normpath(dest)
+        if node.is_local:
+            if refusal := fetch_policy.local_dest_refusal(dest):
+                self.add_error("dest", refusal)
+            if refusal := fetch_policy.literal_refusal(url):
+                self.add_error("url", refusal)
         data["name"] = name = data.get("name", "").strip() or posixpath.basename(dest)
         if ModelFile.objects.filter(name=name).exists():
             self.add_error("name", "A model with this name is already registered.")
@@ -100,8 +128,14 @@ class ModelDownloadForm(forms.Form):
         return data
 
     def params(self) -> dict:
+        """The job's parameters: the URL shown with its query hidden, the real one encrypted."""
         data = self.cleaned_data
-        return {"url": data["url"], "dest": data["dest"], "sha256": data["sha256"], "name": data["name"]}
+        return {
+            **fetch_policy.secret_params(data["url"]),
+            "dest": data["dest"],
+            "sha256": data["sha256"],
+            "name": data["name"],
+        }
 
 
 class PlanForm(forms.Form):

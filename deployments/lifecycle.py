@@ -22,7 +22,7 @@ from deployments import live, llamacpp
 from deployments.build_job import protocol_mismatch
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
-from jobs.models import Job, JobState
+from jobs.models import Job, JobState, may_use_local_node
 from nodes.models import Build, Node
 
 logger = logging.getLogger(__name__)
@@ -128,13 +128,43 @@ def active_run(deployment: Deployment, kind: str) -> Job | None:
     return runs_of(deployment, kind).filter(state__in=ACTIVE_JOB_STATES).first()
 
 
-def new_run(deployment: Deployment, kind: str, title: str, **params) -> Job:
+def deployment_nodes(deployment: Deployment) -> list[Node]:
+    """The coordinator and every node the plan places something on."""
+    names = {p.get("node") for p in (deployment.plan or {}).get("placements", [])}
+    others = Node.objects.filter(name__in=names - {None}).exclude(pk=deployment.coordinator_id)
+    return [deployment.coordinator, *others]
+
+
+def local_refusal(deployment: Deployment, actor) -> str:
+    """Why `actor` may not start or stop this deployment's jobs: one of its nodes is the console's own host
+    and the actor is not an admin (jobs/models.py refuses those jobs anyway; this says it first)."""
+    if not getattr(actor, "is_authenticated", False):
+        return ""
+    local = [n.name for n in deployment_nodes(deployment) if not may_use_local_node(actor, n)]
+    if not local:
+        return ""
+    return (
+        f"{', '.join(local)} is the console's own host: starting or stopping anything there needs the admin "
+        "role, since it runs as the console's user beside its keys and database."
+    )
+
+
+def new_run(deployment: Deployment, kind: str, title: str, *, actor=None, **params) -> Job:
+    """A run of the deployment, by `actor` (a person pressing a button) or, without one, by the console on
+    behalf of the deployment's creator (a heal, a rollback) unless that creator may not touch one of its
+    nodes (an operator's plan an admin deployed on the console's own host): then by the console alone."""
+    if getattr(actor, "is_authenticated", False):
+        created_by = actor
+    else:
+        created_by = deployment.created_by
+        if created_by is not None and local_refusal(deployment, created_by):
+            created_by = None
     return Job.objects.create(
         kind=kind,
         node=deployment.coordinator,
         title=title[:200],
         params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
-        created_by=deployment.created_by,
+        created_by=created_by,
     )
 
 
@@ -147,7 +177,8 @@ def add_step(
         node=node,
         title=title[:200],
         params={"deployment": deployment.pk, "notify": [live.group_name(deployment.pk)], **params},
-        created_by=deployment.created_by,
+        # The run's own: whoever pressed the button (or the console), checked against each step's node.
+        created_by=parent.created_by,
     )
     DeploymentStep.objects.create(deployment=deployment, job=job, name=name, order=order)
     return job
@@ -225,7 +256,7 @@ def stop_steps(deployment: Deployment, parent: Job, name: str) -> list[Job]:
 
 def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
     """The Deploy button. Pressing it twice starts one run; a refusal leaves the deployment confirmed."""
-    reason = refusal(deployment)
+    reason = refusal(deployment) or local_refusal(deployment, actor)
     if reason:
         record(actor, "deployment.refused", deployment, changes={"reason": reason})
         return False, reason
@@ -233,7 +264,7 @@ def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
         with transaction.atomic():
             if not deployment.mark_preparing():
                 return False, f"This deployment is already {deployment.get_state_display().lower()}."
-            run = new_run(deployment, DEPLOY, f"Deploy {deployment}")
+            run = new_run(deployment, DEPLOY, f"Deploy {deployment}", actor=actor)
             create_launch_steps(deployment, run)
             record(
                 actor,
@@ -254,6 +285,9 @@ def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool =
     Pressed again while stopping, it starts a new undeploy run only when none is active (the last one was
     lost), so a deployment never stays stopping with its claims held."""
     prior = deployment.state
+    if reason := local_refusal(deployment, actor):
+        record(actor, "deployment.refused", deployment, changes={"reason": reason})
+        return False, reason
     with transaction.atomic():
         if (current := active_run(deployment, UNDEPLOY)) is not None:
             if current.state == JobState.QUEUED:
@@ -266,17 +300,17 @@ def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool =
         ):
             return False, f"This deployment is {deployment.get_state_display().lower()}: nothing to stop."
         record(actor, "deployment.stop", deployment, changes={"from": prior, "restart": then_redeploy})
-        start_undeploy(deployment, restart=then_redeploy)
+        start_undeploy(deployment, actor=actor, restart=then_redeploy)
     return True, "Stopping."
 
 
-def start_undeploy(deployment: Deployment, **params) -> Job:
+def start_undeploy(deployment: Deployment, *, actor=None, **params) -> Job:
     """Ask the deploy run (if one is active) to cancel and queue an undeploy run. `fail` in params makes
     it a rollback that fails the deployment with {"step", "reason"} afterwards."""
     for run in runs_of(deployment).filter(kind__in=LAUNCHING_RUNS, state__in=ACTIVE_JOB_STATES):
         run.request_cancel()
     verb = "Roll back" if params.get("fail") else "Restart" if params.get("restart") else "Stop"
-    run = new_run(deployment, UNDEPLOY, f"{verb} {deployment}", **params)
+    run = new_run(deployment, UNDEPLOY, f"{verb} {deployment}", actor=actor, **params)
     run.enqueue()
     return run
 
@@ -285,6 +319,9 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
     """A new deployment from the same plan (history keeps the old one), launched at once.
 
     One transaction: the new row, its audit entry, its steps and the enqueue (on commit) all or nothing."""
+    if reason := local_refusal(deployment, actor):
+        record(actor, "deployment.refused", deployment, changes={"reason": reason})
+        return deployment, False, reason
     with transaction.atomic():
         fresh = Deployment.objects.create(
             name=deployment.name,

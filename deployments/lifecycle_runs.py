@@ -171,7 +171,9 @@ async def undeploy_body(ctx: JobContext) -> str:
     if await db(deployment.mark_stopped)():
         await db(_audit)(deployment, "deployment.stopped", {"ports_free": True})
     if ctx.job.params.get("restart"):
-        fresh, started, message = await db(redeploy)(deployment, deployment.created_by)
+        # Whoever pressed Restart (the stop run's creator), else the deployment's.
+        actor = await db(lambda: ctx.job.created_by or deployment.created_by)()
+        fresh, started, message = await db(redeploy)(deployment, actor)
         await ctx.log(f"Redeployed as {fresh}: {message}")
         return f"Stopped; redeployed as {fresh}."
     return "Stopped; every process it started is ended and its ports are free."

@@ -18,7 +18,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from audit import history
-from jobs.models import Job
+from jobs.models import Job, refuse_local_node
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
@@ -319,6 +319,7 @@ def node_builds(request, name: str):
 @role_required(OPERATOR)
 def node_build_start(request, name: str):
     node = get_object_or_404(Node, name=name)
+    refuse_local_node(request.user, node, "Builds", request=request)
     form = BuildForm(request.POST)
     if not form.is_valid():
         return _build_page(request, node, form)
@@ -357,6 +358,7 @@ def stale_processes(request):
 @role_required(OPERATOR)
 def stale_reap(request, pk: int):
     stale = get_object_or_404(StaleProcess.objects.select_related("node"), pk=pk)
+    refuse_local_node(request.user, stale.node, "Reaps", request=request)
     with transaction.atomic():
         job = Job.objects.create(
             kind="reap",

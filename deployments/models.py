@@ -7,6 +7,7 @@ from django.db import IntegrityError, models, transaction
 from django.urls import reverse
 from django.utils import timezone
 
+from jobs.models import refuse_local_node
 from ramdeck_site import crypto
 
 from . import live
@@ -33,6 +34,12 @@ class ModelFile(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def save(self, *args, **kwargs):
+        if self._state.adding and self.created_by_id:
+            # A model on the console's own host (registered by path or downloaded) needs an admin.
+            refuse_local_node(self.created_by, self.node, "Models")
+        super().save(*args, **kwargs)
 
 
 class DeploymentState(models.TextChoices):

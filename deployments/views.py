@@ -18,12 +18,12 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import reswap
 
 from audit import history
-from jobs.models import Job
+from jobs.models import Job, refuse_local_node
 from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
-from . import bars, gguf_profile, planner
+from . import bars, fetch_policy, gguf_profile, planner
 from .download_job import read_model_profile
 from .forms import ModelDownloadForm, ModelRegisterForm, PlanForm
 from .models import Deployment, DeploymentState, ModelFile
@@ -120,7 +120,12 @@ async def _read_profile(node: Node, path: str) -> dict:
     Async so that a slow or silent node holds up only this request, not the thread every synchronous view
     of the console shares under ASGI."""
     if node.is_local:
-        return await sync_to_async(gguf_profile.profile_path, thread_sensitive=False)(path)
+        profile = await sync_to_async(gguf_profile.profile_path, thread_sensitive=False)(path)
+        # A shard found beside the first may be a symlink out of the model folders.
+        outside = [p for p in profile.get("shard_paths", [path]) if not fetch_policy.under_model_dirs(p)]
+        if outside:
+            raise gguf_profile.GGUFError(f"{outside[0]} lies outside the console's model folders.")
+        return profile
     # open_transport reads the node's credential from the database.
     transport = await sync_to_async(open_transport)(node)
     try:
@@ -165,13 +170,20 @@ def _commands(model: ModelFile, plan: dict) -> dict:
 # Model registry and the pool overview
 
 
+def _refuse_local(request, what: str, field: str = "node") -> None:
+    """403 (audited) before anything is read or fetched when a non-admin names the console's own host."""
+    value = request.POST.get(field, "")
+    node = Node.objects.filter(pk=value).first() if value.isdigit() else None
+    refuse_local_node(request.user, node, what, request=request)
+
+
 def _models_page(request, *, form=None, download_form=None, status: int = 200):
     pool = _pool_nodes()
     rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
     context = {
         "rows": rows,
-        "form": form or ModelRegisterForm(),
-        "download_form": download_form or ModelDownloadForm(prefix="download"),
+        "form": form or ModelRegisterForm(user=request.user),
+        "download_form": download_form or ModelDownloadForm(prefix="download", user=request.user),
         "pool": pool,
     }
     return render(request, "deployments/model_list.html", context, status=status)
@@ -185,7 +197,8 @@ def model_list(request):
 @require_POST
 @role_required(OPERATOR)
 async def model_register(request):
-    form = ModelRegisterForm(request.POST)
+    await sync_to_async(_refuse_local)(request, "Model registrations")
+    form = await sync_to_async(ModelRegisterForm)(request.POST, user=request.user)
     if await sync_to_async(form.is_valid)():
         node, path = form.cleaned_data["node"], form.cleaned_data["path"]
         try:
@@ -225,7 +238,8 @@ def _register(request, name: str, node: Node, path: str, profile: dict) -> Model
 @role_required(OPERATOR)
 def model_download(request):
     """Start a download job; its page shows the live log, and the model appears once its header is read."""
-    form = ModelDownloadForm(request.POST, prefix="download")
+    _refuse_local(request, "Downloads", field="download-node")
+    form = ModelDownloadForm(request.POST, prefix="download", user=request.user)
     if not form.is_valid():
         return _models_page(request, download_form=form, status=400)
     node, params = form.cleaned_data["node"], form.params()

@@ -1,10 +1,11 @@
 """How job output and job states reach browsers: line markup, and group messages on the channel layer.
 
 The runner saves lines first and sends them here second (AWX's callback receiver does the same), so a
-message that is lost on the way costs a watcher nothing they cannot reload. Line markup is rendered once,
-here, by the same function the pages use (`log_line_html`), and carried in the message with its `seq`
-so each consumer can drop lines it has already sent. Status messages carry only the job's id and state:
-consumers render the parts of the page that depend on the viewer (the cancel button) themselves.
+message that is lost on the way costs a watcher nothing they cannot reload. Messages carry data only:
+each line's (stream, text) after the first `seq`, which consumers render themselves with the function the
+pages use (`log_line_html`), so no HTML travels through the channel layer to a browser. Status messages
+carry only the job's id and state: consumers render the parts of the page that depend on the viewer (the
+cancel button) themselves.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def log_line_html(seq: int, stream: str, text: str) -> str:
 def lines_message(job_id: int, rows: Iterable) -> dict:
     """The group message for saved lines with consecutive seqs: (seq, stream, text) tuples as
     `JobLogLine.append_lines` returns them, or JobLogLine rows. Carries the first seq and each line's
-    markup, so a consumer drops what it already sent by slicing rather than line by line."""
+    (stream, text), never markup: each consumer renders what it sends (`log_line_html`, which escapes), so
+    nothing that reaches the channel layer (a shared Redis) is ever forwarded to a browser as HTML. A
+    consumer drops what it already sent by slicing rather than line by line."""
     rows = [(row.seq, row.stream, row.text) if hasattr(row, "seq") else row for row in rows]
     first = rows[0][0]
     if rows[-1][0] - first != len(rows) - 1:
@@ -66,8 +69,24 @@ def lines_message(job_id: int, rows: Iterable) -> dict:
         "type": "job.lines",
         "job_id": job_id,
         "first": first,
-        "lines": [log_line_html(seq, stream, text) for seq, stream, text in rows],
+        "lines": [[stream, text] for _, stream, text in rows],
     }
+
+
+STREAMS = frozenset({"out", "err", "sys"})
+
+
+def rows_of(message: dict) -> list[tuple[int, str, str]]:
+    """(seq, stream, text) of a `job.lines` message, whatever it holds: a seq that is not a number makes no
+    rows, an unknown stream is shown as output, text is text. The consumer renders these itself."""
+    first, lines = message.get("first"), message.get("lines")
+    if not isinstance(first, int) or isinstance(first, bool) or not isinstance(lines, list):
+        return []
+    rows = []
+    for offset, line in enumerate(lines):
+        stream, text = (line[0], line[1]) if isinstance(line, list | tuple) and len(line) == 2 else ("", line)
+        rows.append((first + offset, stream if stream in STREAMS else "out", str(text)))
+    return rows
 
 
 def status_message(job_id: int, state: str) -> dict:

@@ -1,10 +1,11 @@
 """Websockets for live jobs: one job's log (ws/jobs/<pk>/) and the job list's status badges (ws/jobs/).
 
-Every message is an HTML fragment that htmx's ws extension swaps out of band, rendered from the same
-partials as the pages. The log consumer joins the job's group BEFORE it reads the backlog from the
-database, then drops any line whose `seq` it has already sent: a line saved before the backlog query is
-in the backlog, a line saved after it arrives through the group (the runner saves, then sends), and lines
-in both are sent once. A client that reconnects says where it was with `?after=<seq>`.
+Every message is an HTML fragment that htmx's ws extension swaps out of band, rendered here from the same
+partials as the pages and from data only: the channel layer brings (seq, stream, text), never markup. The
+log consumer joins the job's group BEFORE it reads the backlog from the database, then drops any line whose
+`seq` it has already sent: a line saved before the backlog query is in the backlog, a line saved after it
+arrives through the group (the runner saves, then sends), and lines in both are sent once. A client that
+reconnects says where it was with `?after=<seq>`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from django.utils.safestring import mark_safe
 
 from ramdeck_site.roles import can_operate, can_view
 
-from .broadcast import LIST_GROUP, group_name, log_line_html
+from .broadcast import LIST_GROUP, group_name, log_line_html, rows_of
 from .models import TERMINAL_STATES, Job, JobLogLine
 from .watchers import FORBIDDEN, UserBoundConsumer
 
@@ -63,14 +64,16 @@ class JobLogConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
         """Clients only listen; whatever they send is ignored."""
 
     async def job_lines(self, event: dict) -> None:
-        first, lines = event["first"], event["lines"]
-        last = first + len(lines) - 1
-        if last <= self.last_seq:
+        # Data from the channel layer, rendered (escaped) here: never markup passed through.
+        rows = rows_of(event)
+        if not rows or rows[-1][0] <= self.last_seq:
             return
+        first = rows[0][0]
         if first > self.last_seq + 1:
             # A message went missing on the way (channel full, expired): fill the gap from the database.
             await self._send_from_database(before=first)
-        await self._send_html(lines[max(0, self.last_seq + 1 - first) :], last)
+        fresh = rows[max(0, self.last_seq + 1 - first) :]
+        await self._send_html([log_line_html(*row) for row in fresh], rows[-1][0])
 
     async def job_status(self, event: dict) -> None:
         await self._send_status()

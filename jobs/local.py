@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 from collections.abc import AsyncIterator, Sequence
@@ -29,6 +30,24 @@ from .transport import (
 )
 
 DEFAULT_TIMEOUT_S = 3 * 3600.0
+
+# What a command on the console's own host must not inherit from the console: its keys, its database and
+# broker addresses (with their passwords), anything that looks like a credential. A build's CMakeLists,
+# an rpc-server or curl has no use for them.
+_SECRET_NAME = re.compile(r"SECRET|KEY|PASSWORD|PASSWD|TOKEN|CREDENTIAL|AUTH", re.I)
+_DROPPED = frozenset({"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "DJANGO_SETTINGS_MODULE"})
+
+
+def scrubbed_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The console's environment without RAMDECK_*, credential-like variables and service URLs, plus
+    `extra` (what a caller sets on purpose, e.g. a build's CC)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("RAMDECK_") and name not in _DROPPED and not _SECRET_NAME.search(name)
+    }
+    env.update(extra or {})
+    return env
 
 
 class LocalTransport:
@@ -61,7 +80,7 @@ class LocalTransport:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                env={**os.environ, **env} if env else None,
+                env=scrubbed_env(env),
                 # Its own process group: a timeout or cancel ends the command and all its children.
                 start_new_session=True,
             )
@@ -116,6 +135,7 @@ class LocalTransport:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            env=scrubbed_env(),
         )
         output, _ = await asyncio.wait_for(launcher.communicate(), 60)
         text = output.decode(errors="replace").strip()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from django.conf import settings
+from django.core.exceptions import PermissionDenied
 from django.db import connections, models, router, transaction
 from django.db.models import F
 from django.urls import reverse
@@ -46,6 +47,46 @@ TERMINAL_STATES = (
     JobState.NEEDS_APPROVAL,
     JobState.CANCELLED,
 )
+
+
+class LocalNodeRefused(PermissionDenied):
+    """Work on the console's own host asked for by someone who is not an admin."""
+
+
+def may_use_local_node(user, node) -> bool:
+    """False for a person without the admin role asking for work on the console's own host."""
+    if node is None or user is None or not getattr(node, "is_local", False):
+        return True
+    from ramdeck_site.roles import can_administer
+
+    return can_administer(user)
+
+
+def refuse_local_node(user, node, what: str = "Jobs", *, request=None) -> None:
+    """Raise LocalNodeRefused when `node` is the console's own host (the local transport) and `user` is a
+    person without the admin role.
+
+    Whatever runs there runs as the console's own user, beside its encryption key and database: a build's
+    CMakeLists, a download's file, a command. So every job on such a node, and every model registered or
+    downloaded there, needs an admin. `user` None is the console itself (the monitor, the sweeper, a
+    periodic probe): allowed. Job.save() asks this of every new job, whichever view or task creates it;
+    views ask first, with the request, so the refusal is in the audit history (outside their transaction).
+    """
+    if may_use_local_node(user, node):
+        return
+    if request is not None:
+        from audit import history
+
+        history.record(
+            request,
+            "permission_denied",
+            node,
+            changes={"path": request.path, "method": request.method, "needed": "admin", "local_node": True},
+        )
+    raise LocalNodeRefused(
+        f"{what} on {node.name}, the console's own host, need the admin role: whatever runs there runs "
+        "as the console's user, beside its keys and database."
+    )
 
 
 class JobQuerySet(models.QuerySet):
@@ -129,6 +170,8 @@ class Job(models.Model):
         return (self.finished_at or timezone.now()) - self.started_at
 
     def save(self, *args, **kwargs):
+        if self._state.adding and self.node_id and self.created_by_id:
+            refuse_local_node(self.created_by, self.node)
         if self.node_id and not self.node_name:
             self.node_name = self.node.name
         super().save(*args, **kwargs)

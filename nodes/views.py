@@ -10,7 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
 from audit import history
-from jobs.models import Job
+from jobs.models import Job, may_use_local_node, refuse_local_node
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
 from .forms import BandwidthOverrideForm, CredentialForm, NodeFilterForm, NodeForm
@@ -209,6 +209,7 @@ def probe_now(request, name: str):
 def _start_node_job(request, node: Node, start, *, action: str, what: str, doing: str):
     """Start one job of a kind on the node unless one is queued or running (`start` returns None then), with
     its audit entry in the same transaction; land on the job, or back on the node with the reason."""
+    refuse_local_node(request.user, node, what.capitalize() + "s", request=request)
     with transaction.atomic():
         job = start(node, user=request.user)
         if job is not None:
@@ -276,10 +277,13 @@ def calibrate_all(request):
     """One calibration job per enabled node that has a build and devices; Celery runs them in parallel."""
     from deployments.calibrate_job import start_calibration
 
-    started = []
+    started, skipped = [], []
     with transaction.atomic():
         for node in Node.objects.filter(enabled=True, pending_host_key="").prefetch_related("devices"):
             if node.current_build is None or not node.devices.all():
+                continue
+            if not may_use_local_node(request.user, node):
+                skipped.append(node.name)  # The console's own host: admins only (jobs/models.py).
                 continue
             job = start_calibration(node, user=request.user)
             if job is not None:
@@ -290,6 +294,11 @@ def calibrate_all(request):
         messages.success(request, f"Calibrating {', '.join(started)} in parallel.")
     else:
         messages.info(request, "No node to calibrate: each needs a llama.cpp build and a probe first.")
+    if skipped:
+        messages.warning(
+            request,
+            f"Not calibrated: {', '.join(skipped)}, the console's own host (the admin role calibrates it).",
+        )
     return redirect("nodes:list")
 
 

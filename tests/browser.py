@@ -90,13 +90,38 @@ def live_server_url(transactional_db, settings):
     process.join(timeout=10)
 
 
+# Every page a browser test opens reports what the Content-Security-Policy blocked (and htmx any eval it was
+# denied) on the console; the `page` fixture fails the test when there was any.
+REPORT_CSP_VIOLATIONS = """
+document.addEventListener("securitypolicyviolation", (event) => {
+  console.error(`CSP violation: ${event.violatedDirective} blocked ${event.blockedURI || "inline"} ` +
+                `in ${event.sourceFile || document.location.pathname}:${event.lineNumber}`);
+});
+// htmx reports an eval it was denied (allowEval is off) as an event only: say it on the console too.
+document.addEventListener("htmx:evalDisallowedError", (event) => {
+  console.error(`htmx:evalDisallowedError on ${event.target.outerHTML.slice(0, 200)}`);
+});
+"""
+CSP_PROBLEMS = ("CSP violation", "Content Security Policy", "htmx:evalDisallowedError")
+
+
+def csp_problems(messages: list[str]) -> list[str]:
+    return [text for text in messages if any(marker in text for marker in CSP_PROBLEMS)]
+
+
 @pytest.fixture
 def page(browser):
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     context.set_default_timeout(15_000)
+    context.add_init_script(REPORT_CSP_VIOLATIONS)
     page = context.new_page()
+    console: list[str] = []
+    page.on("console", lambda message: console.append(message.text))
+    page.console_messages_seen = console
     yield page
     context.close()
+    problems = csp_problems(console)
+    assert not problems, f"The page broke its Content-Security-Policy: {problems}"
 
 
 def log_in(page, base_url: str, username: str, password: str) -> None:

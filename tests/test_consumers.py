@@ -215,3 +215,36 @@ async def test_the_job_list_socket_sends_badges_as_states_change(local_node, cha
     await broadcast.send_status(job.pk, job.state)
     assert "badge succeeded" in await communicator.receive_from(timeout=TIMEOUT)
     await communicator.disconnect()
+
+
+@pytest.mark.security
+async def test_markup_arriving_through_the_channel_layer_is_never_forwarded(local_node, channel_layer):
+    """Anyone who can write to the channel layer (a shared Redis) can put anything in a group message: the
+    consumer renders lines itself from (seq, stream, text), so markup in it reaches the page as text."""
+    user = await viewer()
+    job = await running_job_with_lines(local_node, 1)
+    communicator, connected, _ = await connect(f"/ws/jobs/{job.pk}/?after=0", user)
+    assert connected
+    await communicator.receive_from(timeout=TIMEOUT)  # The status summary.
+    hostile = {
+        "type": "job.lines",
+        "job_id": job.pk,
+        "first": 1,
+        "lines": [
+            ["out", "<script>alert(1)</script>"],
+            ['err" onmouseover="alert(2)', "a stream that is not one"],
+            '<img src=x onerror="alert(3)">',  # the old message format: markup, taken as text
+        ],
+    }
+    await channel_layer.group_send(broadcast.group_name(job.pk), hostile)
+    sent = await communicator.receive_from(timeout=TIMEOUT)
+    assert "<script>" not in sent and "<img" not in sent and "onmouseover" not in sent
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in sent
+    assert '<div class="out" data-seq="2">a stream that is not one</div>' in sent
+    assert "&lt;img src=x onerror=&quot;alert(3)&quot;&gt;" in sent
+    assert SEQ.findall(sent) == ["1", "2", "3"]
+    await channel_layer.group_send(
+        broadcast.group_name(job.pk), {"type": "job.lines", "first": "<b>", "lines": []}
+    )
+    assert await communicator.receive_nothing(timeout=0.5)
+    await communicator.disconnect()

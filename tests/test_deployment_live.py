@@ -82,4 +82,4 @@ def test_the_page_polls_only_while_its_socket_is_down(operator_client, deploymen
     lifecycle.start_deploy(deployment, deployment.created_by)
     page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
     assert f'ws-connect="/ws/deployments/{deployment.pk}/"' in page
-    assert f"every 2s [!ramdeckJobs.live('deployment-{deployment.pk}')]" in page
+    assert f'hx-trigger="every 2s" data-poll-unless-live="deployment-{deployment.pk}"' in page

@@ -83,7 +83,9 @@ def test_the_detail_page_shows_the_tail_of_a_long_log_and_connects_live_after_it
     assert 'data-seq="1499"' not in html
     assert f'ws-connect="/ws/jobs/{job.pk}/?after=1999"' in html
     assert "?before=1500" in html and "Load earlier lines" in html
-    assert 'hx-trigger="every 2s [!ramdeckJobs.live' in html
+    # Polls only while the socket is down, from the last line shown (static/js/jobs.js: no eval).
+    assert f'hx-trigger="every 2s" hx-swap="outerHTML"\n  data-poll-unless-live="{job.pk}"' in html
+    assert f'data-after-cursor="{job.pk}"' in html
 
 
 def test_load_earlier_lines_returns_the_previous_window_and_its_own_control(viewer_client, node):
@@ -248,7 +250,7 @@ def test_the_run_form_preselects_the_node_from_the_query(operator_client, ssh_no
 
 
 def test_job_pages_link_the_node_and_the_starter(admin_client, node):
-    starter = UserFactory(username="olga")
+    starter = UserFactory(username="olga", role="admin")  # the node is the console's own host
     job = Job.objects.create(kind="command", node=node, created_by=starter, params={"argv": ["id"]})
     html = admin_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
     assert node.get_absolute_url() in html and "olga" in html

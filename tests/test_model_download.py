@@ -22,6 +22,7 @@ from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs import runner
 from jobs.models import Job, JobState
+from ramdeck_site import crypto
 from tests.deploy_fixtures import lab_node
 from tests.job_fixtures import channel_layer, local_node, wait_for  # noqa: F401 - fixtures
 
@@ -70,7 +71,7 @@ class RangeServer:
 
             def _serve(self, *, body: bool) -> None:
                 owner.requests.append((self.command, self.path, self.headers.get("Range")))
-                data = owner.files.get(self.path)
+                data = owner.files.get(self.path.split("?", 1)[0])
                 if data is None:
                     return self._empty(404)
                 start, end, status = 0, len(data) - 1, 200
@@ -91,7 +92,7 @@ class RangeServer:
                     self._send_body(data[start : end + 1])
 
             def _send_body(self, payload: bytes) -> None:
-                if owner.drop_after is not None:
+                if owner.drop_after is not None and len(payload) > owner.drop_after:
                     payload, owner.drop_after = payload[: owner.drop_after], None
                     self.wfile.write(payload)
                     self.wfile.flush()
@@ -118,6 +119,20 @@ class RangeServer:
 @pytest.fixture(autouse=True)
 def private_channels(channel_layer):  # noqa: F811 - the fixture of tests.job_fixtures
     return channel_layer
+
+
+@pytest.fixture(autouse=True)
+def console_host_may_fetch_from_loopback(settings, tmp_path):
+    """The test server listens on loopback, which the console's own host refuses unless an admin allows
+    it; the files go into the test's folder, made the model folder (tests/test_download_safety.py checks
+    both rules)."""
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.0/8"]
+    settings.RAMDECK_MODEL_DIRS = [str(tmp_path)]
+
+
+def fetches(server) -> list[tuple[str, str, str | None]]:
+    """The server's GET requests without the one-byte probes that check each hop before the download."""
+    return [r for r in server.requests if r[0] == "GET" and r[2] != "bytes=0-0"]
 
 
 @pytest.fixture
@@ -171,10 +186,10 @@ def post_download(client, **fields):
     return client.post(reverse("deployments:model_download"), data)
 
 
-def test_an_operator_downloads_a_model_onto_a_node_and_it_is_registered_with_its_hash(
+def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_with_its_hash(
     local_node,  # noqa: F811
-    operator_client,
-    operator_user,
+    admin_client,
+    admin_user,
     server,
     model_bytes,
     sent,
@@ -183,20 +198,21 @@ def test_an_operator_downloads_a_model_onto_a_node_and_it_is_registered_with_its
     dest = tmp_path / "models" / "tiny.gguf"
     url = server.url("/models/tiny.gguf")
     response = post_download(
-        operator_client, url=url, node=local_node.pk, dest=str(dest), sha256=sha256_of(model_bytes).upper()
+        admin_client, url=url, node=local_node.pk, dest=str(dest), sha256=sha256_of(model_bytes).upper()
     )
     job = Job.objects.get(kind="download")
     assert response.status_code == 302 and response.url == job.get_absolute_url()
     assert sent == [job.pk]
+    assert crypto.decrypt(job.params.pop("url_secret")) == url
     assert job.params == {
         "url": url,
         "dest": str(dest),
         "sha256": sha256_of(model_bytes),
         "name": "tiny.gguf",
     }
-    assert job.created_by == operator_user and job.node == local_node
+    assert job.created_by == admin_user and job.node == local_node
     event = AuditEvent.objects.get(action="model.download")
-    assert event.actor_name == operator_user.username and event.changes["url"] == url
+    assert event.actor_name == admin_user.username and event.changes["url"] == url
 
     job = run(job)
     assert job.state == JobState.SUCCEEDED, log_text(job)
@@ -204,27 +220,29 @@ def test_an_operator_downloads_a_model_onto_a_node_and_it_is_registered_with_its
     assert (model.name, model.node, model.path) == ("tiny.gguf", local_node, str(dest))
     assert model.sha256 == sha256_of(model_bytes) and model.size_bytes == len(model_bytes)
     assert model.profile["architecture"] == "llama" and model.profile["block_count"] == 8
-    assert model.created_by == operator_user
+    assert model.created_by == admin_user
     assert dest.read_bytes() == model_bytes
     assert not Path(f"{dest}.part").exists() and not Path(f"{dest}.part.url").exists()
     log = log_text(job)
-    assert "$ curl --fail --location" in log and f"--output {dest}.part" in log
+    # The console's own host: the URL was resolved and checked first, and curl is pinned to that address.
+    assert "$ curl --fail --resolve 127.0.0.1:" in log and "--max-redirs 0" in log
+    assert f"--output {dest}.part" in log
     assert re.search(r"^Downloaded (\d+\.\d) MiB of \1 MiB \(100%\) \(curl exit status 0\)$", log, re.M), log
     assert f"SHA-256 matches: {sha256_of(model_bytes)}" in log
     assert "Downloaded and registered tiny.gguf: llama, 8 blocks" in job.result
     register = AuditEvent.objects.get(action="model.register")
-    assert register.actor_name == operator_user.username and register.changes["job"] == job.pk
+    assert register.actor_name == admin_user.username and register.changes["job"] == job.pk
 
 
 def test_a_destination_ending_in_a_slash_takes_the_file_name_of_the_url(
     local_node,  # noqa: F811
-    operator_client,
+    admin_client,
     server,
     sent,
     tmp_path,
 ):
     url = server.url("/models/tiny.gguf")
-    response = post_download(operator_client, url=url, node=local_node.pk, dest=f"{tmp_path}/", name="Tiny")
+    response = post_download(admin_client, url=url, node=local_node.pk, dest=f"{tmp_path}/", name="Tiny")
     assert response.status_code == 302
     assert Job.objects.get().params["dest"] == f"{tmp_path}/tiny.gguf"
 
@@ -243,13 +261,13 @@ def test_a_destination_ending_in_a_slash_takes_the_file_name_of_the_url(
 )
 def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
     local_node,  # noqa: F811
-    operator_client,
+    admin_client,
     sent,
     fields,
     message,
 ):
     values = {"url": "http://127.0.0.1:9/x.gguf", "node": local_node.pk, "dest": "/tmp/x.gguf", **fields}
-    response = post_download(operator_client, **values)
+    response = post_download(admin_client, **values)
     assert response.status_code == 400
     assert message in html.unescape(response.content.decode())
     assert not Job.objects.exists() and sent == []
@@ -258,14 +276,14 @@ def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
 
 def test_a_second_download_to_the_same_path_is_refused_while_the_first_is_active(
     local_node,  # noqa: F811
-    operator_client,
+    admin_client,
     sent,
     tmp_path,
 ):
     dest = str(tmp_path / "tiny.gguf")
     fields = {"url": "http://127.0.0.1:9/tiny.gguf", "node": local_node.pk, "dest": dest}
-    assert post_download(operator_client, **fields).status_code == 302
-    response = post_download(operator_client, **fields, name="another name")
+    assert post_download(admin_client, **fields).status_code == 302
+    response = post_download(admin_client, **fields, name="another name")
     assert response.status_code == 400
     assert "A download to this path on that node is already queued or running." in response.content.decode()
     assert Job.objects.count() == 1 and len(sent) == 1
@@ -309,8 +327,7 @@ def test_a_partial_download_is_resumed_with_a_range_request(
     Path(f"{dest}.part").write_bytes(model_bytes[:kept])
     job = run(download(local_node, server.url("/models/tiny.gguf"), dest))
     assert job.state == JobState.SUCCEEDED, log_text(job)
-    gets = [r for r in server.requests if r[0] == "GET"]
-    assert gets == [("GET", "/models/tiny.gguf", f"bytes={kept}-")]
+    assert fetches(server) == [("GET", "/models/tiny.gguf", f"bytes={kept}-")]
     assert dest.read_bytes() == model_bytes
     assert ModelFile.objects.get().path == str(dest)
 
@@ -347,8 +364,8 @@ def test_a_part_file_of_another_url_is_discarded_not_spliced(
     Path(f"{dest}.part.url").write_text("http://127.0.0.1:9/other.gguf")
     job = run(download(local_node, server.url("/models/tiny.gguf"), dest))
     assert job.state == JobState.SUCCEEDED, log_text(job)
-    assert "holds a download of another URL (http://127.0.0.1:9/other.gguf); starting over." in log_text(job)
-    assert [r[2] for r in server.requests if r[0] == "GET"] == [None]
+    assert "holds a download of another URL; starting over." in log_text(job)
+    assert [r[2] for r in fetches(server)] == [None]
     assert dest.read_bytes() == model_bytes
     assert not Path(f"{dest}.part.url").exists()
 
@@ -364,7 +381,7 @@ def test_a_server_that_cannot_resume_gets_a_fresh_download(local_node, model_byt
         plain.close()
     assert job.state == JobState.SUCCEEDED, log_text(job)
     assert "The server cannot resume a download; starting over." in log_text(job)
-    assert [r[2] for r in plain.requests if r[0] == "GET"] == [f"bytes={len(junk)}-", None]
+    assert [r[2] for r in fetches(plain)] == [f"bytes={len(junk)}-", None]
     assert dest.read_bytes() == model_bytes
 
 

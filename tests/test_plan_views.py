@@ -19,7 +19,9 @@ MIB = 1024 * 1024
 
 
 @pytest.fixture
-def gguf_path(tmp_path):
+def gguf_path(tmp_path, settings):
+    # Files on the console's own host are registered only from its model folders.
+    settings.RAMDECK_MODEL_DIRS = [str(tmp_path)]
     return write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama())
 
 
@@ -39,8 +41,9 @@ def pool(db):
 
 
 @pytest.fixture
-def model(pool, gguf_path, operator_client):
-    response = operator_client.post(
+def model(pool, gguf_path, admin_client):
+    # The console's own host (desk): registering a model there needs the admin role.
+    response = admin_client.post(
         reverse("deployments:model_register"),
         {"name": "tiny", "node": pool["desk"].pk, "path": str(gguf_path)},
     )
@@ -48,19 +51,20 @@ def model(pool, gguf_path, operator_client):
     return ModelFile.objects.get(name="tiny")
 
 
-def test_operator_registers_a_local_model_by_path(model, gguf_path):
+def test_an_admin_registers_a_local_model_by_path(model, gguf_path):
     assert model.path == str(gguf_path)
     assert model.profile["block_count"] == 8 and model.profile["architecture"] == "llama"
     assert model.shard_paths == [str(gguf_path)]
     assert model.size_bytes == gguf_path.stat().st_size
     event = AuditEvent.objects.get(action="model.register")
-    assert event.actor_name == "oscar-operator" and event.changes["path"] == str(gguf_path)
+    assert event.actor_name == "alice-admin" and event.changes["path"] == str(gguf_path)
 
 
-def test_a_file_that_is_not_gguf_is_refused_with_a_clear_error(pool, tmp_path, operator_client):
+def test_a_file_that_is_not_gguf_is_refused_with_a_clear_error(pool, tmp_path, admin_client, settings):
+    settings.RAMDECK_MODEL_DIRS = [str(tmp_path)]
     notes = tmp_path / "notes.gguf"
     notes.write_text("shopping list")
-    response = operator_client.post(
+    response = admin_client.post(
         reverse("deployments:model_register"), {"name": "notes", "node": pool["desk"].pk, "path": str(notes)}
     )
     assert response.status_code == 400

@@ -48,3 +48,24 @@ def pct_of(part, whole) -> float:
         return 0.0 if whole <= 0 else max(0.0, min(100.0, float(part) * 100.0 / whole))
     except (TypeError, ValueError):
         return 0.0
+
+
+def _loopback(address: str | None) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address((address or "").split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
+
+
+@register.inclusion_tag("includes/plain_http_warning.html", takes_context=True)
+def plain_http_warning(context, what: str = "this secret") -> dict:
+    """A warning above a form that takes a password or a key, when the page came over plain HTTP to another
+    machine: whoever shares the network (a guest's phone, a smart TV) can read what is sent. Behind a TLS
+    proxy (RAMDECK_TRUST_PROXY_HEADER) or on the console's own host there is nothing to say."""
+    request = context.get("request")
+    if request is None:
+        return {"exposed": False, "what": what}
+    exposed = not request.is_secure() and not _loopback(request.META.get("REMOTE_ADDR"))
+    return {"exposed": exposed, "what": what}

@@ -17,6 +17,20 @@
     return Boolean(socket && socket.dataset.wsOpen === "1");
   }
 
+  // Polling stands in for the socket only while the socket is closed: `data-poll-unless-live="ID"` on the
+  // polling element (no trigger filter: htmx runs without eval under the page's Content-Security-Policy).
+  document.addEventListener("htmx:beforeRequest", (event) => {
+    const id = event.detail.elt.dataset && event.detail.elt.dataset.pollUnlessLive;
+    if (id !== undefined && live(id)) event.preventDefault();
+  });
+
+  // A poll asks only for the lines after the last one shown: `data-after-cursor="JOB"` (instead of hx-vals
+  // with js:, which needs eval).
+  document.addEventListener("htmx:configRequest", (event) => {
+    const id = event.detail.elt.dataset && event.detail.elt.dataset.afterCursor;
+    if (id !== undefined) event.detail.parameters.after = cursor(id);
+  });
+
   document.addEventListener("htmx:wsOpen", (event) => { event.target.dataset.wsOpen = "1"; });
   document.addEventListener("htmx:wsClose", (event) => { delete event.target.dataset.wsOpen; });
 

@@ -13,6 +13,13 @@ document.addEventListener("click", (event) => {
   });
 });
 
+// Plain forms that ask first: <form data-confirm="Delete this?"> (no inline onsubmit: the page's
+// Content-Security-Policy runs no inline event handlers).
+document.addEventListener("submit", (event) => {
+  const form = event.target.closest("form[data-confirm]");
+  if (form && !window.confirm(form.dataset.confirm)) event.preventDefault();
+});
+
 // Messages fade after a while but stay readable for screen readers until then.
 document.addEventListener("DOMContentLoaded", () => {
   setTimeout(() => document.querySelectorAll(".message.success").forEach((el) => el.remove()), 8000);

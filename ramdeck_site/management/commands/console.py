@@ -43,7 +43,9 @@ class Command(BaseCommand):
         self.stdout.write(
             self.style.SUCCESS(f"\nRAMDeck console: http://{shown_host}:{port}/  (Ctrl-C stops everything)")
         )
-        self.stdout.write(f"Database: {settings.DATABASES['default']['NAME']} · Redis: {env['REDIS_URL']}\n")
+        self.stdout.write(
+            f"Database: {settings.DATABASES['default']['NAME']} · Redis: {services.shown(env['REDIS_URL'])}\n"
+        )
         honcho = str(Path(sys.executable).parent / "honcho")
         os.execve(honcho, [honcho, "-f", str(procfile), "-d", str(settings.BASE_DIR), "start"], env)
 
@@ -54,12 +56,18 @@ class Command(BaseCommand):
             env["REDIS_URL"] = url
         else:
             # honcho supervises the private Redis like any other process, so Ctrl-C stops it too.
+            # With a password of its own (var/redis_password), which the children get inside REDIS_URL.
             redis_port = services.free_port()
             workdir = settings.VAR_DIR / "redis"
             workdir.mkdir(parents=True, exist_ok=True)
-            env["REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
-            lines.append("redis: " + " ".join(_quoted(services.redis_command(redis_port, str(workdir)))))
-            self.stdout.write(f"No Redis answers at {url}; starting a private one on port {redis_port}.")
+            password = services.redis_password(settings.VAR_DIR)
+            env["REDIS_URL"] = services.redis_url(redis_port, password)
+            command = services.redis_command(redis_port, str(workdir), password)
+            lines.append("redis: " + " ".join(_quoted(command)))
+            self.stdout.write(
+                f"No Redis answers at {services.shown(url)}; starting a private one on port {redis_port} "
+                f"(password in {settings.VAR_DIR / 'redis_password'})."
+            )
         lines += console_processes(host, port, concurrency)
         settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
         procfile = settings.VAR_DIR / "Procfile"
