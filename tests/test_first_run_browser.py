@@ -35,7 +35,16 @@ def llamacpp_on_path(monkeypatch):
 
 
 @pytest.fixture
-def celery_worker(llamacpp_on_path, transactional_db, tmp_path):
+def model_dir(tmp_path, settings, monkeypatch):
+    """The console's model folder (only files in it may be registered on its own host), for the live
+    server forked later and for the worker."""
+    settings.RAMDECK_MODEL_DIRS = [str(tmp_path)]
+    monkeypatch.setenv("RAMDECK_MODEL_DIRS", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def celery_worker(llamacpp_on_path, model_dir, transactional_db, tmp_path):
     worker = CeleryWorker(tmp_path, default_queue=True).start()
     yield worker
     worker.stop()
