@@ -7,6 +7,7 @@ Every button is a POST for operators and is audited by the lifecycle function it
 from __future__ import annotations
 
 import os
+import re
 
 from django import forms
 from django.conf import settings
@@ -198,6 +199,19 @@ def deployment_redeploy(request, pk: int):
 # --------------------------------------------------------------------------------------------------
 
 
+_GIT_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+
+
+def _git_url_problem(url: str) -> str | None:
+    """Why git must not be given this URL, or None. `TRANSPORT::ADDRESS` is git's remote-helper syntax
+    (`ext::` runs a command); an option-like or spaced value is no URL."""
+    if url.startswith("-") or any(c.isspace() or not c.isprintable() for c in url):
+        return "A git URL has no spaces or control characters and does not start with '-'."
+    if "::" in url:
+        return "Remote-helper URLs (TRANSPORT::ADDRESS, such as ext::) are not accepted; give an https URL."
+    return None
+
+
 class BuildForm(forms.Form):
     source = forms.ChoiceField(
         choices=[
@@ -249,6 +263,14 @@ class BuildForm(forms.Form):
         if source == "git":
             data["git_url"] = data.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL
             data["git_ref"] = data.get("git_ref") or settings.RAMDECK_LLAMACPP_GIT_REF
+            if problem := _git_url_problem(data["git_url"]):
+                self.add_error("git_url", problem)
+            if not _GIT_REF.fullmatch(data["git_ref"]) or ".." in data["git_ref"]:
+                self.add_error(
+                    "git_ref",
+                    "A git ref (branch, tag or commit) has letters, digits, '.', '_', '-' and '/' only, "
+                    "starts with a letter or digit and has no '..'.",
+                )
         return data
 
     def params(self) -> dict:
