@@ -8,6 +8,9 @@ The chain is proved in two links: each form → the argument vector the job buil
 (the same builder functions the jobs call), and any argument vector → the node, through the SSH
 transport's `run` and its detached `start_daemon` (the shell text both produce is the only place quoting
 happens: jobs/transport.py's `shell_join`).
+
+Deployment names and node names never reach a command line (node names are slugs; log file names use them),
+and llama-server / rpc-server take no free-form extra arguments from any form.
 """
 
 from __future__ import annotations
@@ -170,9 +173,12 @@ def test_node_address_and_rpc_bind_address(forms_world, node_shell, value):
             assert refused_with_message(form, field), (field, value, form.errors)
             continue
         host = form.cleaned_data[field]
+        # The worker's rpc-server binds it; the coordinator's llama-server names it in --rpc.
         argv = ["ggml-rpc-server", *rpc_server_args(host, 50052, ["CPU"])]
         assert node_shell.deliver(argv) == argv
         assert argv[2] == host
+        coordinator = ["llama-server", "-m", "/models/m.gguf", "--rpc", f"{host}:50052"]
+        assert node_shell.deliver(coordinator) == coordinator
 
 
 @given(value=HOSTILE)
@@ -243,6 +249,9 @@ def test_register_path_is_read_over_sftp_exactly(forms_world, node_shell, tmp_pa
         return
     cleaned = form.cleaned_data["path"]  # the form trims surrounding whitespace, nothing else
     assert cleaned == path.strip()
+    # Deploying it: llama-server -m PATH on the coordinator (deployments/lifecycle_steps.py).
+    argv = ["llama-server", "-m", cleaned, "--port", "8080"]
+    assert node_shell.deliver(argv) == argv
     name = cleaned.removeprefix(f"{folder}/")
     if not name or "/" in name or name in (".", "..") or len(name.encode()) > 255:
         return  # not a file name of its own in that folder; nothing to create for the comparison
