@@ -250,6 +250,27 @@ def world(tmp_path):
     }
 
 
+def inventory() -> tuple:
+    """What a refused request must leave as it was (the audit history grows: refusals are recorded)."""
+    from django.contrib.auth import get_user_model
+
+    from nodes.models import Credential, Node
+
+    return (
+        list(
+            Node.objects.order_by("pk").values_list(
+                "pk", "address", "host_key", "pending_host_key", "enabled"
+            )
+        ),
+        list(Credential.objects.order_by("pk").values_list("pk", "updated_at")),
+        list(Job.objects.order_by("pk").values_list("pk", "state")),
+        list(Deployment.objects.order_by("pk").values_list("pk", "state", "self_heal")),
+        list(ModelFile.objects.values_list("pk", flat=True)),
+        list(StaleProcess.objects.values_list("pk", flat=True)),
+        list(get_user_model().objects.order_by("pk").values_list("pk", "password", "is_active")),
+    )
+
+
 def _pk_of(key: str, data: dict) -> int:
     if key.startswith("nodes:credential"):
         return data["credential"].pk
@@ -325,10 +346,14 @@ def test_every_route_answers_each_role_as_the_rules_say(db, world):
                 client = Client()
                 if role != "anonymous":
                     client.force_login(world["users"][role])
+                before = inventory()
                 got = outcome(request_route(client, key, pattern, world))
+                changed = inventory() != before
                 transaction.set_rollback(True)
             if got != RULES[key][role]:
                 wrong.append(f"{key} as {role}: got {got}, the rule says {RULES[key][role]}")
+            elif got in (LOGIN, 403) and changed:
+                wrong.append(f"{key} as {role}: refused ({got}), yet something changed")
     assert not wrong, "Routes answering otherwise than RULES says:\n" + "\n".join(wrong)
 
 
