@@ -19,7 +19,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from audit import history
-from jobs.models import Job
+from jobs.models import Job, JobLogLine
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
@@ -37,12 +37,24 @@ def _get_deployment(pk: int) -> Deployment:
 
 
 def _steps(deployment: Deployment) -> list[dict]:
-    rows = []
-    for step in deployment.steps.select_related("job").order_by("order", "pk"):
-        job = step.job
-        tail = list(job.log_lines.order_by("-seq").values_list("text", flat=True)[:6])[::-1]
-        rows.append({"step": step, "job": job, "tail": tail})
-    return rows
+    steps = list(deployment.steps.select_related("job").order_by("order", "pk"))
+    tails = log_tails([step.job for step in steps], 6)
+    return [{"step": step, "job": step.job, "tail": tails[step.job_id]} for step in steps]
+
+
+def log_tails(jobs: list[Job], count: int) -> dict[int, list[str]]:
+    """The last `count` log lines of each job, in one query however many jobs (the run page grows a step
+    per worker and per heal): a job's last lines are those at or past its `next_seq - count`."""
+    tails: dict[int, list[str]] = {job.pk: [] for job in jobs}
+    if not jobs:
+        return tails
+    near_the_end = Q()
+    for job in jobs:
+        near_the_end |= Q(job_id=job.pk, seq__gte=job.next_seq - count)
+    rows = JobLogLine.objects.filter(near_the_end).order_by("job_id", "seq").values_list("job_id", "text")
+    for job_id, text in rows:
+        tails[job_id].append(text)
+    return {pk: lines[-count:] for pk, lines in tails.items()}
 
 
 def run_context(user, deployment: Deployment) -> dict:

@@ -11,7 +11,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit import history
-from deployments.models import Deployment, DeploymentState, ModelFile, StaleProcess
+from deployments.lifecycle_views import log_tails
+from deployments.models import Deployment, DeploymentState, DeploymentStep, ModelFile, StaleProcess
 from jobs.models import Job, JobLogLine, JobState
 from nodes.models import Build, BuildSource, CredentialKind, DeviceKind, Reachability
 from tests.factories import CredentialFactory, DeviceFactory, NodeFactory, UserFactory
@@ -26,9 +27,10 @@ def _fast_passwords(settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
-def add_rows(count: int, admin) -> dict:
+def add_rows(count: int, admin, first: dict | None = None) -> dict:
     """`count` more of everything the pages list: nodes with devices and builds, jobs with log lines,
-    models with running deployments, stale processes and audit entries."""
+    models with running deployments, stale processes and audit entries; and, for the first node and
+    deployment made (`first`), `count` more jobs, deployment steps and audit entries of their own."""
     now = timezone.now()
     made: dict = {"nodes": [], "jobs": [], "deployments": []}
     credential = CredentialFactory(kind=CredentialKind.PASSWORD)
@@ -62,6 +64,17 @@ def add_rows(count: int, admin) -> dict:
         made["nodes"].append(node)
         made["jobs"].append(job)
         made["deployments"].append(deployment)
+        anchor_node = (first or made)["nodes"][0]
+        anchor_deployment = (first or made)["deployments"][0]
+        step_job = Job.objects.create(
+            kind="rpc_server", node=anchor_node, title="rpc-server", created_by=admin
+        )
+        step_job.append_lines([("out", f"step line {i}") for i in range(8)])
+        order = anchor_deployment.steps.count()
+        DeploymentStep.objects.create(
+            deployment=anchor_deployment, job=step_job, name="rpc-server", order=order
+        )
+        history.record(admin, "node.probe", anchor_node, changes={"job": step_job.pk})
     return made
 
 
@@ -100,7 +113,20 @@ def test_page_query_counts_do_not_grow_with_ten_times_the_rows(db):
     client.force_login(admin)
     first = add_rows(N, admin)
     at_n = queries_per_page(client, first)
-    add_rows(9 * N, admin)
+    add_rows(9 * N, admin, first)
     at_10n = queries_per_page(client, first)
     grown = {name: (at_n[name], at_10n[name]) for name in PAGES if at_10n[name] != at_n[name]}
     assert not grown, f"Pages whose query count changed from N={N} to 10N rows (N, 10N): {grown}"
+
+
+def test_the_run_page_shows_each_steps_last_six_lines(db):
+    node = NodeFactory()
+    appended, bulk, empty = (Job.objects.create(kind="command", node=node) for _ in range(3))
+    appended.append_lines([("out", f"a{i}") for i in range(10)])
+    # Lines written without the job's counter (older rows, fixtures): still the last six.
+    JobLogLine.objects.bulk_create(JobLogLine(job=bulk, seq=i, text=f"b{i}") for i in range(9))
+    assert log_tails([appended, bulk, empty], 6) == {
+        appended.pk: [f"a{i}" for i in range(4, 10)],
+        bulk.pk: [f"b{i}" for i in range(3, 9)],
+        empty.pk: [],
+    }
