@@ -11,8 +11,10 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit import history
+from deployments import gguf_profile
 from deployments.lifecycle_views import log_tails
 from deployments.models import Deployment, DeploymentState, DeploymentStep, ModelFile, StaleProcess
+from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import Job, JobLogLine, JobState
 from nodes.models import Build, BuildSource, CredentialKind, DeviceKind, Reachability
 from tests.factories import CredentialFactory, DeviceFactory, NodeFactory, UserFactory
@@ -75,6 +77,8 @@ def add_rows(count: int, admin, first: dict | None = None) -> dict:
             deployment=anchor_deployment, job=step_job, name="rpc-server", order=order
         )
         history.record(admin, "node.probe", anchor_node, changes={"job": step_job.pk})
+        DeviceFactory(node=anchor_node, name=f"Vulkan{node.pk}", kind=DeviceKind.VULKAN)
+        Build.objects.create(node=anchor_node, source_kind=BuildSource.GIT, source="https://x.test/l.git")
     return made
 
 
@@ -87,6 +91,8 @@ PAGES = {
     "jobs:detail": lambda first: reverse("jobs:detail", args=[first["jobs"][0].pk]),
     "audit": lambda first: reverse("audit"),
     "deployments:models": lambda first: reverse("deployments:models"),
+    # The planner's pool: every enabled node with its devices.
+    "deployments:plan": lambda first: reverse("deployments:plan", args=[first["model"].pk]),
     "deployments:list": lambda first: reverse("deployments:list"),
     "deployments:detail": lambda first: reverse("deployments:detail", args=[first["deployments"][0].pk]),
     "deployments:run": lambda first: reverse("deployments:run", args=[first["deployments"][0].pk]),
@@ -107,11 +113,16 @@ def queries_per_page(client: Client, first: dict) -> dict[str, int]:
     return counts
 
 
-def test_page_query_counts_do_not_grow_with_ten_times_the_rows(db):
+def test_page_query_counts_do_not_grow_with_ten_times_the_rows(db, tmp_path):
     admin = UserFactory(username="counting-admin", role="admin")
     client = Client()
     client.force_login(admin)
     first = add_rows(N, admin)
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama())
+    profile = gguf_profile.profile_path(path)
+    first["model"] = ModelFile.objects.create(
+        name="tiny", node=first["nodes"][0], path=str(path), size_bytes=profile["size_bytes"], profile=profile
+    )
     at_n = queries_per_page(client, first)
     add_rows(9 * N, admin, first)
     at_10n = queries_per_page(client, first)
