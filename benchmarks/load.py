@@ -258,6 +258,21 @@ async def run_load(port: int, data: dict, think: float, enqueue) -> tuple[list, 
     return results, seen, elapsed
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process and its children (Celery's pool processes)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    total = 0.0
+    for each in [process, *process.children(recursive=True)]:
+        try:
+            times = each.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return round(total, 1)
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
@@ -289,10 +304,12 @@ def main() -> None:
 
     port = free_port()
     processes: list[subprocess.Popen] = []
+    names: list[str] = []
     logs = []
     try:
         for line in console_processes("127.0.0.1", port, concurrency=args.jobs):
             name, command = line.split(": ", 1)
+            names.append(name)
             log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 (closed below)
             logs.append(log)
             processes.append(subprocess.Popen(shlex.split(command), cwd=ROOT, stdout=log, stderr=log))
@@ -305,8 +322,12 @@ def main() -> None:
             for job in Job.objects.filter(pk__in=data["jobs"]):
                 job.enqueue()
 
+        client_before = cpu_seconds(os.getpid())
         results, seen, elapsed = asyncio.run(run_load(port, data, args.think, enqueue))
         load_after = os.getloadavg()
+        # CPU each process used: the web server's share against the time says how close it ran to one core.
+        cpu = {name: cpu_seconds(process.pid) for name, process in zip(names, processes, strict=True)}
+        cpu["load_client"] = round(cpu_seconds(os.getpid()) - client_before, 1)
     finally:
         for process in reversed(processes):
             if process.poll() is None:
@@ -347,6 +368,7 @@ def main() -> None:
         "seconds": round(elapsed, 1),
         "p95_ms_by_page": {kind: round(percentile(ms, 0.95), 1) for kind, ms in sorted(by_kind.items())},
         "slowest": [[round(ms), page] for ms, _, page in slowest],
+        "cpu_s": cpu,
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in load_after],
         "cpus": os.cpu_count(),
