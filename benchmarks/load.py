@@ -206,37 +206,27 @@ async def watch(port: int, job_id: int, cookie: str, cookie_name: str, ready: as
 
 
 async def browse(
-    port: int,
-    cookie: str,
-    cookie_name: str,
-    pages: list[str],
-    think: float,
-    stop: asyncio.Event,
-    results: list[tuple[float, int, str]],
+    client, pages: list[str], think: float, stop: asyncio.Event, results: list[tuple[float, int, str]]
 ) -> None:
-    import logging
-
     import httpx
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    rng = random.Random(cookie)
-    async with httpx.AsyncClient(
-        base_url=f"http://127.0.0.1:{port}", cookies={cookie_name: cookie}, timeout=60, follow_redirects=False
-    ) as client:
-        await asyncio.sleep(rng.uniform(0, think))  # people do not all arrive in the same millisecond
-        while not stop.is_set():
-            page = rng.choice(pages)
-            started = time.perf_counter()
-            try:
-                response = await client.get(page)
-                status = response.status_code
-            except httpx.HTTPError as exc:
-                status = f"{type(exc).__name__}"
-            results.append(((time.perf_counter() - started) * 1000, status, page))
-            await asyncio.sleep(rng.expovariate(1 / think) if think else 0)
+    rng = random.Random(id(client))
+    await asyncio.sleep(rng.uniform(0, think))  # people do not all arrive in the same millisecond
+    while not stop.is_set():
+        page = rng.choice(pages)
+        started = time.perf_counter()
+        try:
+            response = await client.get(page)
+            status = response.status_code
+        except httpx.HTTPError as exc:
+            status = f"{type(exc).__name__}"
+        results.append(((time.perf_counter() - started) * 1000, status, page))
+        await asyncio.sleep(rng.expovariate(1 / think) if think else 0)
 
 
 async def run_load(port: int, data: dict, think: float, enqueue) -> tuple[list, list[set[int]], float]:
+    import httpx
+
     results: list[tuple[float, int, str]] = []
     stop = asyncio.Event()
     readies = [asyncio.Event() for _ in data["jobs"]]
@@ -245,26 +235,37 @@ async def run_load(port: int, data: dict, think: float, enqueue) -> tuple[list, 
         for pk, ready in zip(data["jobs"], readies, strict=True)
     ]
     await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 60)
-    people = [
-        asyncio.create_task(browse(port, c, data["cookie_name"], data["pages"], think, stop, results))
-        for c in data["cookies"]
+    # Plain HTTP: no TLS context per client (loading the CA bundle 30 times would stall this event loop
+    # and count against the console's latency).
+    clients = [
+        httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}",
+            cookies={data["cookie_name"]: cookie},
+            timeout=60,
+            follow_redirects=False,
+            verify=False,
+        )
+        for cookie in data["cookies"]
     ]
+    people = [asyncio.create_task(browse(client, data["pages"], think, stop, results)) for client in clients]
     started = time.monotonic()
     await asyncio.to_thread(enqueue)
     seen = await asyncio.gather(*watchers)
     elapsed = time.monotonic() - started
     stop.set()
     await asyncio.gather(*people)
+    for client in clients:
+        await client.aclose()
     return results, seen, elapsed
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of a process and its children (Celery's pool processes)."""
+def cpu_seconds(pid: int, *, children: bool = True) -> float:
+    """User and system CPU seconds of a process and (by default) its children (Celery's pool processes)."""
     import psutil
 
     process = psutil.Process(pid)
     total = 0.0
-    for each in [process, *process.children(recursive=True)]:
+    for each in [process, *(process.children(recursive=True) if children else [])]:
         try:
             times = each.cpu_times()
         except psutil.NoSuchProcess:
@@ -299,6 +300,15 @@ def main() -> None:
     os.environ.setdefault("DATABASE_URL", f"sqlite:///{workdir / 'load.sqlite3'}")
     sys.path.insert(0, str(ROOT))
     data = prepare(workdir, args.users, args.jobs, args.lines, args.rate)
+    import logging
+
+    # httpcore tries `import sniffio` on every request; without sniffio installed each failed import searches
+    # sys.path again (about 1 ms of this client's CPU per request). Settle it once: there is no sniffio.
+    sys.modules.setdefault("sniffio", None)
+    import httpx  # noqa: F401  (imported before the clock starts)
+    import websockets  # noqa: F401
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     from ramdeck_site.management.commands.console import console_processes
 
@@ -322,12 +332,12 @@ def main() -> None:
             for job in Job.objects.filter(pk__in=data["jobs"]):
                 job.enqueue()
 
-        client_before = cpu_seconds(os.getpid())
+        client_before = cpu_seconds(os.getpid(), children=False)
         results, seen, elapsed = asyncio.run(run_load(port, data, args.think, enqueue))
         load_after = os.getloadavg()
         # CPU each process used: the web server's share against the time says how close it ran to one core.
         cpu = {name: cpu_seconds(process.pid) for name, process in zip(names, processes, strict=True)}
-        cpu["load_client"] = round(cpu_seconds(os.getpid()) - client_before, 1)
+        cpu["load_client"] = round(cpu_seconds(os.getpid(), children=False) - client_before, 1)
     finally:
         for process in reversed(processes):
             if process.poll() is None:
