@@ -7,6 +7,7 @@ Every button is a POST for operators and is audited by the lifecycle function it
 from __future__ import annotations
 
 import os
+import re
 
 from django import forms
 from django.conf import settings
@@ -18,7 +19,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from audit import history
-from jobs.models import Job, refuse_local_node
+from jobs.models import Job, JobLogLine, refuse_local_node
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
@@ -36,12 +37,24 @@ def _get_deployment(pk: int) -> Deployment:
 
 
 def _steps(deployment: Deployment) -> list[dict]:
-    rows = []
-    for step in deployment.steps.select_related("job").order_by("order", "pk"):
-        job = step.job
-        tail = list(job.log_lines.order_by("-seq").values_list("text", flat=True)[:6])[::-1]
-        rows.append({"step": step, "job": job, "tail": tail})
-    return rows
+    steps = list(deployment.steps.select_related("job").order_by("order", "pk"))
+    tails = log_tails([step.job for step in steps], 6)
+    return [{"step": step, "job": step.job, "tail": tails[step.job_id]} for step in steps]
+
+
+def log_tails(jobs: list[Job], count: int) -> dict[int, list[str]]:
+    """The last `count` log lines of each job, in one query however many jobs (the run page grows a step
+    per worker and per heal): a job's last lines are those at or past its `next_seq - count`."""
+    tails: dict[int, list[str]] = {job.pk: [] for job in jobs}
+    if not jobs:
+        return tails
+    near_the_end = Q()
+    for job in jobs:
+        near_the_end |= Q(job_id=job.pk, seq__gte=job.next_seq - count)
+    rows = JobLogLine.objects.filter(near_the_end).order_by("job_id", "seq").values_list("job_id", "text")
+    for job_id, text in rows:
+        tails[job_id].append(text)
+    return {pk: lines[-count:] for pk, lines in tails.items()}
 
 
 def run_context(user, deployment: Deployment) -> dict:
@@ -209,6 +222,19 @@ def deployment_redeploy(request, pk: int):
 # --------------------------------------------------------------------------------------------------
 
 
+_GIT_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+
+
+def _git_url_problem(url: str) -> str | None:
+    """Why git must not be given this URL, or None. `TRANSPORT::ADDRESS` is git's remote-helper syntax
+    (`ext::` runs a command); an option-like or spaced value is no URL."""
+    if url.startswith("-") or any(c.isspace() or not c.isprintable() for c in url):
+        return "A git URL has no spaces or control characters and does not start with '-'."
+    if "::" in url:
+        return "Remote-helper URLs (TRANSPORT::ADDRESS, such as ext::) are not accepted; give an https URL."
+    return None
+
+
 class BuildForm(forms.Form):
     source = forms.ChoiceField(
         choices=[
@@ -260,6 +286,14 @@ class BuildForm(forms.Form):
         if source == "git":
             data["git_url"] = data.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL
             data["git_ref"] = data.get("git_ref") or settings.RAMDECK_LLAMACPP_GIT_REF
+            if problem := _git_url_problem(data["git_url"]):
+                self.add_error("git_url", problem)
+            if not _GIT_REF.fullmatch(data["git_ref"]) or ".." in data["git_ref"]:
+                self.add_error(
+                    "git_ref",
+                    "A git ref (branch, tag or commit) has letters, digits, '.', '_', '-' and '/' only, "
+                    "starts with a letter or digit and has no '..'.",
+                )
         return data
 
     def params(self) -> dict:

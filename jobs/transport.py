@@ -65,7 +65,15 @@ class CommandResult:
 
 def shell_join(argv: Sequence[str]) -> str:
     """The only place an argument list becomes shell text."""
+    refuse_nul(argv)
     return " ".join(shlex.quote(str(arg)) for arg in argv)
+
+
+def refuse_nul(argv: Sequence[str]) -> None:
+    """No command line can carry a NUL (C strings end there; a remote shell would run a truncated line)."""
+    for index, arg in enumerate(argv):
+        if "\x00" in str(arg):
+            raise ValueError(f"Argument {index} of {str(argv[0])[:80]!r} contains a NUL character; not run.")
 
 
 def decode_line(raw: bytes) -> str:
@@ -85,6 +93,7 @@ class Command:
     def __init__(self, argv: Sequence[str], run: Callable[[Command], AsyncIterator[OutputLine]]) -> None:
         if not argv:
             raise ValueError("empty command")
+        refuse_nul(argv)
         self.argv = [str(arg) for arg in argv]
         self.pid: int | None = None
         self._result: CommandResult | None = None

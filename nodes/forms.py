@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import asyncssh
 from django import forms
 from django.conf import settings
@@ -11,6 +13,9 @@ from .models import Credential, CredentialKind, Node, Transport
 # What an edit form shows in a secret field that already has a stored value. Posting it back unchanged
 # keeps the stored secret; the real value is never sent to the browser.
 SECRET_PLACEHOLDER = "•••••••• (stored; leave as is to keep)"
+
+
+_LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}")
 
 
 class NodeForm(forms.ModelForm):
@@ -40,6 +45,15 @@ class NodeForm(forms.ModelForm):
 
     def clean_name(self):
         return self.cleaned_data["name"].strip().lower()
+
+    def clean_ssh_user(self):
+        # Only login names: never an option (`-o...`) or shell text wherever the name is used later.
+        value = self.cleaned_data["ssh_user"].strip()
+        if value and not _LOGIN_NAME.fullmatch(value):
+            raise forms.ValidationError(
+                "A login name has letters, digits, '.', '_', '-' or '@' only, and does not start with '-'."
+            )
+        return value
 
     def clean_address(self):
         return self.cleaned_data["address"].strip()
