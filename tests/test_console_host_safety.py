@@ -169,7 +169,9 @@ def test_deploy_stop_and_redeploy_on_the_console_host_need_an_admin(
     assert start_deploy(deployment, admin_user)[0] is True
     assert set(Job.objects.values_list("created_by", flat=True)) == {admin_user.pk}
     before = Job.objects.count()
-    response = operator_client.post(reverse("deployments:stop", args=[deployment.pk]), follow=True)
+    response = operator_client.post(
+        reverse("deployments:stop", args=[deployment.pk]), {"confirm": "yes"}, follow=True
+    )
     assert response.redirect_chain[-1][0] == page
     assert "needs the admin" in response.content.decode() and Job.objects.count() == before
 

@@ -53,14 +53,20 @@ _ADMIN_ONLY_PAGE = _rule(LOGIN, LOGIN, LOGIN, 200)
 RULES: dict[str, dict[str, object]] = {
     # Site pages.
     "dashboard": _rule(LOGIN, 200, 200, 200),
+    "dashboard_live": _rule(LOGIN, 200, 200, 200),  # the dashboard's regions, polled while its socket is down
     "login": _all(200) | {"viewer": 302, "operator": 302, "admin": 302},  # logged in: on to the dashboard
     "logout": _rule(LOGIN, 302, 302, 302),  # POST
     "password_change": _rule(LOGIN, 200, 200, 200),
     "password_change_done": _rule(LOGIN, 302, 302, 302),
     "audit": _rule(LOGIN, 200, 200, 200),
+    # Users and their roles: admins only.
+    "users:list": _rule(LOGIN, 403, 403, 200),
+    "users:create": _rule(LOGIN, 403, 403, 200),
+    "users:edit": _rule(LOGIN, 403, 403, 200),
     # Nodes: viewers look, admins change the inventory, operators start probes and calibrations.
     "nodes:list": _rule(LOGIN, 200, 200, 200),
     "nodes:create": _rule(LOGIN, 403, 403, 200),
+    "nodes:add_this_machine": _rule(LOGIN, 403, 403, 302),  # POST; the console's own host: admins only
     "nodes:calibrate_all": _rule(LOGIN, 403, 302, 302),
     "nodes:credentials": _rule(LOGIN, 200, 200, 200),
     "nodes:credential_create": _rule(LOGIN, 403, 403, 200),
@@ -92,7 +98,7 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:processes": _rule(LOGIN, 200, 200, 200),
     "deployments:api_key": _rule(LOGIN, 403, 200, 200),
     "deployments:deploy": _rule(LOGIN, 403, 302, 302),
-    "deployments:stop": _rule(LOGIN, 403, 302, 302),
+    "deployments:stop": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm stops
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
     "deployments:self_heal": _rule(LOGIN, 403, 302, 302),
@@ -154,6 +160,7 @@ RULES: dict[str, dict[str, object]] = {
     "ws/jobs/": _rule("refused", "accepted", "accepted", "accepted"),
     "ws/jobs/<int:pk>/": _rule("refused", "accepted", "accepted", "accepted"),
     "ws/deployments/<int:pk>/": _rule("refused", "accepted", "accepted", "accepted"),
+    "ws/dashboard/": _rule("refused", "accepted", "accepted", "accepted"),
 }
 
 
@@ -282,6 +289,8 @@ def _pk_of(key: str, data: dict) -> int:
         return data["stale"].pk
     if key.startswith("deployments:"):
         return data["deployment"].pk
+    if key == "users:edit":
+        return data["users"]["viewer"].pk
     raise AssertionError(f"{key}: say in _pk_of which object its <pk> is")
 
 
