@@ -81,7 +81,7 @@ def event(payload: dict[str, Any]) -> bytes:
 
 def _error_text(data: Any) -> str:
     """llama-server's error, {"error": {"message": ...}} or {"error": "..."}, as one line."""
-    error = data.get("error") if isinstance(data, dict) else data
+    error = data.get("error", data) if isinstance(data, dict) else data
     if isinstance(error, dict):
         error = error.get("message") or json.dumps(error)
     return str(error)[:500]
