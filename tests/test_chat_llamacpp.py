@@ -109,3 +109,66 @@ def test_a_deployment_on_this_box_answers_a_chat_streamed_through_the_console(
     assert deployment.state == DeploymentState.STOPPED
     for info in deployment.processes.values():
         assert not pid_alive(int(info["pid"])), info
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(1200)
+def test_a_plan_confirmed_on_the_lab_listens_on_the_coordinators_address_and_chats_over_rpc(
+    lab, lab_hosts, tmp_path, settings, monkeypatch, transactional_db
+):
+    """Two lab hosts over real sshd: the coordinator is not the console's host, so the confirm form's default
+    endpoint is its LAN address; the console chats with it while a worker's rpc-server holds layers."""
+    from asgiref.sync import async_to_sync
+    from django.test import AsyncClient
+
+    from tests.llamacpp_build import use_cached_llamacpp
+    from tests.test_e2e_deployment import Cluster, _devices
+
+    settings.RAMDECK_CHAT_MAX_TOKENS = MAX_TOKENS
+    use_cached_llamacpp(settings)
+    cluster = Cluster(lab, lab_hosts(2), tmp_path)
+    cluster.build_all()
+    model = cluster.model()
+    _devices(cluster.coordinator, cluster.workers)
+    type(cluster.coordinator).objects.update(rtt_ms=0.1)  # as the probe measures on the lab
+    web = Client()
+    web.force_login(cluster.operator)
+    response = web.post(
+        reverse("deployments:confirm", args=[model.pk]),
+        {
+            "ctx": 512,
+            "parallel": 1,
+            "cache_type": "f16",
+            "clamp": 0.7,
+            "coordinator": cluster.coordinator.pk,
+            "nodes": [n.pk for n in cluster.nodes],
+            "full": "1",
+        },
+    )
+    assert response.status_code == 302, response.content.decode()[-3000:]
+    deployment = model.deployments.get()
+    assert (deployment.host, deployment.port) == (cluster.coordinator.address, 8080)
+    assert any(p["endpoint"] for p in deployment.plan["placements"])  # the worker holds layers
+    deployment = cluster.deploy(deployment, monkeypatch)
+    try:
+        assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+        assert endpoint_url(deployment) == f"http://{cluster.coordinator.address}:8080"
+
+        async def ask():
+            client = AsyncClient()
+            await client.aforce_login(cluster.operator)
+            answer = await client.post(
+                reverse("deployments:chat", args=[deployment.pk]),
+                data=json.dumps({"messages": [{"role": "user", "content": "hello"}]}),
+                content_type="application/json",
+            )
+            assert answer.status_code == 200, answer.content
+            return b"".join([chunk async for chunk in answer.streaming_content]).decode()
+
+        text = async_to_sync(ask)()
+        events = [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]
+        assert [e for e in events if "delta" in e] and events[-1]["done"] is True, events
+        assert deployment.api_key() not in text
+    finally:
+        deployment = cluster.stop(deployment, monkeypatch)
+    cluster.assert_clean(deployment)
