@@ -1,6 +1,8 @@
 """Real llama.cpp: a deployment on the console's own host (a Local node) answers a chat streamed through the
 console's daphne, the model answers to its friendly name (`--alias`) on /v1/chat/completions, and the context
-llama.cpp really used (capped at the model's trained one) is what the deployment stores and shows."""
+llama.cpp really used (capped at the model's trained one) is what the deployment stores and shows. On the
+lab: a plan confirmed through the form with a remote coordinator listens on its LAN address and chats while a
+worker's rpc-server holds layers."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from tests.deploy_fixtures import pid_alive
 from tests.factories import UserFactory
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.e2e, pytest.mark.timeout(900)]
-MAX_TOKENS = 8
+MAX_TOKENS = 32
 
 
 @pytest.fixture
@@ -167,7 +169,9 @@ def test_a_plan_confirmed_on_the_lab_listens_on_the_coordinators_address_and_cha
 
         text = async_to_sync(ask)()
         events = [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]
-        assert [e for e in events if "delta" in e] and events[-1]["done"] is True, events
+        # The lab's model has other random weights: its answer may be short; it must come, and no error.
+        assert not [e for e in events if "error" in e] and events[-1]["done"] is True, events
+        assert events[-1]["tokens"] >= 1
         assert deployment.api_key() not in text
     finally:
         deployment = cluster.stop(deployment, monkeypatch)
