@@ -47,6 +47,7 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
         page.goto(f"{live_server_url}/deployments/{deployment.pk}/run/")
         expect(page.locator("#chat-model")).to_have_text(ALIAS)
         expect(page.locator("#chat-send")).to_be_enabled()
+        expect(page.locator("#chat-stop")).to_be_hidden()  # only while an answer streams
         assert key not in page.content()
 
         # Count how often the answer's text changes while it arrives.
