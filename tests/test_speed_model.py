@@ -282,3 +282,47 @@ def test_the_default_split_follows_what_llama_cpp_reports_not_the_container_limi
     plan = planner.plan(profile(), nodes, planner.Settings(ctx=256))
     layers = {p["node"]: p["layers"] for p in plan["baseline"]["placements"]}
     assert layers == {"desk": 0, "a": 3, "b": 1}  # 5 slots (4 blocks + output) split half and half
+
+
+@pytest.mark.django_db
+def test_the_context_shown_is_llama_cpps_with_the_requested_one_beside_it_when_they_differ(viewer_client):
+    deployment = _deployment(measured=None)
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 8192}, state="running")
+    deployment.refresh_from_db()
+    page = viewer_client.get(deployment.get_absolute_url()).content.decode()
+    assert '<span id="context-used">8192 <span class="muted">(asked for;' in page  # not read yet
+    capped = {
+        "n_ctx": 8192,
+        "n_ctx_train": 4096,
+        "n_slots": 1,
+        "per_slot": 4096,
+        "total": 4096,
+        "capped": True,
+    }
+    deployment.record(ctx_used=4096, verification={"context": capped})
+    assert deployment.ctx_differs
+    assert deployment.ctx_note() == "llama.cpp capped each slot at the model's trained context (4,096)"
+    for url in (deployment.get_absolute_url(), f"/deployments/{deployment.pk}/run/"):
+        page = viewer_client.get(url).content.decode()
+        assert (
+            '<span id="context-used">4096 <span class="badge warn" id="context-requested">requested 8192'
+            in page
+        )
+    # Rounded up to a multiple of 256, not capped: said so.
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 1000})
+    deployment.refresh_from_db()
+    rounded = {
+        "n_ctx": 1024,
+        "n_ctx_train": 4096,
+        "n_slots": 1,
+        "per_slot": 1024,
+        "total": 1024,
+        "capped": False,
+    }
+    deployment.record(ctx_used=1024, verification={"context": rounded})
+    assert deployment.ctx_note().startswith("llama.cpp rounds the context to a multiple of 256")
+    # The same as asked: nothing beside it.
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 1024})
+    deployment.refresh_from_db()
+    assert not deployment.ctx_differs and deployment.ctx_note() == ""
+    assert 'id="context-requested"' not in viewer_client.get(deployment.get_absolute_url()).content.decode()
