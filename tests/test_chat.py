@@ -11,6 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from asgiref.sync import async_to_sync
 from django.test import AsyncClient, Client
@@ -23,7 +24,7 @@ from tests.job_fixtures import local_node  # noqa: F401 - a fixture
 KEY = "s3cret-key-of-the-deployment"
 
 
-def _stand_in(chunks: list[str], seen: list[dict]) -> ThreadingHTTPServer:
+def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
     """Answers POST /v1/chat/completions with `chunks` as `data:` lines, a little apart, like llama-server."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -46,11 +47,15 @@ def _stand_in(chunks: list[str], seen: list[dict]) -> ThreadingHTTPServer:
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(f"data: {chunk}\n\n".encode())
-                self.wfile.flush()
-                time.sleep(0.02)
-            self.wfile.write(b"data: [DONE]\n\n")
+            try:
+                for chunk in chunks:
+                    self.wfile.write(f"data: {chunk}\n\n".encode())
+                    self.wfile.flush()
+                    seen[-1]["written"] = seen[-1].get("written", 0) + 1
+                    time.sleep(pause)
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                seen[-1]["hung_up"] = True  # the console closed the connection: llama-server stops there
             self.close_connection = True
 
         def log_message(self, *args):
@@ -235,3 +240,36 @@ def test_a_bad_conversation_is_refused_with_its_reason(local_node, operator_user
     deployment = _deployment(local_node, 9)
     response = _post(operator_user, deployment, [{"role": "user", "content": "  "}])
     assert response.status_code == 400 and response.json() == {"error": "Type a message first."}
+
+
+def test_a_page_that_goes_away_ends_the_answer_at_llama_server_too(
+    local_node, operator_user, live_server_url
+):
+    """Through daphne: the reader hangs up after the first piece; the console closes its connection to
+    llama-server (which then stops generating) instead of reading the answer to its end."""
+    seen: list[dict] = []
+    server = _stand_in([_delta(f"word{i} ") for i in range(100)], seen, pause=0.1)
+    try:
+        deployment = _deployment(local_node, server.server_address[1])
+        web = Client()
+        web.force_login(operator_user)
+        cookies = {name: morsel.value for name, morsel in web.cookies.items()}
+        with httpx.Client(base_url=live_server_url, cookies=cookies, timeout=30) as browser:
+            browser.get(reverse("deployments:run", args=[deployment.pk]))
+            with browser.stream(
+                "POST",
+                reverse("deployments:chat", args=[deployment.pk]),
+                json={"messages": [{"role": "user", "content": "talk"}]},
+                headers={"X-CSRFToken": browser.cookies["csrftoken"]},
+            ) as response:
+                assert response.status_code == 200
+                first = next(response.iter_lines())
+                assert first.startswith("data:") and "word0" in first
+        deadline = time.monotonic() + 10
+        while not seen[0].get("hung_up") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen[0].get("hung_up"), seen[0].get("written")
+    assert seen[0]["written"] < 100
