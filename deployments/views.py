@@ -328,17 +328,17 @@ def plan_confirm(request, pk: int):
         context = {"model": model, "form": form, "plan": plan, "error": error or "This plan does not fit."}
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
-    endpoint_form = EndpointForm(request.POST, coordinator=coordinator)
-    if not endpoint_form.is_valid():
+    endpoint = EndpointForm(request.POST, coordinator=coordinator)
+    if not endpoint.is_valid():
         context = {
             "model": model,
             "form": form,
             "plan": plan,
             "commands": _commands(model, plan),
             "confirm_token": _confirm_token(request.POST) or uuid.uuid4().hex,
-            "endpoint_form": endpoint_form,
+            "endpoint_form": endpoint,
             "error": "Choose the endpoint again: "
-            + " ".join(str(e) for errors in endpoint_form.errors.values() for e in errors),
+            + " ".join(str(e) for errors in endpoint.errors.values() for e in errors),
         }
         return render(request, "deployments/plan_preview.html", context, status=400)
     token = _confirm_token(request.POST)
@@ -346,7 +346,7 @@ def plan_confirm(request, pk: int):
         messages.info(request, f"This plan was already confirmed as {earlier.name}.")
         return redirect(earlier.get_absolute_url())
     try:
-        deployment = _confirm(request, model, form, plan, endpoint_form, token)
+        deployment = _confirm(request, model, form, plan, endpoint, token)
     except IntegrityError:
         # The same form, posted twice at the same instant: the other request made the deployment.
         earlier = Deployment.objects.filter(confirm_token=token).first()
