@@ -19,7 +19,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import placement
+from deployments import llamacpp, placement
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
 from jobs.aio import db
 from jobs.context import JobFailed
@@ -320,6 +320,9 @@ async def llama_server_body(ctx) -> str:
         "-m",
         deployment.model_file.path,
         *deployment.plan["llama_server_args"],
+        # The OpenAI-style API answers to the model's name in the console, not to its file path.
+        "--alias",
+        llamacpp.model_alias(deployment.model_file.name),
         "--host",
         host,
         "--port",
@@ -366,12 +369,20 @@ def _llama_process(deployment) -> dict:
 async def verify_body(ctx) -> str:
     deployment = await load_deployment(ctx)
     info = _llama_process(deployment)
-    result = await ctx.transport.run(["grep", "-E", "buffer size|offloaded", info["log"]], timeout=60)
+    pattern = "buffer size|offloaded|n_ctx|n_seq_max|n_slots|training context"
+    result = await ctx.transport.run(["grep", "-E", pattern, info["log"]], timeout=60)
     log_text = "\n".join(line.text for line in result.lines if line.stream == "out")
     report = placement.compare(deployment.plan, log_text)
     for line in report["lines"]:
         await ctx.log(line)
-    await db(deployment.record)(verification=report)
+    # The context llama.cpp really gave the slots is the one shown from now on, beside the one asked for.
+    report["context"] = context = llamacpp.parse_context_log(log_text.splitlines())
+    await db(deployment.record)(verification=report, ctx_used=context["total"])
+    if context["total"] is not None and context["total"] != deployment.ctx_requested:
+        await ctx.log(
+            f"context: llama.cpp uses {context['total']} tokens ({context['per_slot']} per slot), "
+            f"{deployment.ctx_requested} were asked for; {deployment.ctx_note()}"
+        )
     if report["problems"]:
         message = "placement differs from the plan: " + "; ".join(report["problems"])
         if getattr(settings, "RAMDECK_PLACEMENT_MISMATCH", "fail") == "fail":

@@ -25,7 +25,9 @@ from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
 from . import lifecycle
 from .build_job import allowed_tarball, offered_tarballs, pinned_tarball_path, tarball_dir
-from .lifecycle_steps import endpoint_url
+from .endpoint import LOOPBACK_HOSTS
+from .lifecycle_steps import endpoint_url, reach_host
+from .llamacpp import model_alias
 from .llamacpp_source import PINNED
 from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
 
@@ -73,10 +75,11 @@ def run_context(user, deployment: Deployment) -> dict:
             if row["step"].name == "rpc-server" and row["job"].params.get("exposed")
         ],
         "endpoint": endpoint_url(deployment),
+        "model_alias": model_alias(deployment.model_file.name),
         "predicted_tps": predicted,
         "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),
         "measured_ratio": (measured / predicted) if measured and predicted else None,
-        "speed_advice": deployment.recalibration_advice(),
+        "speed_reasons": deployment.speed_miss_reasons(),
         "verification": deployment.verification or {},
         "is_active": deployment.state in ACTIVE_STATES,
         "is_moving": deployment.state
@@ -143,7 +146,13 @@ def deployment_api_key(request, pk: int):
     deployment = _get_deployment(pk)
     key = deployment.api_key() if deployment.api_key_encrypted else ""
     history.record(request, "deployment.api_key_viewed", deployment)
-    context = {"deployment": deployment, "api_key": key, "endpoint": endpoint_url(deployment)}
+    context = {
+        "deployment": deployment,
+        "api_key": key,
+        "endpoint": endpoint_url(deployment),
+        "model_alias": model_alias(deployment.model_file.name),
+        "loopback": reach_host(deployment) in LOOPBACK_HOSTS,
+    }
     template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
     return render(request, template, context)
 

@@ -3,6 +3,8 @@
 - `layer_assignment`: llama.cpp's own rule for which device gets which layer from -ngl and -ts.
 - `llama_server_args` / `rpc_server_args`: the argument lists a plan turns into (binary not included).
 - `parse_load_log`: the per-device buffer sizes and offload count from `llama-server -lv 4` output.
+- `parse_context_log`: the context llama.cpp really gave the slots (it may cap or round what `-c` asked).
+- `model_alias`: the name llama-server's OpenAI API answers to (`--alias`), from the console's model name.
 - `parse_rpc_banner`: version, endpoint and devices from the banner `ggml-rpc-server` prints on start.
 - `parse_llama_version` / `parse_server_version`: what `llama-server --version` says, in two shapes.
 - The binaries' names (`RPC_SERVER_BINARIES`, `LLAMA_SERVER_BINARY`, `BINARIES`).
@@ -137,6 +139,60 @@ def parse_load_log(lines: Iterable[str]) -> dict[str, Any]:
         if match:
             offloaded = [int(match["n"]), int(match["m"])]
     return {"offloaded": offloaded, "devices": devices}
+
+
+# llama_context prints n_seq_max / n_ctx / n_ctx_seq (older releases: n_ctx_per_seq); the model loader prints
+# n_ctx_train; the server prints "initializing, n_slots = 1, n_ctx_slot = 4096" (older: "new slot
+# n_ctx_slot = 4096" once per slot), after capping each slot at the model's trained context.
+_CTX_FIELD_RE = re.compile(
+    r"\b(?P<key>n_ctx_train|n_ctx_seq|n_ctx_per_seq|n_ctx_slot|n_ctx|n_seq_max|n_slots)\s*=\s*(?P<value>\d+)\b"
+)
+_CTX_CAPPED_RE = re.compile(r"exceeds the training context of the model \((?P<train>\d+)\)")
+_OLD_SLOT_RE = re.compile(r"\bid\s+\d+ \| task -?\d+ \| new slot,? n_ctx_slot\s*=")
+
+
+def parse_context_log(lines: Iterable[str]) -> dict[str, Any]:
+    """The context llama-server really uses, from its log at start (info level and up).
+
+    Returns {"n_ctx": the KV cells allocated, "n_ctx_train": the model's trained context, "n_slots",
+    "per_slot": the tokens one conversation can hold, "total": per_slot × n_slots (comparable with what
+    `-c` asked), "capped": llama.cpp cut the slots to the trained context}. A number the log does not show is
+    None; "total" is None when neither the slot nor the sequence size is there.
+    """
+    found: dict[str, int] = {}
+    old_slots = 0
+    capped = False
+    for line in lines:
+        if _OLD_SLOT_RE.search(line):
+            old_slots += 1
+        if _CTX_CAPPED_RE.search(line):
+            capped = True
+        for match in _CTX_FIELD_RE.finditer(line):
+            key = "n_ctx_seq" if match["key"] == "n_ctx_per_seq" else match["key"]
+            found.setdefault(key, int(match["value"]))
+    train = found.get("n_ctx_train")
+    slots = found.get("n_slots") or old_slots or found.get("n_seq_max")
+    per_slot = found.get("n_ctx_slot")
+    if per_slot is None and found.get("n_ctx_seq") is not None:
+        # Releases that do not print the slot size cap it the same way: at the trained context.
+        per_slot = min(found["n_ctx_seq"], train) if train else found["n_ctx_seq"]
+    if per_slot is not None and train and found.get("n_ctx_seq", 0) > train:
+        capped = True
+    return {
+        "n_ctx": found.get("n_ctx"),
+        "n_ctx_train": train,
+        "n_slots": slots,
+        "per_slot": per_slot,
+        "total": per_slot * (slots or 1) if per_slot is not None else None,
+        "capped": capped,
+    }
+
+
+def model_alias(name: str) -> str:
+    """The `--alias` for a model the console calls `name`. llama-server splits the option at commas (several
+    aliases; the API answers with the first in sort order), so a name stays one alias."""
+    alias = " ".join(name.replace(",", " ").split())
+    return alias or "model"
 
 
 _VERSION_RE = re.compile(r"Starting RPC server v(?P<version>\S+)")

@@ -122,6 +122,10 @@ class Deployment(models.Model):
     measured_prompt_tps = models.FloatField(null=True, blank=True)
     # The plan's prediction, stored beside the measurement when the measure step ran.
     predicted_decode_tps = models.FloatField(null=True, blank=True)
+    # The context llama.cpp really gave the slots, all slots together (llama.cpp rounds -c to 256 and caps
+    # each slot at the model's trained context), read from llama-server's log by the verify step; the
+    # numbers it came from are verification["context"].
+    ctx_used = models.PositiveIntegerField(null=True, blank=True)
     processes = models.JSONField(default=dict, blank=True)
     # What the monitor saw last (deployments/monitor.py): {"checked_at", "processes": [per-process status:
     # alive, pid, uptime, memory], "metrics": llama-server's /metrics numbers}. Pages only read it.
@@ -154,11 +158,16 @@ class Deployment(models.Model):
         return error is not None and abs(error) > SPEED_ERROR_LIMIT
 
     def recalibration_advice(self) -> list[str]:
-        """Which nodes to calibrate again when the measured speed is far from the prediction.
+        """Which nodes to calibrate again when the measured speed is far from the prediction."""
+        return [row["node"] for row in self.speed_miss_reasons()]
+
+    def speed_miss_reasons(self) -> list[dict[str, str]]:
+        """Why the measured speed is far from the prediction, likeliest first: [{"node", "reason"}].
 
         One measurement cannot say which device was off, so: the nodes of the plan whose figures are not
-        measurements of their present hardware (table guesses, stale or missing calibrations) if there are
-        any, else the node the prediction leaned on most (the largest share of the predicted time)."""
+        measurements of their present hardware (never calibrated, hardware changed, a device missing,
+        stale), else the nodes whose link is slower now than when it was calibrated, else the node the
+        prediction leaned on most (the largest share of the predicted time)."""
         if not self.speed_is_off:
             return []
         from nodes.models import Node
@@ -168,15 +177,48 @@ class Deployment(models.Model):
             if item.get("layers") or item.get("output_layer"):
                 share[item["node"]] = share.get(item["node"], 0.0) + float(item.get("ms_per_token") or 0)
         share.setdefault(self.coordinator.name, 0.0)
-        nodes = Node.objects.filter(name__in=share).prefetch_related("devices")
-        unmeasured = sorted(
-            n.name
+        nodes = sorted(Node.objects.filter(name__in=share).prefetch_related("devices"), key=lambda n: n.name)
+        figures = [{"node": n.name, "reason": reason} for n in nodes if (reason := _figures_problem(n))]
+        if figures:
+            return figures
+        links = [
+            {"node": n.name, "reason": reason}
             for n in nodes
-            if n.calibrated_at is None or any(d.measurement_state != "fresh" for d in n.devices.all())
-        )
-        if unmeasured:
-            return unmeasured
-        return [max(share, key=lambda name: share[name])] if share else []
+            if n.pk != self.coordinator_id and (reason := _slow_link(n))
+        ]
+        if links:
+            return links
+        if not share:
+            return []
+        name = max(share, key=lambda node: share[node])
+        total = sum(share.values())
+        weight = f" ({share[name] / total:.0%} of the predicted time per token)" if total else ""
+        return [
+            {
+                "node": name,
+                "reason": f"its figures are fresh, but the prediction leans on them most{weight}",
+            }
+        ]
+
+    @property
+    def ctx_requested(self) -> int | None:
+        return (self.plan_settings or {}).get("ctx") or ((self.plan or {}).get("settings") or {}).get("ctx")
+
+    @property
+    def ctx_differs(self) -> bool:
+        requested = self.ctx_requested
+        return self.ctx_used is not None and requested is not None and self.ctx_used != requested
+
+    def ctx_note(self) -> str:
+        """Why llama.cpp's context is not the one asked for ("" when it is, or is not known yet)."""
+        if not self.ctx_differs:
+            return ""
+        context = (self.verification or {}).get("context") or {}
+        if context.get("capped") and context.get("n_ctx_train"):
+            return f"llama.cpp capped each slot at the model's trained context ({context['n_ctx_train']:,})"
+        if context.get("n_ctx") and context["n_ctx"] != self.ctx_requested:
+            return "llama.cpp rounds the context to a multiple of 256 (and of the slot count)"
+        return "as llama-server reported it at start"
 
     def set_api_key(self, key: str) -> None:
         self.api_key_encrypted = crypto.encrypt(key)
@@ -300,6 +342,40 @@ class Deployment(models.Model):
     def store_api_key(self, key: str) -> None:
         self.set_api_key(key)
         self.save(update_fields=["api_key_encrypted"])
+
+
+def _figures_problem(node) -> str:
+    """What is wrong with the figures the planner had for this node ("" when they are fresh measurements)."""
+    if node.calibrated_at is None:
+        return "never calibrated: the plan used table figures for it"
+    states = {d.name: d.measurement_state for d in node.devices.all()}
+    changed = sorted(name for name, state in states.items() if state == "hardware_changed")
+    if changed:
+        names = ", ".join(changed)
+        return f"its hardware changed since it was calibrated ({names}): the plan used table figures"
+    missing = sorted(name for name, state in states.items() if state == "none")
+    if missing:
+        return f"{', '.join(missing)} not calibrated: the plan used table figures for it"
+    old = sorted(name for name, state in states.items() if state == "old")
+    if old:
+        days = settings.RAMDECK_CALIBRATION_MAX_AGE_DAYS
+        return f"its calibration is stale (older than {days:g} days)"
+    return ""
+
+
+# A worker's round trip counts as slower than calibrated beyond twice the calibrated one, and 1 ms more.
+SLOW_LINK_FACTOR = 2.0
+SLOW_LINK_MIN_MS = 1.0
+
+
+def _slow_link(node) -> str:
+    """The node's link is slower now (its last probe's round trip) than when it was calibrated."""
+    then, now = node.link_rtt_ms, node.rtt_ms
+    if then is None or now is None:
+        return ""
+    if now > SLOW_LINK_FACTOR * then and now - then > SLOW_LINK_MIN_MS:
+        return f"its link is slow: a round trip takes {now:.1f} ms now, {then:.1f} ms when it was calibrated"
+    return ""
 
 
 class ClaimConflict(Exception):

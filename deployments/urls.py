@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import lifecycle_views, views
+from . import chat, lifecycle_views, views
 
 app_name = "deployments"
 urlpatterns = [
@@ -17,6 +17,7 @@ urlpatterns = [
     path("deployments/<int:pk>/run/", lifecycle_views.deployment_run, name="run"),
     path("deployments/<int:pk>/processes/", lifecycle_views.deployment_processes, name="processes"),
     path("deployments/<int:pk>/api-key/", lifecycle_views.deployment_api_key, name="api_key"),
+    path("deployments/<int:pk>/chat/", chat.deployment_chat, name="chat"),
     path("deployments/<int:pk>/deploy/", lifecycle_views.deployment_deploy, name="deploy"),
     path("deployments/<int:pk>/stop/", lifecycle_views.deployment_stop, name="stop"),
     path("deployments/<int:pk>/restart/", lifecycle_views.deployment_restart, name="restart"),

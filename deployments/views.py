@@ -25,7 +25,10 @@ from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
 from . import bars, fetch_policy, gguf_profile, planner
 from .download_job import read_model_profile
+from .endpoint import EndpointForm, endpoint_form
 from .forms import ModelDownloadForm, ModelRegisterForm, PlanForm
+from .lifecycle_steps import bind_host, endpoint_url
+from .llamacpp import model_alias
 from .models import Deployment, DeploymentState, ModelFile
 
 POOL_CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024)
@@ -157,8 +160,13 @@ def pool_fit(model: ModelFile, pool: list[Node]) -> dict:
     return {"fits": False, "reason": f"Not even with a context of {POOL_CONTEXTS[-1]}."}
 
 
-def _commands(model: ModelFile, plan: dict) -> dict:
-    server = shell_join(["llama-server", "-m", model.path, *plan["llama_server_args"]])
+def _commands(model: ModelFile, plan: dict, deployment: Deployment | None = None) -> dict:
+    argv = ["llama-server", "-m", model.path, *plan["llama_server_args"]]
+    if deployment is not None:
+        # What the launch adds for a confirmed deployment (the key travels in a file, never on the line).
+        host = bind_host(deployment)
+        argv += ["--alias", model_alias(model.name), "--host", host, "--port", str(deployment.port)]
+    server = shell_join(argv)
     rpc = [
         {"node": s["node"], "command": shell_join(["ggml-rpc-server", *s["args"]])}
         for s in plan["rpc_servers"]
@@ -339,7 +347,8 @@ def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
         "stale_reasons": _stale_reasons(form),
         "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
         "confirmable": fits and not form.errors,
-        "confirm_token": uuid.uuid4().hex,
+        "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
+        "endpoint_form": _endpoint_form(request.GET, plan),
     }
 
 
@@ -371,12 +380,21 @@ def plan_confirm(request, pk: int):
         context["error"] = error or ("" if form.errors else "This plan does not fit.")
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
+    endpoint = EndpointForm(request.POST, coordinator=coordinator)
+    if not endpoint.is_valid():
+        context = _preview_context(request, model, form)
+        context["confirm_token"] = _confirm_token(request.POST) or context["confirm_token"]
+        context["endpoint_form"] = endpoint
+        context["error"] = "Choose the endpoint again: " + " ".join(
+            str(e) for errors in endpoint.errors.values() for e in errors
+        )
+        return render(request, "deployments/plan_preview.html", context, status=400)
     token = _confirm_token(request.POST)
     if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
         messages.info(request, f"This plan was already confirmed as {earlier.name}.")
         return redirect(earlier.get_absolute_url())
     try:
-        deployment = _confirm(request, model, form, plan, coordinator, token)
+        deployment = _confirm(request, model, form, plan, endpoint, token)
     except IntegrityError:
         # The same form, posted twice at the same instant: the other request made the deployment.
         earlier = Deployment.objects.filter(confirm_token=token).first()
@@ -393,8 +411,18 @@ def _confirm_token(data) -> str | None:
     return token if token and len(token) <= 64 and token.isalnum() else None
 
 
-def _confirm(request, model: ModelFile, form: PlanForm, plan: dict, coordinator: Node, token) -> Deployment:
+def _endpoint_form(data, plan: dict | None) -> EndpointForm | None:
+    if not plan or not plan.get("fits"):
+        return None
+    coordinator = Node.objects.filter(name=plan["coordinator"]).first()
+    return endpoint_form(data, coordinator) if coordinator else None
+
+
+def _confirm(
+    request, model: ModelFile, form: PlanForm, plan: dict, endpoint: EndpointForm, token
+) -> Deployment:
     """The deployment and its audit entry, together or not at all."""
+    coordinator = endpoint.coordinator
     with transaction.atomic():
         deployment = Deployment.objects.create(
             name=form.cleaned_data["name"] or f"{model.name} @ {plan['settings']['ctx']}",
@@ -403,6 +431,8 @@ def _confirm(request, model: ModelFile, form: PlanForm, plan: dict, coordinator:
             plan=plan,
             plan_settings=plan["settings"],
             state=DeploymentState.CONFIRMED,
+            host=endpoint.host(),
+            port=endpoint.cleaned_data["port"],
             created_by=request.user,
             confirm_token=token,
         )
@@ -415,6 +445,7 @@ def _confirm(request, model: ModelFile, form: PlanForm, plan: dict, coordinator:
                 "coordinator": coordinator.name,
                 "nodes": sorted({p["node"] for p in plan["placements"]}),
                 "settings": plan["settings"],
+                "endpoint": f"{deployment.host}:{deployment.port}",
                 "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
                 "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
             },
@@ -439,8 +470,9 @@ def deployment_detail(request, pk: int):
     context = {
         "deployment": deployment,
         "plan": plan,
-        "commands": _commands(deployment.model_file, plan) if plan.get("fits") else None,
+        "commands": _commands(deployment.model_file, plan, deployment) if plan.get("fits") else None,
         "run_url": reverse("deployments:run", args=[pk]),
-        "speed_advice": deployment.recalibration_advice(),
+        "speed_reasons": deployment.speed_miss_reasons(),
+        "endpoint": endpoint_url(deployment),
     }
     return render(request, "deployments/deployment_detail.html", context)

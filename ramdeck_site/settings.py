@@ -385,6 +385,9 @@ if RAMDECK_PLACEMENT_MISMATCH not in ("fail", "warn"):
 RAMDECK_HEALTH_TIMEOUT_PER_GIB_S = env_float(
     "RAMDECK_HEALTH_TIMEOUT_PER_GIB_S", 30.0, minimum=1, maximum=3600
 )
+# The console's chat with a running deployment: at most this many tokens per answer (a model that never
+# stops, or a random-weights test model, would otherwise write until its context is full).
+RAMDECK_CHAT_MAX_TOKENS = env_int("RAMDECK_CHAT_MAX_TOKENS", 2048, minimum=1, maximum=1_000_000)
 # How often beat checks that running deployments' processes are alive (0: never).
 RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S = env_int("RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S", 60, minimum=0)
 if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:

@@ -117,3 +117,79 @@ def test_every_llamacpp_binary_name_comes_from_one_place():
     assert llamacpp.BINARIES == ("ggml-rpc-server", "rpc-server", "llama-server")
     assert set(reaper.OUR_PROGRAMS) == set(llamacpp.BINARIES)
     assert probe.BINARIES is llamacpp.BINARIES
+
+
+# The pinned release's llama-server -lv 4, asked for -c 2048 -np 1 on a model trained on 1024 (run here).
+CAPPED_LOG = """\
+0.00.011.389 I print_info: n_ctx_train           = 1024
+0.00.012.662 I print_info: n_ctx_orig_yarn       = 1024
+0.00.017.276 I llama_context: n_seq_max             = 1
+0.00.017.288 I llama_context: n_ctx                 = 2048
+0.00.017.299 I llama_context: n_ctx_seq             = 2048
+0.00.017.452 W llama_context: n_ctx_seq (2048) > n_ctx_train (1024) -- possible training context overflow
+0.00.104.885 W srv    load_model: the slot context (2048) exceeds the training context of the model (1024) - \
+capping
+0.00.105.289 I srv    load_model: initializing, n_slots = 1, n_ctx_slot = 1024, kv_unified = 'false'
+0.00.105.342 I slot   load_model: id  0 | task -1 | new slot, n_ctx = 1024
+0.00.190.000 D slot decode token, id=0, n_ctx = 9999, n_tokens = 3, truncated = 0
+"""
+
+
+def test_the_context_llama_cpp_capped_at_the_trained_one_is_the_one_reported():
+    context = llamacpp.parse_context_log(CAPPED_LOG.splitlines())
+    assert context == {
+        "n_ctx": 2048,
+        "n_ctx_train": 1024,
+        "n_slots": 1,
+        "per_slot": 1024,
+        "total": 1024,
+        "capped": True,
+    }
+
+
+def test_the_context_of_several_slots_is_their_sum_and_rounding_is_not_a_cap():
+    log = [
+        "llama_context: n_seq_max             = 2",
+        "llama_context: n_ctx                 = 1024",
+        "llama_context: n_ctx_seq             = 512",
+        "llama_context: n_ctx_seq (512) < n_ctx_train (2048) -- the full capacity ... will not be utilized",
+        "srv    load_model: initializing, n_slots = 2, n_ctx_slot = 512, kv_unified = 'false'",
+    ]
+    context = llamacpp.parse_context_log(log)
+    assert (context["total"], context["per_slot"], context["n_slots"], context["capped"]) == (
+        1024,
+        512,
+        2,
+        False,
+    )
+    assert (
+        context["n_ctx_train"] is None
+    )  # only printed as "n_ctx_train      = N", not in the comparison line
+
+
+def test_an_older_llama_server_log_gives_the_context_from_its_slot_lines():
+    log = [
+        "llm_load_print_meta: n_ctx_train      = 2048",
+        "llama_new_context_with_model: n_ctx      = 4096",
+        "llama_new_context_with_model: n_ctx_per_seq = 4096",
+        "slot   load_model: id  0 | task -1 | new slot n_ctx_slot = 2048",
+    ]
+    context = llamacpp.parse_context_log(log)
+    assert (context["total"], context["n_slots"], context["n_ctx_train"], context["capped"]) == (
+        2048,
+        1,
+        2048,
+        True,
+    )
+
+
+def test_a_log_without_context_lines_reports_nothing():
+    assert llamacpp.parse_context_log(["load_tensors: offloaded 9/9 layers to GPU"])["total"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "alias"),
+    [("tiny-llama-demo", "tiny-llama-demo"), ("Qwen 2.5, 7B", "Qwen 2.5 7B"), ("  ", "model")],
+)
+def test_the_model_alias_is_the_console_name_as_one_alias(name, alias):
+    assert llamacpp.model_alias(name) == alias

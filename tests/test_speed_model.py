@@ -203,8 +203,12 @@ def test_the_deployment_page_shows_the_error_and_which_node_to_calibrate_again(v
     assert deployment.recalibration_advice() == ["pc"]
     for url in (deployment.get_absolute_url(), f"/deployments/{deployment.pk}/run/"):
         page = viewer_client.get(url).content.decode()
-        assert "Measured 46.0 tok/s against 100.0 predicted" in page and "<strong>-54%</strong>" in page
-        assert 'Calibrate <a href="/nodes/pc/">pc</a> again' in page
+        assert "Measured 46.0 tok/s against 100.0 predicted" in page
+        # A visible (red) badge, not grey text, with the likely reason and the way to re-calibrate.
+        assert '<span class="badge bad" id="speed-flag">Prediction missed by -54%</span>' in page
+        assert "slower than the planner expected, by more than 25%" in page
+        assert "<strong>pc</strong>: its figures are fresh, but the prediction leans on them most" in page
+        assert '<a href="/nodes/pc/#hardware" class="recalibrate">Re-calibrate pc</a>' in page
 
 
 @pytest.mark.django_db
@@ -215,7 +219,35 @@ def test_uncalibrated_nodes_are_named_first_and_a_close_prediction_asks_for_noth
     deployment.refresh_from_db()
     assert deployment.speed_error == pytest.approx(-0.1) and deployment.recalibration_advice() == []
     page = viewer_client.get(deployment.get_absolute_url()).content.decode()
-    assert "<strong>-10%</strong> (within 25%)" in page and "Calibrate <a" not in page
+    assert '<span class="badge ok" id="speed-flag">Prediction held (-10%)</span>' in page
+    assert "(within 25%)" in page and "Re-calibrate" not in page and "badge bad" not in page
+
+
+@pytest.mark.django_db
+def test_a_missed_prediction_names_why_never_calibrated_stale_or_a_slow_link(settings):
+    settings.RAMDECK_CALIBRATION_MAX_AGE_DAYS = 30
+    deployment = _deployment(measured=46.0)
+    reasons = {row["node"]: row["reason"] for row in deployment.speed_miss_reasons()}
+    assert reasons == {
+        "desk": "never calibrated: the plan used table figures for it",
+        "pc": "never calibrated: the plan used table figures for it",
+    }
+    now = timezone.now()
+    Node = NodeFactory._meta.model
+    Node.objects.update(calibrated_at=now)
+    Device.objects.filter(node__name="pc").update(measured_at=now - timedelta(days=40))
+    [row] = deployment.speed_miss_reasons()
+    assert row == {"node": "pc", "reason": "its calibration is stale (older than 30 days)"}
+    # Fresh figures everywhere, but the worker's round trip is far slower now than when it was calibrated.
+    Device.objects.update(measured_at=now)
+    Node.objects.filter(name="pc").update(link_rtt_ms=0.4, rtt_ms=6.0)
+    [row] = deployment.speed_miss_reasons()
+    assert row["node"] == "pc" and row["reason"].startswith("its link is slow: a round trip takes 6.0 ms now")
+    assert deployment.recalibration_advice() == ["pc"]
+    # A prediction that was too pessimistic is a miss too: flagged the same way.
+    Deployment.objects.filter(pk=deployment.pk).update(measured_decode_tps=140.0)
+    deployment.refresh_from_db()
+    assert deployment.speed_is_off and deployment.speed_error == pytest.approx(0.4)
 
 
 def test_a_cluster_file_carries_calibrated_costs_and_bad_ones_are_named():
@@ -250,3 +282,47 @@ def test_the_default_split_follows_what_llama_cpp_reports_not_the_container_limi
     plan = planner.plan(profile(), nodes, planner.Settings(ctx=256))
     layers = {p["node"]: p["layers"] for p in plan["baseline"]["placements"]}
     assert layers == {"desk": 0, "a": 3, "b": 1}  # 5 slots (4 blocks + output) split half and half
+
+
+@pytest.mark.django_db
+def test_the_context_shown_is_llama_cpps_with_the_requested_one_beside_it_when_they_differ(viewer_client):
+    deployment = _deployment(measured=None)
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 8192}, state="running")
+    deployment.refresh_from_db()
+    page = viewer_client.get(deployment.get_absolute_url()).content.decode()
+    assert '<span id="context-used">8192 <span class="muted">(asked for;' in page  # not read yet
+    capped = {
+        "n_ctx": 8192,
+        "n_ctx_train": 4096,
+        "n_slots": 1,
+        "per_slot": 4096,
+        "total": 4096,
+        "capped": True,
+    }
+    deployment.record(ctx_used=4096, verification={"context": capped})
+    assert deployment.ctx_differs
+    assert deployment.ctx_note() == "llama.cpp capped each slot at the model's trained context (4,096)"
+    for url in (deployment.get_absolute_url(), f"/deployments/{deployment.pk}/run/"):
+        page = viewer_client.get(url).content.decode()
+        assert (
+            '<span id="context-used">4096 <span class="badge warn" id="context-requested">requested 8192'
+            in page
+        )
+    # Rounded up to a multiple of 256, not capped: said so.
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 1000})
+    deployment.refresh_from_db()
+    rounded = {
+        "n_ctx": 1024,
+        "n_ctx_train": 4096,
+        "n_slots": 1,
+        "per_slot": 1024,
+        "total": 1024,
+        "capped": False,
+    }
+    deployment.record(ctx_used=1024, verification={"context": rounded})
+    assert deployment.ctx_note().startswith("llama.cpp rounds the context to a multiple of 256")
+    # The same as asked: nothing beside it.
+    Deployment.objects.filter(pk=deployment.pk).update(plan_settings={"ctx": 1024})
+    deployment.refresh_from_db()
+    assert not deployment.ctx_differs and deployment.ctx_note() == ""
+    assert 'id="context-requested"' not in viewer_client.get(deployment.get_absolute_url()).content.decode()

@@ -1,0 +1,181 @@
+"""Where a deployment's llama-server listens: the choice made with the plan, at confirm time.
+
+The endpoint is what people (and chat front ends such as Open WebUI) connect to with the deployment's API
+key, and what the console itself reaches to verify, measure and chat. So:
+
+- a coordinator that is not the console's host listens on its own address by default (the console and the
+  rest of the LAN reach it there); loopback is not offered for it, since nothing but that machine could
+  connect, the console included;
+- the console's own host listens on loopback by default (only programs on this machine, the console's chat
+  included), or, chosen here, on its network address or every interface.
+
+The choice is stored as `Deployment.host` / `Deployment.port`, and llama-server's `--host` / `--port`
+follow it (deployments/lifecycle_steps.py).
+"""
+
+from __future__ import annotations
+
+from django import forms
+
+from nodes.models import Node
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ALL_INTERFACES = "0.0.0.0"
+DEFAULT_PORT = 8080
+# How far past DEFAULT_PORT the default looks for a port no active deployment holds on the coordinator.
+PORT_SEARCH = 100
+
+LOOPBACK, LAN, ALL = "loopback", "lan", "all"
+
+
+def has_lan_address(node: Node) -> bool:
+    return node.address not in LOOPBACK_HOSTS
+
+
+def reach_choices(node: Node) -> list[tuple[str, str, str]]:
+    """(value, label, explanation) of each place llama-server may listen on this coordinator."""
+    choices = []
+    if node.is_local:
+        choices.append(
+            (
+                LOOPBACK,
+                "This machine only (127.0.0.1)",
+                "Programs on the console's host, the console's chat included. Other machines cannot connect.",
+            )
+        )
+    if has_lan_address(node):
+        where = "the console's host" if node.is_local else node.name
+        choices.append(
+            (
+                LAN,
+                f"Your network, at {node.address}",
+                f"{where}'s address: other machines on your network (a phone, Open WebUI on another "
+                "computer) connect with the API key"
+                + ("." if node.is_local else "; so does the console, to check it and to chat."),
+            )
+        )
+    choices.append(
+        (
+            ALL,
+            f"Every interface of {'this machine' if node.is_local else node.name} ({ALL_INTERFACES})",
+            "Reachable on every network it is on (VPNs and containers too), always with the API key."
+            if has_lan_address(node)
+            else "Your network: other machines reach it at this machine's LAN address, with the API key.",
+        )
+    )
+    return choices
+
+
+def default_reach(node: Node) -> str:
+    """Reachable from the LAN when the coordinator is not the console's host; loopback when it is."""
+    if node.is_local:
+        return LOOPBACK
+    return LAN if has_lan_address(node) else ALL
+
+
+def host_for(node: Node, reach: str) -> str:
+    if reach == LOOPBACK:
+        return "127.0.0.1"
+    if reach == LAN:
+        return node.address
+    return ALL_INTERFACES
+
+
+def reach_of(node: Node, host: str) -> str:
+    """The choice a stored host corresponds to (for showing it again)."""
+    if host in LOOPBACK_HOSTS:
+        return LOOPBACK
+    if host in (ALL_INTERFACES, "::"):
+        return ALL
+    return LAN
+
+
+def _ports_held(node: Node) -> dict[int, str]:
+    """Ports of this node that active deployments claim: {port: the deployment holding it}."""
+    from .models import ACTIVE_STATES, ResourceClaim
+
+    held = {}
+    claims = ResourceClaim.objects.filter(
+        node=node, resource__startswith="port:", deployment__state__in=ACTIVE_STATES
+    ).select_related("deployment")
+    for claim in claims:
+        held[int(claim.resource.split(":", 1)[1])] = str(claim.deployment)
+    return held
+
+
+def default_port(node: Node) -> int:
+    """8080, or the next port that neither an active deployment nor the node's rpc-server uses."""
+    held = _ports_held(node)
+    for port in range(DEFAULT_PORT, DEFAULT_PORT + PORT_SEARCH):
+        if port not in held and port != node.rpc_port:
+            return port
+    return DEFAULT_PORT
+
+
+class EndpointForm(forms.Form):
+    """The endpoint part of the plan page's confirm form. Absent values take the coordinator's defaults;
+    values that are given and wrong are errors on the form, never replaced."""
+
+    reach = forms.ChoiceField(label="Who can connect", required=False, widget=forms.RadioSelect)
+    port = forms.IntegerField(
+        label="Port",
+        required=False,
+        min_value=1024,
+        max_value=65535,
+        help_text="llama-server's port on the coordinator (1024–65535).",
+    )
+
+    def __init__(self, *args, coordinator: Node, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.coordinator = coordinator
+        self.options = reach_choices(coordinator)
+        self.fields["reach"].choices = [(value, label) for value, label, _ in self.options]
+        self.fields["reach"].initial = default_reach(coordinator)
+        self.fields["port"].initial = default_port(coordinator)
+
+    def clean_reach(self) -> str:
+        return self.cleaned_data.get("reach") or default_reach(self.coordinator)
+
+    def clean_port(self) -> int:
+        port = self.cleaned_data.get("port")
+        if port is None:
+            return default_port(self.coordinator)
+        if port == self.coordinator.rpc_port:
+            raise forms.ValidationError(
+                f"Port {port} is {self.coordinator.name}'s ggml-rpc-server port; choose another."
+            )
+        holder = _ports_held(self.coordinator).get(port)
+        if holder:
+            raise forms.ValidationError(
+                f"Port {port} on {self.coordinator.name} is held by deployment {holder}; choose another."
+            )
+        return port
+
+    def host(self) -> str:
+        return host_for(self.coordinator, self.cleaned_data["reach"])
+
+    def rows(self) -> list[dict]:
+        """The radio buttons with their explanations, for the template."""
+        recommended = default_reach(self.coordinator)
+        chosen = self["reach"].value() or recommended
+        return [
+            {
+                "value": value,
+                "label": label,
+                "help": help_text,
+                "checked": value == chosen,
+                "recommended": value == recommended,
+            }
+            for value, label, help_text in self.options
+        ]
+
+
+def endpoint_form(data, coordinator: Node) -> EndpointForm:
+    """The form for the page: bound to what was sent, except a choice the (changed) coordinator does not
+    offer, which starts again from its default, visibly selected."""
+    if data is None or ("reach" not in data and "port" not in data):
+        return EndpointForm(coordinator=coordinator)
+    values = {"reach": data.get("reach", ""), "port": data.get("port", "")}
+    if values["reach"] not in {value for value, _, _ in reach_choices(coordinator)}:
+        values["reach"] = ""
+    return EndpointForm(values, coordinator=coordinator)

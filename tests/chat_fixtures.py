@@ -1,0 +1,101 @@
+"""A real deployment on the console's own host for the chat tests: the cached llama.cpp build registered on a
+Local node, a small generated model under a friendly name, planned, deployed and stopped by the console's
+own lifecycle (its jobs run in this process, not through a Celery worker)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from deployments import lifecycle, planner
+from deployments.gguf_profile import profile_path
+from deployments.models import Deployment, ModelFile
+from deployments.tiny_model import TinyLlama, write_tiny_llama
+from jobs.models import Job
+from nodes.models import Build, Device, DeviceKind, Node, Transport
+from tests.llamacpp_build import require_llamacpp
+
+MIB = 2**20
+MODEL_NAME = "Family Tiny, v1"
+ALIAS = "Family Tiny v1"  # llama-server's --alias splits at commas: the console keeps it one name
+TRAINED_CTX = 256
+ASKED_CTX = 512  # more than the model was trained on: llama.cpp caps each slot at 256
+# Random weights from this seed almost never pick the end-of-text token early (measured here: 0 of 60 answers
+# shorter than 48 tokens, where the default seed stops within 5 tokens about one time in four), so an answer
+# is long enough to be seen arriving in pieces.
+TALKATIVE_SEED = 42
+
+
+def free_port() -> int:
+    """A port nobody listens on now (other tests on this machine use 8080 and friends)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def local_deployment(
+    tmp_path: Path, user, *, trained: int = TRAINED_CTX, asked: int = ASKED_CTX
+) -> Deployment:
+    """A confirmed deployment of a small model (trained on `trained` tokens of context, planned with `asked`)
+    on a Local node, on a free loopback port."""
+    binaries = require_llamacpp()
+    node = Node.objects.create(
+        name="this-box", address="127.0.0.1", transport=Transport.LOCAL, may_coordinate=True
+    )
+    Device.objects.create(node=node, name="CPU", kind=DeviceKind.CPU, total_bytes=4000 * MIB,
+                          free_bytes=4000 * MIB, bandwidth_gbs=5.0)  # fmt: skip
+    Build.objects.create(
+        node=node,
+        source_kind="existing",
+        source=str(binaries.build_dir),
+        rpc_protocol="7.0.0",
+        build_dir=str(binaries.build_dir),
+        rpc_server_path=str(binaries.rpc_server),
+        llama_server_path=str(binaries.llama_server),
+    )
+    shape = TinyLlama(n_layer=4, n_embd=128, n_ctx_train=trained, seed=TALKATIVE_SEED)
+    path = write_tiny_llama(tmp_path / "tiny.gguf", shape)
+    profile = profile_path(path)
+    model = ModelFile.objects.create(
+        name=MODEL_NAME, node=node, path=str(path), size_bytes=profile["size_bytes"], profile=profile
+    )
+    devices = tuple(
+        planner.Device(node.name, d.name, d.kind, d.total_bytes, d.free_bytes, d.bandwidth_gbs)
+        for d in node.devices.all()
+    )
+    nodes = [planner.Node(node.name, node.address, devices, coordinator=True, rtt_ms=0.0)]
+    plan = planner.plan(model.profile, nodes, planner.Settings(ctx=asked))
+    assert plan["fits"], plan
+    return Deployment.objects.create(
+        name="tiny on this box",
+        model_file=model,
+        coordinator=node,
+        plan=plan,
+        plan_settings=plan["settings"],
+        host="127.0.0.1",
+        port=free_port(),
+        created_by=user,
+    )
+
+
+def _not_sent(monkeypatch) -> None:
+    """Jobs are run here by the test, not sent to a worker."""
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: True)
+
+
+def deploy(deployment: Deployment, user, monkeypatch) -> Deployment:
+    _not_sent(monkeypatch)
+    started, message = lifecycle.start_deploy(deployment, user)
+    assert started, message
+    lifecycle.run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    return deployment
+
+
+def stop(deployment: Deployment, user, monkeypatch) -> Deployment:
+    _not_sent(monkeypatch)
+    stopped, message = lifecycle.stop_deployment(deployment, user)
+    assert stopped, message
+    lifecycle.run_stop(deployment.pk)
+    deployment.refresh_from_db()
+    return deployment
