@@ -37,10 +37,12 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
     short_answers, live_server_url, page, tmp_path, monkeypatch
 ):
     operator = UserFactory(username="oscar-operator", role="operator")
+    # Starting and stopping on the console's own host is an admin's; chatting with it is an operator's.
+    admin = UserFactory(username="alice-admin", role="admin")
     # Room for a conversation of two turns (the byte-level vocabulary makes every character a token).
     deployment = local_deployment(tmp_path, operator, trained=4096, asked=2048)
     try:
-        deployment = _in_thread(deploy, deployment, operator, monkeypatch)
+        deployment = _in_thread(deploy, deployment, admin, monkeypatch)
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         key = deployment.api_key()
         log_in(page, live_server_url, "oscar-operator", PASSWORD)
@@ -87,7 +89,7 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
         assert key not in page.content()
 
         # Stopped: the page hears it over its websocket and the box closes, saying why; a new page has none.
-        deployment = _in_thread(stop, deployment, operator, monkeypatch)
+        deployment = _in_thread(stop, deployment, admin, monkeypatch)
         assert deployment.state == DeploymentState.STOPPED
         expect(page.locator("#chat-unavailable")).to_be_visible(timeout=30_000)
         expect(page.locator("#chat-send")).to_be_disabled()
@@ -96,4 +98,4 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
         expect(page.locator("#chat")).to_have_count(0)
     finally:
         if deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED):
-            _in_thread(stop, deployment, operator, monkeypatch)
+            _in_thread(stop, deployment, admin, monkeypatch)

@@ -43,9 +43,11 @@ def test_a_deployment_on_this_box_answers_a_chat_streamed_through_the_console(
     short_answers, live_server_url, tmp_path, monkeypatch
 ):
     operator = UserFactory(username="oscar-operator", role="operator")
+    # Starting and stopping on the console's own host is an admin's; chatting with it is an operator's.
+    admin = UserFactory(username="alice-admin", role="admin")
     deployment = local_deployment(tmp_path, operator)
     try:
-        deployment = deploy(deployment, operator, monkeypatch)
+        deployment = deploy(deployment, admin, monkeypatch)
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         server = deployment.processes[f"llama-server@{deployment.coordinator.name}"]
         argv = Path(f"/proc/{server['pid']}/cmdline").read_bytes().split(b"\0")
@@ -107,7 +109,7 @@ def test_a_deployment_on_this_box_answers_a_chat_streamed_through_the_console(
         assert len(reads) >= 2, text
         print(f"\nCHAT {len(deltas)} deltas in {len(reads)} reads over {reads[-1] - reads[0]:.2f} s")
     finally:
-        deployment = stop(deployment, operator, monkeypatch)
+        deployment = stop(deployment, admin, monkeypatch)
     assert deployment.state == DeploymentState.STOPPED
     for info in deployment.processes.values():
         assert not pid_alive(int(info["pid"])), info

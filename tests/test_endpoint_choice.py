@@ -29,7 +29,7 @@ def test_on_the_consoles_own_host_the_endpoint_is_loopback_unless_chosen_otherwi
     page = _plan_page(operator_client, model)
     assert 'id="reach-loopback" checked' in page
     assert 'This machine only (127.0.0.1)</strong> <span class="muted">(recommended)</span>' in page
-    assert 'form="plan-form"' in page and 'name="port"' in page and 'value="8080"' in page
+    assert 'form="confirm-form"' in page and 'name="port"' in page and 'value="8080"' in page
     response = _confirm(operator_client, model)
     assert response.status_code == 302
     deployment = Deployment.objects.get()
