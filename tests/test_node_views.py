@@ -22,6 +22,7 @@ def node_post(credential, **overrides):
         "credential": credential.pk,
         "rpc_port": 50052,
         "rpc_bind_address": "",
+        "rpc_tunnel": "on",
         "platform_hint": "auto",
         "notes": "",
         "enabled": "on",
@@ -58,7 +59,11 @@ def test_admin_adds_a_node_and_the_audit_history_records_it(admin_client):
         ("name", "has spaces", "letters, numbers, underscores or hyphens"),
         ("ssh_user", "", "needs the user to log in as"),
         ("rpc_bind_address", "0.0.0.0", "exposes the unauthenticated RPC server"),
-        ("rpc_bind_address", "::", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "::", "listens on IPv4 only"),
+        ("rpc_bind_address", "0", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "00", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "0x0", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "fd00::5", "listens on IPv4 only"),
     ],
 )
 def test_bad_node_input_re_renders_the_form_naming_the_problem(admin_client, field, value, message):
