@@ -20,12 +20,22 @@ import httpx
 import pytest
 
 from audit.models import AuditEvent
-from deployments import healing, lifecycle, monitor
-from deployments.models import Deployment, DeploymentState
+from deployments import healing, lifecycle, monitor, planner
+from deployments.gguf_profile import profile_path
+from deployments.models import Deployment, DeploymentState, ModelFile
 from deployments.rpc_guard import tag_for
+from deployments.tiny_model import TinyLlama, write_tiny_llama
+from nodes.models import Device, DeviceKind
 from tests.deploy_fixtures import listeners_in, pid_alive, route_between
 from tests.llamacpp_build import use_cached_llamacpp
-from tests.test_e2e_deployment import LLAMA_PORT, RPC_PORT, Cluster, record_enqueued
+from tests.test_e2e_deployment import (
+    LLAMA_PORT,
+    MIB,
+    RPC_PORT,
+    Cluster,
+    _planner_nodes,
+    record_enqueued,
+)
 
 pytestmark = [
     pytest.mark.lab,
@@ -219,3 +229,93 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     print("\nRPC-ISOLATION " + json.dumps({"refusals": REFUSALS}))
     for line in REFUSALS:
         print("  " + line)
+
+
+def _decode_tps(deployment: Deployment, address: str, samples: int) -> list[float]:
+    key = deployment.api_key()
+    figures = []
+    with httpx.Client(timeout=120) as client:
+        for _ in range(samples):
+            answer = client.post(
+                f"http://{address}:{LLAMA_PORT}/completion",
+                json={"prompt": "Once upon a time", "n_predict": 64, "cache_prompt": False},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert answer.status_code == 200, answer.text
+            figures.append(answer.json()["timings"]["predicted_per_second"])
+    return figures
+
+
+def _load_s(deployment: Deployment) -> float:
+    """How long the llama-server step took: loading the model, the workers' weights sent over RPC."""
+    job = deployment.steps.filter(name="llama-server").select_related("job").latest("order").job
+    return (job.finished_at - job.started_at).total_seconds()
+
+
+@pytest.fixture
+def pair(lab, lab_hosts, tmp_path, settings):
+    use_cached_llamacpp(settings)
+    cluster = Cluster(lab, lab_hosts(2), tmp_path)
+    worker = cluster.workers[0]
+    worker.authorized_keys_path = str(cluster.hosts[1].workdir / "authorized_keys")
+    worker.save()
+    cluster.build_all()
+    return cluster
+
+
+@pytest.mark.parametrize("samples", [9])
+def test_tunnel_and_direct_mode_both_serve_and_report_their_speed(pair, monkeypatch, samples):
+    """The figures of benchmarks/rpc_modes.py: decode tokens/s and model-load time, tunnel against direct."""
+    cluster = pair
+    # A model of some 70 MiB whose worker's share (~24 MiB of weights) crosses the link when it loads.
+    path = write_tiny_llama(cluster.tmp_path / "speed.gguf", TinyLlama(n_layer=8, n_embd=768, n_ff=1536))
+    profile = profile_path(path)
+    model = ModelFile.objects.create(
+        name="speed",
+        node=cluster.coordinator,
+        path=str(path),
+        size_bytes=profile["size_bytes"],
+        profile=profile,
+    )
+    for node, mib, gbs in ((cluster.coordinator, 24000, 2.0), (cluster.workers[0], 40, 40.0)):
+        Device.objects.create(
+            node=node,
+            name="CPU",
+            kind=DeviceKind.CPU,
+            total_bytes=mib * MIB,
+            free_bytes=mib * MIB,
+            bandwidth_gbs=gbs,
+        )
+    plan = planner.plan(
+        profile, _planner_nodes(cluster.coordinator, cluster.workers), planner.Settings(ctx=512)
+    )
+    assert plan["fits"] and any(p["endpoint"] for p in plan["placements"] if p["layers"]), plan
+    first = Deployment(
+        model_file=model, coordinator=cluster.coordinator, plan=plan, plan_settings=plan["settings"]
+    )
+    figures = {}
+    for mode in ("tunnel", "direct"):
+        deployment = Deployment.objects.create(
+            name=f"tiny-{mode}",
+            model_file=first.model_file,
+            coordinator=first.coordinator,
+            plan=first.plan,
+            plan_settings=first.plan_settings,
+            port=LLAMA_PORT,
+            rpc_mode=mode,
+            created_by=cluster.operator,
+        )
+        deployment = cluster.deploy(deployment, monkeypatch)
+        assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+        roles = {info["role"] for info in deployment.processes.values()}
+        assert ("rpc-tunnel" in roles) == (mode == "tunnel")
+        tps = _decode_tps(deployment, cluster.coordinator.address, samples)
+        figures[f"{mode}_decode_tps"] = round(sorted(tps)[len(tps) // 2], 2)
+        figures[f"{mode}_decode_samples"] = [round(v, 2) for v in tps]
+        figures[f"{mode}_load_s"] = round(_load_s(deployment), 3)
+        figures[f"{mode}_measure_step_tps"] = deployment.measured_decode_tps
+        deployment = cluster.stop(deployment, monkeypatch)
+        assert deployment.state == DeploymentState.STOPPED
+        cluster.assert_clean(deployment)
+    assert figures["tunnel_decode_tps"] > 0 and figures["direct_decode_tps"] > 0
+    print("\nRPC-SPEED " + json.dumps(figures))
