@@ -204,6 +204,8 @@ class Cluster:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 assert "rpc-server" not in cmd and "llama-server" not in cmd, cmd
         assert not ResourceClaim.objects.filter(deployment=deployment).exists()
+        for host in self.hosts:  # no tunnel key of a deployment is left on a worker
+            assert "ramdeck-d" not in (host.workdir / "authorized_keys").read_text()
 
     def report(self, deployment: Deployment) -> None:
         figures = {
@@ -345,7 +347,10 @@ def test_a_dead_rpc_server_makes_the_deployment_degraded(cluster, monkeypatch):
     exposed = cluster.workers[1]
     exposed.rpc_bind_address = "0.0.0.0"
     exposed.save()
-    deployment = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
+    deployment = cluster.confirm(cluster.model())
+    deployment.rpc_mode = "direct"  # in tunnel mode (the default) every rpc-server listens on loopback
+    deployment.save(update_fields=["rpc_mode"])
+    deployment = cluster.deploy(deployment, monkeypatch)
     assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
     assert monitor.check_all() == []
     assert "0.0.0.0:50052" in listeners_in(cluster.hosts[2], RPC_PORT)
@@ -434,8 +439,9 @@ def test_a_worker_out_of_reach_for_a_while_degrades_then_recovers(cluster, monke
         assert f"{cluster.workers[0].name} cannot be reached" in deployment.state_reason
     finally:
         cluster.lab.link_up(worker_host)
-    assert monitor.check_all() == []
+    degraded = monitor.check_all()
     deployment.refresh_from_db()
+    assert degraded == [], deployment.state_reason
     assert deployment.state == DeploymentState.RUNNING
     assert AuditEvent.objects.filter(action="deployment.recovered").count() == 1
     deployment = cluster.stop(deployment, monkeypatch)

@@ -114,10 +114,6 @@ def trio(lab, lab_hosts, tmp_path, settings):
     hosts = lab_hosts(3)
     route_between(hosts)
     cluster = Cluster(lab, hosts[:2], tmp_path)
-    worker = cluster.workers[0]
-    # The lab's sshd reads its keys from the host's folder, not ~/.ssh (the hosts share this file system).
-    worker.authorized_keys_path = str(hosts[1].workdir / "authorized_keys")
-    worker.save()
     cluster.build_all()
     return cluster, hosts[2]
 
@@ -256,9 +252,6 @@ def _load_s(deployment: Deployment) -> float:
 def pair(lab, lab_hosts, tmp_path, settings):
     use_cached_llamacpp(settings)
     cluster = Cluster(lab, lab_hosts(2), tmp_path)
-    worker = cluster.workers[0]
-    worker.authorized_keys_path = str(cluster.hosts[1].workdir / "authorized_keys")
-    worker.save()
     cluster.build_all()
     return cluster
 
