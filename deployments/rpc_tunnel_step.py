@@ -113,7 +113,15 @@ async def start_forward(ctx, deployment, argv_for, log_path: str) -> tuple[int, 
         await sync_to_async(_release_port)(deployment, ctx.node, local)
         tail = "\n".join(await tail_lines(ctx, log_path))
         if "Address already in use" not in tail and "cannot listen" not in tail:
-            raise JobFailed(f"the SSH tunnel (PID {pid}) exited before forwarding. Last log lines:\n{tail}")
+            hint = (
+                "\nThe worker refused the tunnel key: does its node setting name the authorized_keys file "
+                "its sshd reads?"
+                if "Permission denied" in tail
+                else ""
+            )
+            raise JobFailed(
+                f"the SSH tunnel (PID {pid}) exited before forwarding. Last log lines:\n{tail}{hint}"
+            )
     raise JobFailed(f"no free loopback port for the tunnel on {ctx.node.name} from {first} on")
 
 
