@@ -47,6 +47,7 @@ POST_ONLY = {
     "nodes:calibrate": "starts a calibration job (the button is on the node page)",
     "nodes:calibrate_all": "starts calibration jobs (the button is on the node list)",
     "deployments:self_heal": "turns self-healing on or off (the switch is on the run page)",
+    "deployments:rpc_mode": "chooses tunnel or direct RPC (the form is on the run page)",
 }
 NOT_PAGES = {
     "deployments:processes": "an htmx fragment of the run page (measured there, where it is loaded)",
@@ -398,6 +399,7 @@ def _post_only_url(name: str, data: dict) -> str:
         "deployments:stale_reap": [StaleProcess.objects.get().pk],
         "nodes:calibrate": [data["desk"].name],
         "deployments:self_heal": [data["deployment"].pk],
+        "deployments:rpc_mode": [data["deployment"].pk],
     }
     return reverse(name, args=args_by_route.get(name, []))
 
