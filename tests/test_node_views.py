@@ -169,3 +169,18 @@ def test_operator_cannot_delete_nodes(operator_client):
 def test_user_without_a_role_sees_no_inventory(client, stranger_user):
     client.force_login(stranger_user)
     assert client.get(reverse("nodes:list")).status_code == 403
+
+
+def test_only_a_ticked_box_lets_an_admin_bind_every_interface_stored_normalised(admin_client):
+    credential = CredentialFactory()
+    refused = admin_client.post(reverse("nodes:create"), node_post(credential, rpc_bind_address="0x0"))
+    assert refused.status_code == 200 and "means every interface (0.0.0.0)" in refused.content.decode()
+    allowed = admin_client.post(
+        reverse("nodes:create"), node_post(credential, rpc_bind_address="0x0", rpc_bind_everywhere="on")
+    )
+    assert allowed.status_code == 302
+    node = Node.objects.get(name="desk")
+    assert node.rpc_bind_address == "0.0.0.0" and node.rpc_binds_everywhere
+    assert AuditEvent.objects.get(action="node.create").changes["rpc_bind_address"][-1] == "0.0.0.0"
+    node.rpc_bind_address = "10.1"
+    assert not node.rpc_binds_everywhere
