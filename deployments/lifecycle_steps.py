@@ -271,15 +271,10 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> str:
     coordinator = firewall.get("coordinator")
     if node_platform(ctx.node) != "linux" or not coordinator:
         why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
-        await ctx.log(f"WARNING: no firewall rule ({why}): port {port} is open to the whole network.")
-        return " (no firewall rule)"
+        return await unfenced(ctx, deployment, port, why)
     sudo = await may_administer(ctx)
     if sudo is None:
-        await ctx.log(
-            f"WARNING: {ctx.job.node_name}'s SSH user may not use sudo: no firewall rule, so port {port} is "
-            "open to the whole network. Tunnel mode keeps it to the coordinator."
-        )
-        return " (no firewall rule: no sudo)"
+        return await unfenced(ctx, deployment, port, "the SSH user may not use sudo")
     rule = rpc_guard.firewall_rule(port, coordinator, firewall["tag"])
     await sync_to_async(deployment.add_guard)(
         f"firewall@{ctx.node.name}:{port}",
@@ -290,13 +285,22 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> str:
         # No iptables, or no right to change it here (a container without NET_ADMIN): said loudly, as
         # when there is no sudo; tunnel mode is the way to keep the port to the coordinator there.
         why = result.stderr.strip()[:300] or "no iptables"
-        await ctx.log(
-            f"WARNING: the firewall rule could not be added ({why}): "
-            f"port {port} is open to the whole network. Tunnel mode keeps it to the coordinator."
-        )
-        return " (no firewall rule: iptables refused)"
+        return await unfenced(ctx, deployment, port, f"iptables refused the rule: {why}")
     await ctx.log(f"firewall: port {port} admits only {coordinator} ({firewall['tag']})")
     return f", admitting only {coordinator}"
+
+
+async def unfenced(ctx, deployment, port: int, why: str) -> str:
+    """Direct mode without a firewall rule: said in the log and in the audit history, and the run goes on
+    (the operator chose direct mode; tunnel mode is what keeps the port to the coordinator there)."""
+    await ctx.log(
+        f"WARNING: no firewall rule on {ctx.node.name} ({why}): port {port} is open to the whole network. "
+        "Tunnel mode keeps it to the coordinator."
+    )
+    await sync_to_async(_audit)(
+        ctx.job, "deployment.rpc_unfenced", deployment, {"node": ctx.node.name, "port": port, "why": why}
+    )
+    return f" (no firewall rule: {why})"
 
 
 async def remove_guard(ctx, info: dict) -> str:
