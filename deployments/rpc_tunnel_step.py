@@ -3,7 +3,7 @@
 Runs on the coordinator (its transport is ctx.transport) after the worker's rpc-server listens on
 127.0.0.1. It generates a key pair for this deployment and worker, installs the public half on the worker
 (over the console's own SSH connection to it) restricted to that one forward, writes the private half and
-the worker's pinned host key on the coordinator (0600, in ~/.ramdeck/run), and starts `ssh -N -L` there
+the worker's pinned host key on the coordinator (0600, in ~/.ramdeck/run), and starts `ssh -tt -L` there
 on a free loopback port that the deployment claims. The forward is recorded as a process of the
 deployment (role "rpc-tunnel"), the authorized key as a guard: the stop steps end the one and remove the
 other (deployments/lifecycle_steps.py). See deployments/rpc_guard.py.
@@ -96,7 +96,7 @@ async def install_key(ctx, deployment, worker, port: int, tag: str, public: str)
 
 
 async def start_forward(ctx, deployment, argv_for, log_path: str) -> tuple[int, int]:
-    """Start `ssh -N -L` on the first free loopback port of the coordinator from RAMDECK_RPC_TUNNEL_PORT;
+    """Start `ssh -tt -L` on the first free loopback port of the coordinator from RAMDECK_RPC_TUNNEL_PORT;
     returns (pid, local port)."""
     first = int(getattr(settings, "RAMDECK_RPC_TUNNEL_PORT", 50300))
     platform = node_platform(ctx.node)

@@ -203,6 +203,7 @@ class Cluster:
             for pid in names:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 assert "rpc-server" not in cmd and "llama-server" not in cmd, cmd
+                assert "sleep 2147483647" not in cmd, cmd  # a tunnel's forced command on a worker
         assert not ResourceClaim.objects.filter(deployment=deployment).exists()
         for host in self.hosts:  # no tunnel key of a deployment is left on a worker
             assert "ramdeck-d" not in (host.workdir / "authorized_keys").read_text()

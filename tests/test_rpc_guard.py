@@ -61,8 +61,8 @@ def test_the_tunnel_key_may_forward_to_one_port_and_nothing_else():
     private, public = rpc_guard.new_key_pair("ramdeck-d7-old-pc")
     assert private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
     line = rpc_guard.authorized_line(public, 50052, "ramdeck-d7-old-pc")
-    options, kind, _blob, tag = line.split(" ")
-    assert options == 'restrict,port-forwarding,permitopen="127.0.0.1:50052",command="/bin/false"'
+    options, kind, _blob, tag = line.rsplit(" ", 3)
+    assert options == ('restrict,port-forwarding,pty,permitopen="127.0.0.1:50052",command="sleep 2147483647"')
     assert (kind, tag) == ("ssh-ed25519", "ramdeck-d7-old-pc")
 
 

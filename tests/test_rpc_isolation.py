@@ -145,8 +145,8 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     assert llama["local_ends"] == {f"{worker.address}:{RPC_PORT}": tunnel["local_end"]}
     tag = tag_for(deployment.pk, worker.name)
     entry = next(line for line in authorized.read_text().splitlines() if line.endswith(tag))
-    assert entry.startswith(f'restrict,port-forwarding,permitopen="127.0.0.1:{RPC_PORT}"')
-    assert 'command="/bin/false"' in entry
+    assert entry.startswith(f'restrict,port-forwarding,pty,permitopen="127.0.0.1:{RPC_PORT}"')
+    assert 'command="sleep 2147483647"' in entry
 
     with Serving(deployment, cluster.coordinator.address):
         for address in (worker_host.address,):
@@ -157,18 +157,23 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
         direct = probe(coordinator_host, worker_host.address, RPC_PORT)
         REFUSALS.append(f"tunnel mode: {direct}")
         assert "REFUSED" in direct, direct
-        # The tunnel key may forward and do nothing else: a command through it fails.
+        # The tunnel key may forward and do nothing else: the command asked for never runs (the forced
+        # command only waits, until `timeout` ends the client; with a pty, as the tunnel asks, sshd ends the
+        # forced command with the connection).
+        marker = cluster.tmp_path / "shell-ran"
         shell = subprocess.run(
             coordinator_host.exec_argv(
                 [
-                    "ssh", "-F", "/dev/null", "-i", tunnel["key_file"], "-o", "BatchMode=yes",
+                    "timeout", "8", "ssh", "-tt", "-F", "/dev/null", "-i", tunnel["key_file"],
+                    "-o", "BatchMode=yes",
                     "-o", "IdentitiesOnly=yes", "-o", "StrictHostKeyChecking=no",
-                    "-o", "UserKnownHostsFile=/dev/null", f"root@{worker_host.address}", "echo", "SHELL-OK",
+                    "-o", "UserKnownHostsFile=/dev/null", f"root@{worker_host.address}",
+                    f"echo SHELL-OK; touch {marker}",
                 ]
             ),
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert "SHELL-OK" not in shell.stdout and shell.returncode != 0, (shell.stdout, shell.stderr)
+        assert "SHELL-OK" not in shell.stdout and not marker.exists(), (shell.stdout, shell.stderr)
 
     # The tunnel is supervised: when it dies the deployment is degraded, and a heal starts it again.
     subprocess.run(["kill", "-KILL", str(tunnel["pid"])], check=True)
