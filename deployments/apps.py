@@ -34,6 +34,12 @@ class DeploymentsConfig(AppConfig):
         # rollback that follows ends it by the PID the deployment recorded, after checking it is still ours.
         kinds.register("reap", "Reap stale processes", f"{steps}.reap_body", queue=kinds.CONTROL)
         kinds.register("rpc_server", "Start ggml-rpc-server", f"{steps}.rpc_server_body", adopt_on_loss=True)
+        kinds.register(
+            "rpc_tunnel",
+            "Start RPC tunnel",
+            "deployments.rpc_tunnel_step.rpc_tunnel_body",
+            adopt_on_loss=True,
+        )
         kinds.register("llama_server", "Start llama-server", f"{steps}.llama_server_body", adopt_on_loss=True)
         kinds.register("verify", "Verify placement", f"{steps}.verify_body")
         kinds.register("measure", "Measure speed", f"{steps}.measure_body")

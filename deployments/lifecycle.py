@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from audit.history import record
-from deployments import live, llamacpp
+from deployments import live, llamacpp, rpc_guard
 from deployments.build_job import protocol_mismatch
-from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep
+from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep, RpcMode
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState, may_use_local_node
 from nodes.models import Build, Node
@@ -28,7 +28,7 @@ from nodes.models import Build, Node
 logger = logging.getLogger(__name__)
 
 MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, DeploymentState.VERIFYING)
-LAUNCH_STEPS = ("reap", "rpc-server", "llama-server", "verify", "measure")
+LAUNCH_STEPS = ("reap", "rpc-server", "rpc-tunnel", "llama-server", "verify", "measure")
 # Job kinds of a deployment (registered in DeploymentsConfig.ready()): the two runs, and the kind of each
 # step by its name on the deployment page.
 DEPLOY, UNDEPLOY, HEAL = "deploy", "undeploy", "heal"
@@ -37,6 +37,7 @@ LAUNCHING_RUNS = (DEPLOY, HEAL)
 STEP_KINDS = {
     "reap": "reap",
     "rpc-server": "rpc_server",
+    "rpc-tunnel": "rpc_tunnel",
     "llama-server": "llama_server",
     "verify": "verify",
     "measure": "measure",
@@ -51,6 +52,7 @@ MAX_UNDEPLOY_RUNS = 3
 class Worker:
     node: Node
     port: int
+    endpoint: str = ""  # where the plan's --rpc names it
     devices: list[str] = field(default_factory=list)
     needs: dict[str, int] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
@@ -74,7 +76,7 @@ def workers_of(deployment: Deployment) -> list[Worker]:
             continue
         node = nodes[item["node"]]
         port = int(item["endpoint"].rsplit(":", 1)[1])
-        worker = workers.setdefault(node.name, Worker(node, port))
+        worker = workers.setdefault(node.name, Worker(node, port, item["endpoint"]))
         if item.get("device") not in worker.devices:
             worker.devices.append(item["device"])
         needed = sum(int(item.get(k) or 0) for k in ("weights_bytes", "kv_bytes", "compute_bytes"))
@@ -93,6 +95,55 @@ def workers_of(deployment: Deployment) -> list[Worker]:
     return list(workers.values())
 
 
+def rpc_mode(deployment: Deployment, workers: list[Worker] | None = None) -> str:
+    """ "tunnel" or "direct": the deployment's choice; "auto" is tunnel when every worker allows it."""
+    if deployment.rpc_mode != RpcMode.AUTO:
+        return deployment.rpc_mode
+    workers = workers_of(deployment) if workers is None else workers
+    return RpcMode.TUNNEL if all(w.node.rpc_tunnel for w in workers) else RpcMode.DIRECT
+
+
+def with_bind(args: list[str], bind: str) -> list[str]:
+    args = list(args)
+    args[args.index("-H") + 1] = bind
+    return args
+
+
+def direct_bind(node: Node) -> str:
+    """The normalised IPv4 a direct rpc-server binds (raises rpc_guard.BindRefused)."""
+    return rpc_guard.normalise_bind(
+        node.rpc_bind_host, allow_unspecified=rpc_guard.binds_everywhere(node.rpc_bind_address)
+    )
+
+
+def ipv4_of(node: Node) -> str | None:
+    """The node's IPv4 address (resolved from its name), or None."""
+    try:
+        return rpc_guard.normalise_bind(node.address)
+    except rpc_guard.BindRefused:
+        return None
+
+
+def rpc_refusal(deployment: Deployment, workers: list[Worker]) -> str:
+    """Why the workers' rpc-servers cannot be reached the way the deployment says, or ""."""
+    mode = rpc_mode(deployment, workers)
+    for worker in workers:
+        node = worker.node
+        if node.pk == deployment.coordinator_id:
+            continue
+        if mode == RpcMode.DIRECT:
+            try:
+                direct_bind(node)
+            except rpc_guard.BindRefused as exc:
+                return f"{node.name}: {exc}"
+            continue
+        if not node.rpc_tunnel:
+            return f"{node.name} does not allow RPC tunnels (a node setting): choose direct mode."
+        if node.is_local:
+            return f"{node.name} is the console's own host, not reached over SSH: choose direct mode."
+    return ""
+
+
 def refusal(deployment: Deployment) -> str:
     """Why this deployment cannot start now, or "" when it can."""
     plan = deployment.plan or {}
@@ -103,7 +154,10 @@ def refusal(deployment: Deployment) -> str:
     if deployment.model_file.node_id != deployment.coordinator_id:
         where = deployment.model_file.node
         return f"The model file is on {where}, not on the coordinator {deployment.coordinator}."
-    nodes = [deployment.coordinator, *(w.node for w in workers_of(deployment))]
+    workers = workers_of(deployment)
+    if reason := rpc_refusal(deployment, workers):
+        return reason
+    nodes = [deployment.coordinator, *(w.node for w in workers)]
     protocols: dict[str, str] = {}
     for node in nodes:
         build = node.current_build
@@ -196,13 +250,33 @@ def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> 
     order += 1
     title = f"Reap port {deployment.port} on {coordinator}"
     add_step(deployment, run, order, "reap", coordinator, title, ports=[deployment.port])
+    mode = rpc_mode(deployment, workers)
+    coordinator_ip = ipv4_of(coordinator)
+    local_ends: dict[str, str] = {}
+    tunnels = []
     for worker in workers:
-        if worker.node.rpc_binds_everywhere:
+        here = worker.node.pk == coordinator.pk
+        endpoint = worker.endpoint
+        if mode == RpcMode.TUNNEL or here:
+            # Only the coordinator reaches it: through its tunnel, or on its own loopback.
+            bind, exposed, firewall = "127.0.0.1", False, None
+            if here:
+                local_ends[endpoint] = f"127.0.0.1:{worker.port}"
+            else:
+                tunnels.append((worker, endpoint))
+        else:
+            bind = direct_bind(worker.node)
+            exposed = rpc_guard.binds_everywhere(bind)
+            firewall = {
+                "coordinator": coordinator_ip,
+                "tag": rpc_guard.tag_for(deployment.pk, worker.node.name),
+            }
+        if exposed:
             record(
                 deployment.created_by,
                 "deployment.rpc_exposed",
                 deployment,
-                changes={"node": worker.node.name, "bind": worker.node.rpc_bind_host, "port": worker.port},
+                changes={"node": worker.node.name, "bind": bind, "port": worker.port},
             )
         order += 1
         add_step(
@@ -212,14 +286,38 @@ def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> 
             "rpc-server",
             worker.node,
             f"Start ggml-rpc-server on {worker.node}:{worker.port}",
-            args=worker.args,
+            args=with_bind(worker.args, bind),
             port=worker.port,
-            bind=worker.node.rpc_bind_host,
-            exposed=worker.node.rpc_binds_everywhere,
+            bind=bind,
+            exposed=exposed,
+            firewall=firewall,
             needs=worker.needs,
         )
+    for worker, endpoint in tunnels:
+        order += 1
+        title = f"Tunnel from {coordinator} to {worker.node}:{worker.port}"
+        add_step(
+            deployment,
+            run,
+            order,
+            "rpc-tunnel",
+            coordinator,
+            title,
+            worker=worker.node.pk,
+            port=worker.port,
+            endpoint=endpoint,
+        )
+    order += 1
+    add_step(
+        deployment,
+        run,
+        order,
+        "llama-server",
+        coordinator,
+        f"Start llama-server on {coordinator}:{deployment.port}",
+        local_ends=local_ends,
+    )
     for step, title in (
-        ("llama-server", f"Start llama-server on {coordinator}:{deployment.port}"),
         ("verify", "Verify the placement against the plan"),
         ("measure", "Measure decode and prompt speed"),
     ):
@@ -232,6 +330,10 @@ def stop_steps(deployment: Deployment, parent: Job, name: str) -> list[Job]:
     by_node: dict[str, list[dict]] = {}
     for info in (deployment.processes or {}).values():
         by_node.setdefault(info["node"], []).append(info)
+    guards: dict[str, list[dict]] = {}
+    for info in (deployment.guards or {}).values():
+        guards.setdefault(info["node"], []).append(info)
+        by_node.setdefault(info["node"], [])
     coordinator = deployment.coordinator.name
     names = sorted(by_node, key=lambda n: (n != coordinator, n))
     nodes = {n.name: n for n in Node.objects.filter(name__in=names)}
@@ -244,7 +346,16 @@ def stop_steps(deployment: Deployment, parent: Job, name: str) -> list[Job]:
         verb = "Roll back" if name == "rollback" else "Stop"
         title = f"{verb} on {node_name}"
         jobs.append(
-            add_step(deployment, parent, order + offset, name, nodes[node_name], title, processes=processes)
+            add_step(
+                deployment,
+                parent,
+                order + offset,
+                name,
+                nodes[node_name],
+                title,
+                processes=processes,
+                guards=guards.get(node_name, []),
+            )
         )
     return jobs
 
@@ -270,7 +381,11 @@ def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
                 actor,
                 "deployment.deploy",
                 deployment,
-                changes={"plan_devices": len(deployment.plan["placements"]), "run": run.pk},
+                changes={
+                    "plan_devices": len(deployment.plan["placements"]),
+                    "run": run.pk,
+                    "rpc_mode": rpc_mode(deployment),
+                },
             )
             run.enqueue()
     except ClaimConflict as exc:
@@ -332,6 +447,7 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
             host=deployment.host,
             port=deployment.port,
             redeployed_from=deployment,
+            rpc_mode=deployment.rpc_mode,
             created_by=actor if getattr(actor, "is_authenticated", False) else deployment.created_by,
         )
         record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})

@@ -137,7 +137,7 @@ async def fail_and_roll_back(ctx: JobContext, deployment: Deployment, step: str,
 async def teardown(ctx: JobContext, deployment: Deployment, name: str) -> list[str]:
     """End, by PID, whatever this deployment started, one step per node as children of this run. Returns
     the failures (empty when all is clean)."""
-    await db(deployment.refresh_from_db)(fields=["processes"])
+    await db(deployment.refresh_from_db)(fields=["processes", "guards"])
     failures = []
     for step in await db(stop_steps)(deployment, ctx.job, name):
         done = await ctx.run_child(step)

@@ -19,7 +19,7 @@ import httpx
 from django.conf import settings
 from django.utils import timezone
 
-from deployments import llamacpp, placement
+from deployments import llamacpp, placement, rpc_guard
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
 from jobs.aio import db
 from jobs.context import JobFailed
@@ -250,7 +250,75 @@ async def rpc_server_body(ctx) -> str:
     problems = placement.banner_shortfalls(banner_text, params.get("needs", {}))
     if problems:
         raise JobFailed(f"{ctx.node.name}: the plan no longer fits: " + "; ".join(problems))
-    return f"{build.rpc_binary} PID {pid} listening on {params['bind']}:{port}"
+    fenced = ""
+    if params.get("firewall"):
+        fenced = await install_firewall(ctx, deployment, port, params["firewall"])
+    return f"{build.rpc_binary} PID {pid} listening on {params['bind']}:{port}{fenced}"
+
+
+async def may_administer(ctx) -> bool | None:
+    """How the SSH user may change the firewall: False as root, True through `sudo -n`, None: it may not."""
+    if (await ctx.transport.run(["id", "-u"], timeout=30)).stdout.strip() == "0":
+        return False
+    if (await ctx.transport.run(["sudo", "-n", "true"], timeout=30)).ok:
+        return True
+    return None
+
+
+async def install_firewall(ctx, deployment, port: int, firewall: dict) -> str:
+    """Direct mode: an iptables rule that refuses every source but the coordinator on the RPC port, where
+    the SSH user may add one. Recorded as a guard first, so the stop steps remove it."""
+    coordinator = firewall.get("coordinator")
+    if node_platform(ctx.node) != "linux" or not coordinator:
+        why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
+        return await unfenced(ctx, deployment, port, why)
+    sudo = await may_administer(ctx)
+    if sudo is None:
+        return await unfenced(ctx, deployment, port, "the SSH user may not use sudo")
+    rule = rpc_guard.firewall_rule(port, coordinator, firewall["tag"])
+    await db(deployment.add_guard)(
+        f"firewall@{ctx.node.name}:{port}",
+        {"node": ctx.node.name, "kind": "firewall", "rule": rule, "sudo": sudo, "tag": firewall["tag"]},
+    )
+    result = await ctx.transport.run(rpc_guard.iptables_argv("-I", rule, sudo=sudo), timeout=60)
+    if not result.ok:
+        # No iptables, or no right to change it here (a container without NET_ADMIN): said loudly, as
+        # when there is no sudo; tunnel mode is the way to keep the port to the coordinator there.
+        why = result.stderr.strip()[:300] or "no iptables"
+        return await unfenced(ctx, deployment, port, f"iptables refused the rule: {why}")
+    await ctx.log(f"firewall: port {port} admits only {coordinator} ({firewall['tag']})")
+    return f", admitting only {coordinator}"
+
+
+async def unfenced(ctx, deployment, port: int, why: str) -> str:
+    """Direct mode without a firewall rule: said in the log and in the audit history, and the run goes on
+    (the operator chose direct mode; tunnel mode is what keeps the port to the coordinator there)."""
+    await ctx.log(
+        f"WARNING: no firewall rule on {ctx.node.name} ({why}): port {port} is open to the whole network. "
+        "Tunnel mode keeps it to the coordinator."
+    )
+    await db(_audit)(
+        ctx.job, "deployment.rpc_unfenced", deployment, {"node": ctx.node.name, "port": port, "why": why}
+    )
+    return f" (no firewall rule: {why})"
+
+
+async def remove_guard(ctx, info: dict) -> str:
+    """Undo one guard (an authorized key, a firewall rule); removing one already gone is fine."""
+    if info["kind"] == "authorized-key":
+        result = await ctx.transport.run(rpc_guard.remove_tagged_argv(info["path"], info["tag"]), timeout=30)
+        if not result.ok:
+            raise JobFailed(f"could not remove the tunnel key {info['tag']} from {info['path']}")
+        return f"tunnel key {info['tag']} removed from {info['path']}"
+    if info["kind"] == "firewall":
+        removed = 0
+        for _ in range(10):  # the same rule added twice (a retried step) is removed twice
+            argv = rpc_guard.iptables_argv("-D", info["rule"], sudo=info.get("sudo", False))
+            if not (await ctx.transport.run(argv, timeout=60)).ok:
+                break
+            removed += 1
+        return f"firewall rule {info['tag']} removed" if removed else f"firewall rule {info['tag']} was gone"
+    return f"unknown guard {info['kind']} left alone"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,6 +370,15 @@ async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeou
             await asyncio.sleep(0.5)
 
 
+def local_ends(ctx, deployment) -> dict[str, str]:
+    """Planned endpoint → where the coordinator reaches it: its tunnel's local end (or its own loopback)."""
+    ends = dict(ctx.job.params.get("local_ends") or {})
+    for info in (deployment.processes or {}).values():
+        if info.get("role") == "rpc-tunnel" and info.get("endpoint"):
+            ends[info["endpoint"]] = info["local_end"]
+    return ends
+
+
 async def llama_server_body(ctx) -> str:
     deployment = await load_deployment(ctx)
     build = await db(lambda: ctx.node.current_build)()
@@ -315,11 +392,13 @@ async def llama_server_body(ctx) -> str:
     await db(deployment.store_api_key)(key)
     await _write_key_file(ctx, key_path, key)
     host = bind_host(deployment)
+    ends = local_ends(ctx, deployment)
+    args = rpc_guard.tunnel_rpc_args(deployment.plan["llama_server_args"], ends)
     argv = [
         build.llama_server_path,
         "-m",
         deployment.model_file.path,
-        *deployment.plan["llama_server_args"],
+        *args,
         # The OpenAI-style API answers to the model's name in the console, not to its file path.
         "--alias",
         llamacpp.model_alias(deployment.model_file.name),
@@ -343,6 +422,7 @@ async def llama_server_body(ctx) -> str:
             "port": port,
             "log": log_path,
             "key_file": key_path,
+            "local_ends": ends,
             "started_at": timezone.now().isoformat(),
         },
     )
@@ -372,6 +452,7 @@ async def verify_body(ctx) -> str:
     pattern = "buffer size|offloaded|n_ctx|n_seq_max|n_slots|training context"
     result = await ctx.transport.run(["grep", "-E", pattern, info["log"]], timeout=60)
     log_text = "\n".join(line.text for line in result.lines if line.stream == "out")
+    log_text = rpc_guard.planned_endpoints_in(log_text, info.get("local_ends") or {})
     report = placement.compare(deployment.plan, log_text)
     for line in report["lines"]:
         await ctx.log(line)
@@ -454,11 +535,16 @@ async def stop_body(ctx) -> str:
         else:
             await ctx.log(f"{info['role']} PID {pid} was not running")
             done.append(f"{info['role']} PID {pid} already gone")
-        if info.get("key_file"):
-            await ctx.transport.run(["rm", "-f", info["key_file"]], timeout=30)
+        files = [f for f in (info.get("key_file"), *info.get("files", [])) if f]
+        if files:
+            await ctx.transport.run(["rm", "-f", *files], timeout=30)
         # What else holds the port now? A leftover of ours is reaped; a foreign holder fails the stop.
         try:
             await reap_port(ctx.transport, platform, int(info["port"]), log=ctx.log)
         except (ForeignHolder, PortStillBusy) as exc:
             raise JobFailed(str(exc)) from exc
+    for guard in ctx.job.params.get("guards", []):
+        note = await remove_guard(ctx, guard)
+        await ctx.log(note)
+        done.append(note)
     return f"{ctx.node.name}: " + ("; ".join(done) or "nothing to stop")

@@ -29,7 +29,7 @@ from .endpoint import LOOPBACK_HOSTS
 from .lifecycle_steps import endpoint_url, reach_host
 from .llamacpp import model_alias
 from .llamacpp_source import PINNED
-from .models import ACTIVE_STATES, Deployment, DeploymentState, StaleProcess
+from .models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode, StaleProcess
 
 
 def _get_deployment(pk: int) -> Deployment:
@@ -95,11 +95,25 @@ def run_context(user, deployment: Deployment) -> dict:
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
         "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
         "self_heal_limit": settings.RAMDECK_SELF_HEAL_ATTEMPTS,
+        **rpc_mode_context(deployment),
         # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
         "history": Deployment.objects.filter(
             Q(redeployed_from=deployment) | Q(pk=deployment.redeployed_from_id or 0)
         ).order_by("-created_at")[:10],
     }
+
+
+def rpc_mode_context(deployment: Deployment) -> dict:
+    """The run page's RPC line: the mode chosen, the one a deploy would use now, and why not, if it cannot."""
+    try:
+        workers = lifecycle.workers_of(deployment)
+        effective = lifecycle.rpc_mode(deployment, workers)
+        # Checked (names resolved) only where the form is: not on the polled page of an active deployment.
+        active = deployment.state in ACTIVE_STATES
+        problem = "" if active else lifecycle.rpc_refusal(deployment, workers)
+    except (KeyError, ValueError, IndexError):
+        effective, problem = "", ""
+    return {"rpc_modes": RpcMode.choices, "rpc_effective": effective, "rpc_problem": problem}
 
 
 @role_required(VIEWER)
@@ -197,6 +211,25 @@ def deployment_restart(request, pk: int):
         )
     else:
         messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_rpc_mode(request, pk: int):
+    """Choose how the coordinator reaches the rpc-servers (deployments/rpc_guard.py) before a deploy or a
+    redeploy; audited. A running deployment keeps its mode until it is stopped."""
+    deployment = _get_deployment(pk)
+    wanted = request.POST.get("mode", "")
+    if wanted not in RpcMode.values:
+        messages.error(request, "Choose auto, tunnel or direct.")
+    elif deployment.state in ACTIVE_STATES:
+        messages.error(request, "Stop the deployment first: the mode applies when it is deployed again.")
+    elif deployment.rpc_mode != wanted:
+        before = deployment.rpc_mode
+        deployment.record(rpc_mode=wanted)
+        history.record(request, "deployment.rpc_mode", deployment, changes={"rpc_mode": [before, wanted]})
+        messages.success(request, f"RPC: {RpcMode(wanted).label}.")
     return redirect("deployments:run", pk=deployment.pk)
 
 

@@ -83,6 +83,14 @@ TERMINAL_STATES = (DeploymentState.STOPPED, DeploymentState.FAILED)
 SPEED_ERROR_LIMIT = 0.25
 
 
+class RpcMode(models.TextChoices):
+    """How the coordinator reaches the workers' ggml-rpc-server (deployments/rpc_guard.py)."""
+
+    AUTO = "auto", "Tunnel when every worker allows it, else direct"
+    TUNNEL = "tunnel", "SSH tunnel (rpc-server listens on 127.0.0.1 only)"
+    DIRECT = "direct", "Direct on the LAN (faster; firewalled where the SSH user may)"
+
+
 class Deployment(models.Model):
     name = models.CharField(max_length=200)
     model_file = models.ForeignKey(ModelFile, on_delete=models.PROTECT, related_name="deployments")
@@ -127,6 +135,10 @@ class Deployment(models.Model):
     # numbers it came from are verification["context"].
     ctx_used = models.PositiveIntegerField(null=True, blank=True)
     processes = models.JSONField(default=dict, blank=True)
+    rpc_mode = models.CharField(max_length=10, choices=RpcMode.choices, default=RpcMode.AUTO)
+    # What a launch changed on a node besides processes, undone by the stop steps: an authorized_keys entry
+    # for a tunnel, a firewall rule for a direct rpc-server. {key: {"node", "kind", ...}}.
+    guards = models.JSONField(default=dict, blank=True)
     # What the monitor saw last (deployments/monitor.py): {"checked_at", "processes": [per-process status:
     # alive, pid, uptime, memory], "metrics": llama-server's /metrics numbers}. Pages only read it.
     live_status = models.JSONField(default=dict, blank=True)
@@ -338,6 +350,13 @@ class Deployment(models.Model):
             self.processes = {**(current.processes or {}), key: info}
             Deployment.objects.filter(pk=self.pk).update(processes=self.processes)
         live.changed(self.pk)
+
+    def add_guard(self, key: str, info: dict) -> None:
+        """Record an authorized key or a firewall rule this deployment installed (see add_process)."""
+        with transaction.atomic():
+            current = Deployment.objects.select_for_update().only("guards").get(pk=self.pk)
+            self.guards = {**(current.guards or {}), key: info}
+            Deployment.objects.filter(pk=self.pk).update(guards=self.guards)
 
     def store_api_key(self, key: str) -> None:
         self.set_api_key(key)

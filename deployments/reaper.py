@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
+from deployments.rpc_guard import TUNNEL_MARK
 from nodes.listeners import (
     Listener,
     holders_of,
@@ -101,8 +102,12 @@ def program_of(cmdline: str) -> str:
 
 
 def classify(cmdline: str) -> str | None:
-    """ "rpc-server" or "llama-server" when the command line runs one of ours, else None (foreign)."""
-    return OUR_PROGRAMS.get(program_of(cmdline))
+    """ "rpc-server", "llama-server" or "rpc-tunnel" when the command line runs one of ours, else None
+    (foreign). An ssh is ours only when it is a deployment's tunnel (its files carry the tunnel mark)."""
+    program = program_of(cmdline)
+    if program == "ssh":
+        return "rpc-tunnel" if TUNNEL_MARK in cmdline and " -L " in f" {cmdline} " else None
+    return OUR_PROGRAMS.get(program)
 
 
 # --------------------------------------------------------------------------------------------------

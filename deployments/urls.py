@@ -23,6 +23,7 @@ urlpatterns = [
     path("deployments/<int:pk>/restart/", lifecycle_views.deployment_restart, name="restart"),
     path("deployments/<int:pk>/redeploy/", lifecycle_views.deployment_redeploy, name="redeploy"),
     path("deployments/<int:pk>/self-heal/", lifecycle_views.deployment_self_heal, name="self_heal"),
+    path("deployments/<int:pk>/rpc-mode/", lifecycle_views.deployment_rpc_mode, name="rpc_mode"),
     path("builds/<slug:name>/", lifecycle_views.node_builds, name="node_builds"),
     path("builds/<slug:name>/start/", lifecycle_views.node_build_start, name="node_build_start"),
     path("stale-processes/", lifecycle_views.stale_processes, name="stale"),

@@ -8,6 +8,8 @@ import asyncssh
 from django import forms
 from django.conf import settings
 
+from deployments.rpc_guard import is_ipv6, parse_ipv4
+
 from .models import Credential, CredentialKind, Node, Transport
 
 # What an edit form shows in a secret field that already has a stored value. Posting it back unchanged
@@ -31,6 +33,8 @@ class NodeForm(forms.ModelForm):
             "may_coordinate",
             "rpc_port",
             "rpc_bind_address",
+            "rpc_tunnel",
+            "authorized_keys_path",
             "platform_hint",
             "notes",
             "enabled",
@@ -41,7 +45,16 @@ class NodeForm(forms.ModelForm):
             "ssh_user": "SSH user",
             "rpc_port": "RPC port",
             "rpc_bind_address": "RPC bind address",
+            "rpc_tunnel": "Allow RPC tunnels",
+            "authorized_keys_path": "authorized_keys file",
         }
+
+    rpc_bind_everywhere = forms.BooleanField(
+        label="Let ggml-rpc-server listen on every interface",
+        required=False,
+        help_text="Only with an unspecified bind address (0.0.0.0): anyone on every network this node is on "
+        "could then use its unauthenticated RPC server in direct mode. Recorded in the audit history.",
+    )
 
     def clean_name(self):
         return self.cleaned_data["name"].strip().lower()
@@ -58,19 +71,31 @@ class NodeForm(forms.ModelForm):
     def clean_address(self):
         return self.cleaned_data["address"].strip()
 
-    def clean_rpc_bind_address(self):
-        value = self.cleaned_data["rpc_bind_address"].strip()
-        if value in ("0.0.0.0", "::", "[::]"):
-            # ggml-rpc-server has no authentication: binding to every interface is an admin decision
-            # taken per deployment with a warning, not a node default.
-            raise forms.ValidationError(
-                f"{value} exposes the unauthenticated RPC server on every network; "
-                "give the node's LAN address."
-            )
-        return value
-
     def clean(self):
-        cleaned = super().clean()
+        cleaned = self._clean_ssh(super().clean())
+        value = (cleaned.get("rpc_bind_address") or "").strip()
+        if not value:
+            return cleaned
+        if is_ipv6(value):
+            self.add_error(
+                "rpc_bind_address",
+                f"{value} is an IPv6 address; ggml-rpc-server listens on IPv4 only. Give an IPv4 address.",
+            )
+            return cleaned
+        address = parse_ipv4(value)
+        # ggml-rpc-server has no authentication: `0`, `00`, `0x0` mean every interface too (inet_aton).
+        if address is not None and address.is_unspecified and not cleaned.get("rpc_bind_everywhere"):
+            self.add_error(
+                "rpc_bind_address",
+                f"{value} means every interface ({address}): it exposes the unauthenticated RPC server "
+                "on every network; give the node's LAN address, or tick the box below to allow it.",
+            )
+            return cleaned
+        if address is not None:
+            cleaned["rpc_bind_address"] = str(address)  # the normalised form rpc-server will bind
+        return cleaned
+
+    def _clean_ssh(self, cleaned):
         if cleaned.get("transport") == Transport.SSH:
             if not cleaned.get("ssh_user"):
                 self.add_error("ssh_user", "An SSH node needs the user to log in as.")

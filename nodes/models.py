@@ -118,6 +118,17 @@ class Node(models.Model):
         validators=[validate_host],
         help_text="Address ggml-rpc-server listens on. Empty: the node's own address.",
     )
+    rpc_tunnel = models.BooleanField(
+        default=True,
+        help_text="Deployments may reach this node's ggml-rpc-server through an SSH tunnel "
+        "(it then listens on 127.0.0.1 only).",
+    )
+    authorized_keys_path = models.CharField(
+        max_length=500,
+        blank=True,
+        help_text="Where sshd reads the SSH user's authorized keys (a tunnel's key goes there). "
+        "Empty: ~/.ssh/authorized_keys.",
+    )
     platform_hint = models.CharField(max_length=10, choices=PlatformHint.choices, default=PlatformHint.AUTO)
     notes = models.TextField(blank=True)
     enabled = models.BooleanField(default=True)
@@ -187,7 +198,9 @@ class Node(models.Model):
     @property
     def rpc_binds_everywhere(self) -> bool:
         """An admin let ggml-rpc-server listen on every interface: it has no authentication, so say so."""
-        return self.rpc_bind_address in ("0.0.0.0", "::")
+        from deployments.rpc_guard import binds_everywhere
+
+        return binds_everywhere(self.rpc_bind_address)
 
     @property
     def is_local(self) -> bool:

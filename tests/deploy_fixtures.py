@@ -26,7 +26,13 @@ def rpc_server_binary() -> Path:
 def lab_node(lab, host, **fields) -> Node:
     """A Node for a lab host, reached over its real sshd with the lab's key, host key already approved."""
     credential = CredentialFactory(kind=CredentialKind.PRIVATE_KEY, secret=lab.client_private_key)
-    options = {"name": host.netns.replace("rdlab-", "lab-"), "address": host.address, "ssh_user": "root"}
+    options = {
+        "name": host.netns.replace("rdlab-", "lab-"),
+        "address": host.address,
+        "ssh_user": "root",
+        # The lab's sshd reads the keys from the host's folder; ~/.ssh is this machine's own (shared).
+        "authorized_keys_path": str(host.workdir / "authorized_keys"),
+    }
     options.update(fields)
     node = NodeFactory(credential=credential, host_key=host.host_public_key, **options)
     return node

@@ -225,12 +225,17 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
         ("reap", "old-pc"),
         ("reap", "desk"),
         ("rpc-server", "old-pc"),
+        ("rpc-tunnel", "desk"),
         ("llama-server", "desk"),
         ("verify", "desk"),
         ("measure", "desk"),
     ]
     rpc = deployment.steps.get(name="rpc-server").job
     assert rpc.params["args"][-1] == "-c"  # the tensor cache is on by default
+    # Tunnel mode (the default when every worker allows it): rpc-server listens on loopback only.
+    assert rpc.params["args"][rpc.params["args"].index("-H") + 1] == "127.0.0.1"
+    tunnel = deployment.steps.get(name="rpc-tunnel").job
+    assert tunnel.params["endpoint"] == "10.77.1.2:50052" and tunnel.params["port"] == 50052
     assert no_enqueue == [("deploy", deployment.pk)]
 
 
@@ -271,7 +276,7 @@ def test_a_second_delivery_of_the_run_leaves_it_to_the_first(cluster, no_enqueue
     assert runner.run_job(run.pk) is False
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.PREPARING
-    assert deployment.steps.filter(job__state="queued").count() == 6
+    assert deployment.steps.filter(job__state="queued").count() == 7
 
 
 def test_stop_is_refused_for_a_deployment_that_is_not_active(cluster, no_enqueue):
@@ -293,6 +298,8 @@ def test_a_wildcard_rpc_bind_is_used_audited_and_warned_about(cluster, no_enqueu
     worker.save()
     assert worker.rpc_endpoint_host == worker.address  # coordinators still connect to its address
     deployment = _ready(cluster)
+    deployment.rpc_mode = "direct"  # the operator's choice: in tunnel mode it would listen on loopback
+    deployment.save()
     _build(cluster[0])
     _build(cluster[1])
     assert start_deploy(deployment, operator_user)[0]

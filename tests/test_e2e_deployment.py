@@ -11,6 +11,7 @@ Phase times are printed (run with -s); they are not asserted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -113,6 +114,17 @@ def _planner_nodes(coordinator, workers) -> list[planner.Node]:
     return nodes
 
 
+def _commands_in(host) -> list[str]:
+    """The command lines of the processes in a lab host's namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+    commands = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            commands.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+    return commands
+
+
 class Cluster:
     def __init__(self, lab, hosts, tmp_path):
         self.lab, self.hosts, self.tmp_path = lab, hosts, tmp_path
@@ -197,13 +209,19 @@ class Cluster:
         for host in self.hosts:
             for port in (RPC_PORT, LLAMA_PORT):
                 assert listeners_in(host, port) == "", (host.address, port)
-            names = subprocess.run(
-                ["ip", "netns", "pids", host.netns], capture_output=True, text=True
-            ).stdout.split()
-            for pid in names:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            for cmd in _commands_in(host):
                 assert "rpc-server" not in cmd and "llama-server" not in cmd, cmd
+            # A tunnel's forced command on a worker ends when its sshd sees the connection close (soon after
+            # the coordinator's ssh was ended, not at once).
+            deadline = time.monotonic() + 15
+            while (
+                any("sleep 2147483647" in cmd for cmd in _commands_in(host)) and time.monotonic() < deadline
+            ):
+                time.sleep(0.2)
+            assert not [cmd for cmd in _commands_in(host) if "sleep 2147483647" in cmd], host.address
         assert not ResourceClaim.objects.filter(deployment=deployment).exists()
+        for host in self.hosts:  # no tunnel key of a deployment is left on a worker
+            assert "ramdeck-d" not in (host.workdir / "authorized_keys").read_text()
 
     def report(self, deployment: Deployment) -> None:
         figures = {
@@ -345,7 +363,10 @@ def test_a_dead_rpc_server_makes_the_deployment_degraded(cluster, monkeypatch):
     exposed = cluster.workers[1]
     exposed.rpc_bind_address = "0.0.0.0"
     exposed.save()
-    deployment = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
+    deployment = cluster.confirm(cluster.model())
+    deployment.rpc_mode = "direct"  # in tunnel mode (the default) every rpc-server listens on loopback
+    deployment.save(update_fields=["rpc_mode"])
+    deployment = cluster.deploy(deployment, monkeypatch)
     assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
     assert monitor.check_all() == []
     assert "0.0.0.0:50052" in listeners_in(cluster.hosts[2], RPC_PORT)
@@ -402,7 +423,7 @@ def test_a_placement_llama_cpp_did_not_follow_fails_verification(cluster, monkey
 def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
     cluster.build_all()
     first = cluster.deploy(cluster.confirm(cluster.model()), monkeypatch)
-    assert first.state == DeploymentState.RUNNING
+    assert first.state == DeploymentState.RUNNING, (first.failed_step, first.state_reason)
     calls = record_enqueued(monkeypatch)
     restarted, message = lifecycle.stop_deployment(first, cluster.operator, then_redeploy=True)
     assert restarted, message
@@ -434,8 +455,12 @@ def test_a_worker_out_of_reach_for_a_while_degrades_then_recovers(cluster, monke
         assert f"{cluster.workers[0].name} cannot be reached" in deployment.state_reason
     finally:
         cluster.lab.link_up(worker_host)
-    assert monitor.check_all() == []
+        # Its route to the other lab hosts went with the link (as a real machine's does until its network
+        # setup brings it back): the coordinator's tunnel needs it to close cleanly when stopped.
+        route_between([worker_host])
+    degraded = monitor.check_all()
     deployment.refresh_from_db()
+    assert degraded == [], deployment.state_reason
     assert deployment.state == DeploymentState.RUNNING
     assert AuditEvent.objects.filter(action="deployment.recovered").count() == 1
     deployment = cluster.stop(deployment, monkeypatch)

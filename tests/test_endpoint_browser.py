@@ -1,5 +1,6 @@
 """The endpoint choice on the plan page in a real browser: it survives the plan's live recomputes and the
-Confirm button sends it (the inputs sit in the plan's region and belong to the Confirm form by form="confirm-form")."""
+Confirm button sends it (the inputs sit in the plan's region and belong to the Confirm form by
+form="confirm-form")."""
 
 # ruff: noqa: F811 - the model fixture is imported from tests/test_plan_browser.py and used as a parameter
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tests.test_lifecycle_views import deployment, no_enqueue  # noqa: F401 - fi
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-STEP_KINDS = ("reap", "rpc_server", "llama_server", "verify", "measure", "stop")
+STEP_KINDS = ("reap", "rpc_server", "rpc_tunnel", "llama_server", "verify", "measure", "stop")
 
 
 @pytest.fixture
@@ -72,7 +72,15 @@ def test_the_steps_run_in_order_as_children_of_the_run(deployment, no_enqueue, s
     assert lifecycle.run_deployment(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.RUNNING
-    assert [job.kind for job in ran] == ["reap", "reap", "rpc_server", "llama_server", "verify", "measure"]
+    assert [job.kind for job in ran] == [
+        "reap",
+        "reap",
+        "rpc_server",
+        "rpc_tunnel",
+        "llama_server",
+        "verify",
+        "measure",
+    ]
     children = Job.objects.filter(parent=run)
     assert {job.worker for job in children} == {Job.objects.get(pk=run.pk).worker}
     assert set(children.values_list("state", flat=True)) == {JobState.SUCCEEDED}

@@ -22,6 +22,7 @@ def node_post(credential, **overrides):
         "credential": credential.pk,
         "rpc_port": 50052,
         "rpc_bind_address": "",
+        "rpc_tunnel": "on",
         "platform_hint": "auto",
         "notes": "",
         "enabled": "on",
@@ -58,7 +59,11 @@ def test_admin_adds_a_node_and_the_audit_history_records_it(admin_client):
         ("name", "has spaces", "letters, numbers, underscores or hyphens"),
         ("ssh_user", "", "needs the user to log in as"),
         ("rpc_bind_address", "0.0.0.0", "exposes the unauthenticated RPC server"),
-        ("rpc_bind_address", "::", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "::", "listens on IPv4 only"),
+        ("rpc_bind_address", "0", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "00", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "0x0", "exposes the unauthenticated RPC server"),
+        ("rpc_bind_address", "fd00::5", "listens on IPv4 only"),
     ],
 )
 def test_bad_node_input_re_renders_the_form_naming_the_problem(admin_client, field, value, message):
@@ -164,3 +169,18 @@ def test_operator_cannot_delete_nodes(operator_client):
 def test_user_without_a_role_sees_no_inventory(client, stranger_user):
     client.force_login(stranger_user)
     assert client.get(reverse("nodes:list")).status_code == 403
+
+
+def test_only_a_ticked_box_lets_an_admin_bind_every_interface_stored_normalised(admin_client):
+    credential = CredentialFactory()
+    refused = admin_client.post(reverse("nodes:create"), node_post(credential, rpc_bind_address="0x0"))
+    assert refused.status_code == 200 and "means every interface (0.0.0.0)" in refused.content.decode()
+    allowed = admin_client.post(
+        reverse("nodes:create"), node_post(credential, rpc_bind_address="0x0", rpc_bind_everywhere="on")
+    )
+    assert allowed.status_code == 302
+    node = Node.objects.get(name="desk")
+    assert node.rpc_bind_address == "0.0.0.0" and node.rpc_binds_everywhere
+    assert AuditEvent.objects.get(action="node.create").changes["rpc_bind_address"][-1] == "0.0.0.0"
+    node.rpc_bind_address = "10.1"
+    assert not node.rpc_binds_everywhere

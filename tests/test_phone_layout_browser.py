@@ -48,6 +48,7 @@ POST_ONLY = {
     "nodes:calibrate_all": "starts calibration jobs (the button is on the node list)",
     "deployments:self_heal": "turns self-healing on or off (the switch is on the run page)",
     "deployments:chat": "streams a chat answer (the chat box is on the run page)",
+    "deployments:rpc_mode": "chooses tunnel or direct RPC (the form is on the run page)",
 }
 NOT_PAGES = {
     "dashboard_live": "the dashboard's live regions as htmx fragments (its polling fallback)",
@@ -405,6 +406,7 @@ def _post_only_url(name: str, data: dict) -> str:
         "nodes:calibrate": [data["desk"].name],
         "deployments:self_heal": [data["deployment"].pk],
         "deployments:chat": [data["deployment"].pk],
+        "deployments:rpc_mode": [data["deployment"].pk],
     }
     return reverse(name, args=args_by_route.get(name, []))
 

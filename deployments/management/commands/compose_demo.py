@@ -118,6 +118,9 @@ class Command(BaseCommand):
             # whenever compose recreates it: the demo nodes listen on every interface of their container,
             # which only the compose network reaches (the port is not published).
             rpc_bind_address="0.0.0.0",
+            # Their sshd reads the keys from the shared volume: deployments reach them directly (compose
+            # network only), not through a tunnel whose key would have to go there.
+            rpc_tunnel=False,
             notes="A demo node of the docker compose trial: a container on the console's machine, reached "
             "only over the compose network.",
         )

@@ -1,0 +1,227 @@
+"""Who may reach a worker's ggml-rpc-server: nobody but the deployment's coordinator.
+
+ggml-rpc-server has no authentication (upstream says never to expose it), so a deployment reaches it in
+one of two ways, chosen per deployment (`Deployment.rpc_mode`) and allowed per node (`Node.rpc_tunnel`):
+
+- **tunnel** (the default when every worker allows it): rpc-server binds 127.0.0.1 only; the coordinator
+  runs `ssh -tt -L 127.0.0.1:LOCAL:127.0.0.1:PORT` toward the worker with a key pair generated for this
+  deployment, whose `authorized_keys` entry on the worker allows that one forward and nothing else; `--rpc`
+  points at the local ends. The forward is a process of the deployment like the others (PID recorded,
+  checked by the monitor, ended by the stop steps, started again by a heal run); the entry is removed by
+  the stop steps (stop, rollback, heal).
+- **direct**: rpc-server binds the worker's LAN IPv4, normalised here (a hostname is resolved; `0`, `00`,
+  `0x0` are what inet_aton makes of them: every interface, which only an admin may allow); where the SSH
+  user may use sudo (or is root), an iptables rule tagged with the deployment rejects every source but the
+  coordinator, removed by the stop steps.
+
+Pure helpers (argument vectors, lines, tags); the steps that run them are deployments/rpc_tunnel_step.py
+and deployments/lifecycle_steps.py. No Django imports.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+
+# Marks every file and command line of a tunnel: the reaper and the monitor know an ssh process as ours by it.
+TUNNEL_MARK = "ramdeck-rpc-tunnel"
+# The restrictions of a tunnel key on the worker: port forwarding to one port; no shell and no command of the
+# client's choosing (the forced command only waits), no agent or X11 forwarding, no user rc. The pty is why
+# the tunnel is fast: sshd turns Nagle's algorithm off (TCP_NODELAY) only for a session with a pty, and
+# without it every RPC answer that ggml writes in two pieces waits for the coordinator's delayed ACK (~40 ms
+# a token: tunnel decode measured 5-8x slower than direct with `ssh -N`, on par with it this way).
+# OpenSSH 9.2 refuses a key whose entry says permitlisten="none", so remote forwards to the worker's
+# loopback stay possible for whoever holds the key (the coordinator).
+KEY_OPTIONS = 'restrict,port-forwarding,pty,permitopen="127.0.0.1:{port}",command="sleep 2147483647"'
+
+
+class BindRefused(ValueError):
+    """The address cannot be an rpc-server's bind address; the message says why and what to do."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Direct mode: the address rpc-server binds
+# --------------------------------------------------------------------------------------------------
+
+
+def parse_ipv4(value: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address inet_aton (and so rpc-server) makes of `value`, or None when it is no IPv4 literal.
+
+    `0`, `00`, `0x0`, `127.1`, `010.0.0.1` are all IPv4 addresses to inet_aton, not hostnames."""
+    value = value.strip()
+    if not value or not re.fullmatch(r"[0-9A-Fa-fXx.]+", value):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(value))
+    except OSError:
+        return None
+
+
+def is_ipv6(value: str) -> bool:
+    try:
+        return ipaddress.ip_address(value.strip().strip("[]")).version == 6
+    except ValueError:
+        return False
+
+
+def normalise_bind(value: str, *, allow_unspecified: bool = False, resolve=socket.getaddrinfo) -> str:
+    """The dotted IPv4 address rpc-server should bind for `value` (an address or a hostname).
+
+    Raises BindRefused for IPv6 (rpc-server listens on IPv4 only), a name that does not resolve to IPv4,
+    and an unspecified address (every interface) unless an admin allowed it."""
+    value = (value or "").strip()
+    if not value:
+        raise BindRefused("No address to bind ggml-rpc-server to.")
+    if is_ipv6(value):
+        raise BindRefused(
+            f"{value} is an IPv6 address; ggml-rpc-server listens on IPv4 only. Give the node an IPv4 "
+            "RPC bind address, or use tunnel mode (it binds 127.0.0.1)."
+        )
+    address = parse_ipv4(value)
+    if address is None:
+        try:
+            infos = resolve(value, None, socket.AF_INET, socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise BindRefused(f"{value} does not resolve to an IPv4 address here ({exc}).") from None
+        if not infos:
+            raise BindRefused(f"{value} does not resolve to an IPv4 address here.")
+        address = ipaddress.IPv4Address(infos[0][4][0])
+    if address.is_unspecified and not allow_unspecified:
+        raise BindRefused(
+            f"{value} means every interface ({address}): the unauthenticated RPC server would be open to "
+            "every network. Give the node's LAN address (only an admin may allow every interface)."
+        )
+    return str(address)
+
+
+def binds_everywhere(value: str) -> bool:
+    """Whether `value` (a node's RPC bind address) means every interface: 0.0.0.0 in any spelling, or ::."""
+    value = (value or "").strip()
+    if value.strip("[]") == "::":
+        return True
+    address = parse_ipv4(value)
+    return address is not None and address.is_unspecified
+
+
+# --------------------------------------------------------------------------------------------------
+# Tunnel mode
+# --------------------------------------------------------------------------------------------------
+
+
+def tag_for(deployment_pk: int, node_name: str) -> str:
+    """The comment on a deployment's authorized key and firewall rule on a node: removal finds exactly it."""
+    return f"ramdeck-d{int(deployment_pk)}-{re.sub(r'[^A-Za-z0-9_-]', '_', node_name)}"
+
+
+def new_key_pair(comment: str) -> tuple[str, str]:
+    """(private key in OpenSSH format, public key line) of a fresh Ed25519 key (asyncssh's generator)."""
+    import asyncssh
+
+    key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)
+    private = key.export_private_key("openssh").decode()
+    public = key.export_public_key("openssh").decode().strip()
+    return private, public
+
+
+def authorized_line(public_key: str, port: int, tag: str) -> str:
+    """The worker's authorized_keys entry: this key may forward to 127.0.0.1:PORT and do nothing else."""
+    kind, blob = public_key.split()[:2]
+    return f"{KEY_OPTIONS.format(port=int(port))} {kind} {blob} {tag}"
+
+
+def append_line_argv(path: str, line: str) -> list[str]:
+    """Append `line` to `path` (created 0600 with its folder 0700 when missing)."""
+    script = 'umask 077 && mkdir -p "$(dirname "$1")" && printf "%s\\n" "$2" >> "$1"'
+    return ["sh", "-c", script, "ramdeck-authorize", path, line]
+
+
+def remove_tagged_argv(path: str, tag: str) -> list[str]:
+    """Remove from `path` every line whose last word is `tag`, keeping the file (its owner and mode)."""
+    script = (
+        '[ -f "$1" ] || exit 0; t="$1.ramdeck-$$"; '
+        'awk -v tag="$2" \'$NF != tag\' "$1" > "$t" && cat "$t" > "$1"; s=$?; rm -f "$t"; exit $s'
+    )
+    return ["sh", "-c", script, "ramdeck-unauthorize", path, tag]
+
+
+def forward_argv(
+    *,
+    key_path: str,
+    known_hosts: str,
+    alias: str,
+    local_port: int,
+    port: int,
+    user: str,
+    address: str,
+    ssh_port: int,
+) -> list[str]:
+    """The coordinator's `ssh -tt -L` to a worker's rpc-server: no config file, the pinned host key only,
+    this deployment's key only, no prompt, and it exits when the forward cannot be set up or the link dies.
+    `-tt` asks for the pty that makes sshd send without delay (see KEY_OPTIONS); the worker runs its forced
+    command, which only waits, and ends with the connection."""
+    options = {
+        "IdentitiesOnly": "yes",
+        "BatchMode": "yes",
+        "HostKeyAlias": alias,
+        "UserKnownHostsFile": known_hosts,
+        "GlobalKnownHostsFile": "/dev/null",
+        "StrictHostKeyChecking": "yes",
+        "ExitOnForwardFailure": "yes",
+        "ServerAliveInterval": "15",
+        "ServerAliveCountMax": "3",
+        "ControlMaster": "no",
+        "ControlPath": "none",
+    }
+    argv = ["ssh", "-tt", "-F", "/dev/null", "-i", key_path]
+    for name, value in options.items():
+        argv += ["-o", f"{name}={value}"]
+    argv += ["-L", f"127.0.0.1:{int(local_port)}:127.0.0.1:{int(port)}", "-p", str(int(ssh_port))]
+    return [*argv, "-l", user, address]
+
+
+def tunnel_rpc_args(args: list[str], local_ends: dict[str, str]) -> list[str]:
+    """llama-server's arguments with each planned `--rpc` endpoint replaced by its tunnel's local end."""
+    args = list(args)
+    if "--rpc" in args:
+        at = args.index("--rpc") + 1
+        args[at] = ",".join(local_ends.get(e, e) for e in args[at].split(","))
+    return args
+
+
+def planned_endpoints_in(log_text: str, local_ends: dict[str, str]) -> str:
+    """llama-server's log with each tunnel's local end named by its planned endpoint again (RPC0[...])."""
+    for endpoint, local in local_ends.items():
+        log_text = log_text.replace(f"[{local}]", f"[{endpoint}]")
+    return log_text
+
+
+# --------------------------------------------------------------------------------------------------
+# Direct mode: the firewall rule
+# --------------------------------------------------------------------------------------------------
+
+
+def firewall_rule(port: int, coordinator: str, tag: str) -> list[str]:
+    """An INPUT rule (iptables syntax after the chain): TCP to PORT from anyone but the coordinator is
+    refused (a reset, so a client learns at once)."""
+    return [
+        "-p",
+        "tcp",
+        "--dport",
+        str(int(port)),
+        "!",
+        "-s",
+        f"{ipaddress.IPv4Address(coordinator)}/32",
+        "-m",
+        "comment",
+        "--comment",
+        tag,
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ]
+
+
+def iptables_argv(action: str, rule: list[str], *, sudo: bool) -> list[str]:
+    return [*(["sudo", "-n"] if sudo else []), "iptables", "-w", action, "INPUT", *rule]
