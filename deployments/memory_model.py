@@ -499,7 +499,8 @@ class Evaluation:
 
 
 def pipeline_parallel(split: Split) -> bool:
-    """llama.cpp turns on pipeline parallelism (x4 compute buffers) when all layers go to >1 device."""
+    """llama.cpp turns on pipeline parallelism (four copies of the inputs in every compute buffer) when all
+    layers go to more than one device."""
     return split.cpu_blocks == 0 and len(split.order) > 1
 
 

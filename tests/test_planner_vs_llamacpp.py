@@ -277,7 +277,8 @@ def test_two_shard_model_with_every_layer_offloaded_uses_pipeline_parallel_buffe
     binaries, processes, models
 ):
     # No worker can hold the whole model, and the coordinator's CPU is very slow: every layer goes to the
-    # workers, which turns on pipeline parallelism (four copies of every compute buffer).
+    # workers, which turns on pipeline parallelism (four copies of every split's inputs; CPU workers are held
+    # to what they write, `check_held`).
     nodes, _ = make_cluster((20, 1), [(34, 100), (34, 80), (34, 50)])
     settings = planner.Settings(ctx=512, margin_fraction=0)
     plan = plan_and_prove(binaries, processes, models["split"], nodes, settings, min_devices=2)
