@@ -3,7 +3,8 @@
 Pure Python, no Django. Memory per device follows llama.cpp's own accounting (checked against real logs in
 tests/test_planner_vs_llamacpp.py):
     weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
-    device; + the input embedding on the coordinator's CPU) <= capacity,
+    device; + the input embedding on the coordinator's CPU) <= capacity, where a CPU worker's compute
+    buffer under pipeline parallelism is what it writes, not what llama.cpp reserves (`Slot.compute_for`),
     capacity = min(free, total) minus a margin; for a unified-memory device (Apple's MTL0)
                min(free, wired limit if one is set, clamp x total) minus a margin, and on a coordinator
                its CPU and that device together within min(free, clamp x total) minus a margin
@@ -55,7 +56,10 @@ DEFAULT_HOP_MS = 0.5
 DEFAULT_PIPELINE_OVERHEAD_MS = 0.5
 # Bytes per element, as (block bytes, block elements) of the ggml type.
 KV_TYPES = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
-# ggml_backend_sched keeps this many copies of the compute graph when pipeline parallelism is on.
+# With pipeline parallelism on, ggml_backend_sched (GGML_SCHED_MAX_COPIES) keeps this many copies of every
+# split's inputs in each device's compute buffer, and the buffer it reserves grows to about four times a
+# copy's size. A GPU allocates all of it; a CPU device allocates it with malloc, and the kernel charges only
+# the pages it writes (see `Slot.lazy` and `input_copy_bytes`).
 PIPELINE_COPIES = 4
 DEFAULT_BANDWIDTH_GBS = {"cpu": 20.0, "cuda": 300.0, "metal": 100.0, "rocm": 300.0, "vulkan": 100.0}
 
@@ -265,7 +269,8 @@ def compute_bytes(
     `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output layer and at
     most the last block, whose feed-forward runs on the output rows only), "idle" (the coordinator's CPU
     computing no block: input embeddings and the mask). With pipeline parallelism the graph is cut into
-    more, smaller splits, so the feed-forward share is smaller (but there are four copies).
+    more, smaller splits, so the feed-forward share is smaller (but there are four copies; a CPU worker only
+    writes one of them and the copies of its inputs: `Slot.compute_for`).
     """
     per_seq, _ = kv_cells(settings)
     ub = min(settings.ubatch, per_seq)
@@ -286,6 +291,20 @@ def compute_bytes(
     if coordinator_cpu:
         floats += n_vocab if role == "idle" else n_embd + n_vocab
     return ub * (4 * floats + 2 * per_seq)
+
+
+def input_copy_bytes(profile: dict[str, Any], settings: Settings) -> int:
+    """One copy of the inputs of a device's split at the worst-case ubatch: what pipeline parallelism adds to
+    a CPU device's compute buffer per extra copy.
+
+    What llama.cpp's scheduler lists for a split of blocks on an RPC device (GGML_SCHED_DEBUG=1, llama-server
+    -lv 10): three f32 tensors of n_embd x ubatch (inp_mixed_embd, node_1, embd), the f16 attention mask over
+    the cells of one sequence, and positions and indexes of a few bytes per token.
+    """
+    per_seq, _ = kv_cells(settings)
+    ub = min(settings.ubatch, per_seq)
+    n_embd = int(profile["embedding_length"])
+    return ub * (3 * 4 * n_embd + 2 * per_seq + 16)
 
 
 def capacity_bytes(device: Device, settings: Settings) -> tuple[int, int]:
@@ -318,8 +337,23 @@ class Slot:
     overhead_s: float  # per-token RPC cost of its node: its hop plus the network's round trips
     # Bytes of one compute-graph copy by (role, pipeline parallelism on); see `compute_bytes`.
     compute: dict[tuple[str, bool], int] = field(default_factory=dict)
+    # A CPU device of a remote node: its ggml-rpc-server allocates compute buffers with malloc, so the memory
+    # it is charged for (RSS; a cgroup's limit) is the pages it writes, not the buffer llama.cpp reserves.
+    lazy: bool = False
+    # One copy of its split's inputs (`input_copy_bytes`).
+    input_copy: int = 0
 
     def compute_for(self, role: str, copies: int) -> int:
+        if copies > 1 and self.lazy:
+            # Measured with the lab's limit_memory on a real rpc-server (the split_speed model: 8 blocks of
+            # n_embd 1536 and n_ff 4096, -c 512), after prompts of 500 tokens, which write a whole ubatch:
+            # beyond its weights and KV cache the worker held 47.6 MiB with the plan's 6 blocks and the
+            # output layer (llama.cpp reserved 47.04, plus the CPU backend's work buffer;
+            # tests/test_rpc_memory_lab.py) and 54.5 MiB with 8 blocks and the output on the other worker
+            # (74.05 reserved), against 32.1 MiB (30.5 reserved) without pipeline parallelism. One copy of
+            # the graph and the extra copies of its inputs counts 68 MiB there; four copies of the graph
+            # counted 82 MiB. The idle rpc-server itself (1.1 MiB there) is within the margin.
+            return self.compute[(role, False)] + (copies - 1) * self.input_copy
         return self.compute[(role, copies > 1)] * copies
 
 
@@ -394,6 +428,8 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             bandwidth=bandwidth * 1e9,
             overhead_s=(hop + RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0)) / 1000.0 if remote else 0.0,
             compute=_compute_table(profile, settings, coordinator_cpu=False),
+            lazy=remote and device.kind == "cpu",
+            input_copy=input_copy_bytes(profile, settings),
         )
 
     unified = unified_gpu(coordinator)
@@ -463,7 +499,8 @@ class Evaluation:
 
 
 def pipeline_parallel(split: Split) -> bool:
-    """llama.cpp turns on pipeline parallelism (x4 compute buffers) when all layers go to >1 device."""
+    """llama.cpp turns on pipeline parallelism (four copies of the inputs in every compute buffer) when all
+    layers go to more than one device."""
     return split.cpu_blocks == 0 and len(split.order) > 1
 
 

@@ -238,7 +238,7 @@ def search(problem: Problem) -> tuple[Split | None, float]:
     # Mode 2: nothing on the CPU and a single device (no pipeline parallelism).
     start2 = np.full(n + 1, INF)
     start2[0] = start[0]
-    # Mode 3: nothing on the CPU, pipeline parallelism on (x4 compute everywhere).
+    # Mode 3: nothing on the CPU, pipeline parallelism on (four compute copies; on CPU workers, input copies).
     start3 = np.full(n + 1, INF)
     start3[0] = s.cpu_costs(PIPELINE_COPIES, output=False)[0] + problem.pipeline_s
     modes = ((start1, 1), (start3, PIPELINE_COPIES))

@@ -4,10 +4,16 @@ the cgroup `cpu` controller; and two nodes calibrating at once.
 The stated factor: a host at 25% of one core measures between 0.15 and 0.45 of the unthrottled host's
 bandwidth (0.25 in theory: the cgroup lets it compute a quarter of the time; the rest of the range is for
 the other processes this shared two-core machine runs meanwhile). Timings are printed, not asserted.
+
+This machine is shared, and its load moves the unthrottled host's speed, never the throttled one's quota.
+So both hosts compete for the cores with the same weight, that of SHARES ordinary processes (as machines of
+their own compete with nobody), and the two are calibrated ROUNDS times in alternation: the ratio is that
+of the medians, so one calibration disturbed by a burst of other work does not decide it.
 """
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,12 +31,14 @@ from tests.llamacpp_build import require_llamacpp
 pytestmark = [
     pytest.mark.lab,
     pytest.mark.llamacpp,
-    pytest.mark.timeout(900),
+    pytest.mark.timeout(1800),
     pytest.mark.django_db(transaction=True),
 ]
 
 QUOTA = 0.25
 FACTOR = (0.15, 0.45)
+SHARES = 8192
+ROUNDS = 3
 
 
 def ready_node(lab, host, name: str, **fields) -> Node:
@@ -85,20 +93,23 @@ def calibrate_at_once(nodes: list[Node]) -> list[Job]:
 def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_hosts, settings, tmp_path):
     settings.VAR_DIR = tmp_path
     fast_host, slow_host = lab_hosts(2)
+    for host in (fast_host, slow_host):
+        lab.cpu_shares(host, SHARES)
     lab.throttle_cpu(slow_host, QUOTA, period_us=10_000)  # a steady slowdown, as a slower CPU
     fast = ready_node(lab, fast_host, "fast-pc", may_coordinate=True)
     slow = ready_node(lab, slow_host, "slow-pc")
     assert slow.facts["cpu_quota_cores"] == QUOTA and fast.facts["cpu_quota_cores"] is None
     # One after the other: on this two-core machine (the lab hosts share it) two calibrations at once would
     # slow each other down, which no two real machines do.
-    calibrate_at_once([slow])
-    calibrate_at_once([fast])
-    fast_cpu, slow_cpu = (Node.objects.get(pk=n.pk).devices.get(name="CPU") for n in (fast, slow))
-    ratio = slow_cpu.measured_bandwidth_gbs / fast_cpu.measured_bandwidth_gbs
-    print(
-        f"bandwidth fast {fast_cpu.measured_bandwidth_gbs} GB/s, slow {slow_cpu.measured_bandwidth_gbs} GB/s"
-    )
-    assert FACTOR[0] <= ratio <= FACTOR[1], ratio
+    measured: dict[str, list[float]] = {"fast": [], "slow": []}
+    for _ in range(ROUNDS):
+        for name, node in (("slow", slow), ("fast", fast)):
+            calibrate_at_once([node])
+            cpu = Node.objects.get(pk=node.pk).devices.get(name="CPU")
+            measured[name].append(cpu.measured_bandwidth_gbs)
+    ratio = statistics.median(measured["slow"]) / statistics.median(measured["fast"])
+    print(f"bandwidth GB/s, fast {measured['fast']}, slow {measured['slow']}: ratio of medians {ratio:.3f}")
+    assert FACTOR[0] <= ratio <= FACTOR[1], (ratio, measured)
     for node in (Node.objects.get(pk=fast.pk), Node.objects.get(pk=slow.pk)):
         cpu = node.devices.get(name="CPU")
         assert cpu.measurement_state == "fresh" and cpu.bandwidth_source == "measured"

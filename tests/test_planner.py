@@ -363,18 +363,32 @@ def test_rpc_devices_come_first_with_endpoints_and_output_on_the_last_device():
     assert_args_reproduce_placements(result)
 
 
-def test_pipeline_parallel_compute_buffers_are_counted_four_times():
+def test_pipeline_parallel_compute_buffers_four_copies_on_a_gpu_one_and_input_copies_on_a_cpu_worker():
+    # A coordinator CPU too slow to be worth a block: every block goes to the GPU and the worker.
     profile = make_profile(n_layer=8, block_mib=100)
     nodes = cluster(
-        [dev("desk", "CPU", 0.6, 20), dev("desk", "CUDA0", 1.2, 900, kind="cuda")],
+        [dev("desk", "CPU", 1.0, 1), dev("desk", "CUDA0", 1.2, 900, kind="cuda")],
         ("pc", [dev("pc", "CPU", 8, 60)], 0.1),
     )
-    result = planner.plan(profile, nodes, Settings(ctx=1024, margin_fraction=0))
-    assert result["fits"]
-    one = planner.compute_bytes(profile, Settings(ctx=1024), role="mid", coordinator_cpu=False, pipeline=True)
-    if result["pipeline_parallel"]:
-        assert result["placements"][0]["layers"] == 0
-        assert any(p["compute_bytes"] >= 4 * one for p in result["placements"][1:])
+    cfg = Settings(ctx=1024, margin_fraction=0)
+    result = planner.plan(profile, nodes, cfg)
+    assert result["fits"] and result["pipeline_parallel"]
+    assert result["placements"][0]["layers"] == 0
+    by_device = {(p["node"], p["device"]): p for p in result["placements"]}
+    gpu, worker = by_device[("desk", "CUDA0")], by_device[("pc", "CPU")]
+
+    def one(placement: dict, pipeline: bool) -> int:
+        output, layers = placement["output_layer"], placement["layers"]
+        role = ("tail" if layers <= 1 else "out") if output else "mid"
+        return planner.compute_bytes(profile, cfg, role=role, coordinator_cpu=False, pipeline=pipeline)
+
+    # A GPU allocates all four copies llama.cpp reserves ...
+    assert gpu["compute_bytes"] == 4 * one(gpu, True)
+    # ... a CPU worker (an rpc-server's malloc) holds what it writes: one copy of the graph and four of its
+    # split's inputs (tests/test_rpc_memory_lab.py measures it).
+    inputs = planner.input_copy_bytes(profile, cfg)
+    assert worker["compute_bytes"] == one(worker, False) + 3 * inputs
+    assert inputs == 512 * (3 * 4 * 4096 + 2 * 1024 + 16)
 
 
 def test_does_not_fit_says_by_how_much_and_each_suggestion_really_fits():

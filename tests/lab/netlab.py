@@ -371,6 +371,23 @@ class Lab:
                     (group / "cgroup.procs").write_text(str(pid))
         return group
 
+    def cpu_shares(self, host: LabHost, shares: int) -> Path:
+        """Let the host compete for this machine's cores as `shares` / 1024 ordinary processes would (cgroup
+        v1 `cpu.shares`; its quota, if throttle_cpu set one, still caps it). A real machine competes with
+        nobody; a lab host shares this one with whatever else runs on it, as one process per thread when it
+        has no cpu group of its own, or as one process altogether when it has one."""
+        if not CGROUP_CPU_ROOT.is_dir():
+            raise LabUnavailable("cgroup v1 cpu controller is not mounted at /sys/fs/cgroup/cpu")
+        group = CGROUP_CPU_ROOT / host.netns
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(int(shares)))
+        host.cgroup = group
+        for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
+            if pid:
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(str(pid))
+        return group
+
     def unthrottle_cpu(self, host: LabHost) -> None:
         if host.cgroup is None:
             return
