@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from functools import partial
+from pathlib import Path
 
 import pytest
 from channels.testing.live import make_application
@@ -130,3 +131,42 @@ def log_in(page, base_url: str, username: str, password: str) -> None:
     page.fill("input[name=password]", password)
     page.click("button[type=submit]")
     page.wait_for_url(f"{base_url}/")
+
+
+# The README's pictures (docs/screenshots/, `make screenshots`): the browser tests that reach a page worth
+# showing save it at both widths. With RAMDECK_SCREENSHOTS_DIR set they go there; otherwise into the test's
+# tmp_path, so a normal run never touches the repository.
+SCREENSHOT_WIDTHS = (1280, 390)
+SCREENSHOT_MAX_HEIGHT = 2400
+
+
+def screenshot_dir(tmp_path) -> Path:
+    folder = Path(os.environ.get("RAMDECK_SCREENSHOTS_DIR") or tmp_path / "screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_screenshots(page, folder: Path, name: str, *, selector: str | None = None) -> list[Path]:
+    """`NAME-1280.png` and `NAME-390.png`: the page (from its top, at most SCREENSHOT_MAX_HEIGHT px) as a
+    desktop and a phone show it, or only the element `selector` when given. The window is made as tall as the
+    page rather than using Playwright's full_page, which widens the shot to boxes that scroll sideways; it is
+    put back afterwards."""
+    viewport = page.viewport_size
+    saved = []
+    try:
+        for width in SCREENSHOT_WIDTHS:
+            page.set_viewport_size({"width": width, "height": viewport["height"]})
+            page.wait_for_timeout(200)  # the layout settles (the menu collapses, gauges redraw)
+            path = folder / f"{name}-{width}.png"
+            if selector:
+                page.locator(selector).screenshot(path=path)
+            else:
+                height = min(page.evaluate("document.documentElement.scrollHeight"), SCREENSHOT_MAX_HEIGHT)
+                page.set_viewport_size({"width": width, "height": max(height, viewport["height"])})
+                page.evaluate("window.scrollTo(0, 0)")  # the clip is taken from the window's top
+                page.screenshot(path=path, clip={"x": 0, "y": 0, "width": width, "height": height})
+            assert path.stat().st_size > 0, path
+            saved.append(path)
+    finally:
+        page.set_viewport_size(viewport)
+    return saved

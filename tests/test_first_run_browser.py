@@ -1,26 +1,32 @@
 """A new admin follows the dashboard's first-run checklist on the console's own machine, in a real browser:
 "Add this machine" → the probe (a real Celery worker, the local transport) finds the real llama.cpp build →
-it is recorded as a build → a model is registered → a plan is confirmed; the checklist ticks at each step.
-The deploy and chat steps need a running model (tests/test_deploy_browser.py deploys one)."""
+it is recorded as a build → a model is registered → a plan is confirmed → deployed (the worker starts the real
+llama-server) → an answer in the chat box; the checklist ticks at each step and is gone at the end.
+
+On the way it saves the README's screenshots (tests/browser.py `save_screenshots`): into the test's tmp_path,
+or into RAMDECK_SCREENSHOTS_DIR when set (`make screenshots` sets docs/screenshots)."""
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 
 import pytest
 from playwright.sync_api import expect
 
-from deployments.models import Deployment
+from deployments.models import Deployment, DeploymentState
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import Job, JobState
 from nodes.models import Build, Node, Transport
-from tests.browser import log_in
+from tests.browser import log_in, save_screenshots, screenshot_dir
+from tests.chat_fixtures import TALKATIVE_SEED, free_port, stop
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker, wait_for
 from tests.llamacpp_build import require_llamacpp
 
-pytestmark = [pytest.mark.browser, pytest.mark.llamacpp, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.browser, pytest.mark.llamacpp, pytest.mark.e2e, pytest.mark.timeout(900)]
+CHAT_MAX_TOKENS = 48
 
 
 @pytest.fixture
@@ -51,9 +57,24 @@ def celery_worker(llamacpp_on_path, model_dir, transactional_db, tmp_path):
 
 
 @pytest.fixture
-def live_url(celery_worker, live_server_url):
+def short_answers(settings):
+    """Set before the live server forks, so the chat answers with at most CHAT_MAX_TOKENS tokens."""
+    settings.RAMDECK_CHAT_MAX_TOKENS = CHAT_MAX_TOKENS
+
+
+@pytest.fixture
+def live_url(celery_worker, short_answers, live_server_url):
     """The live server, forked after the worker's queue became the console's."""
     return live_server_url
+
+
+def _in_thread(function, *args):
+    """Playwright's sync API keeps an event loop on this thread; the job runner wants one of its own."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", function(*args)))
+    thread.start()
+    thread.join(timeout=300)
+    return result.get("value")
 
 
 def ticked(page) -> set[str]:
@@ -61,8 +82,11 @@ def ticked(page) -> set[str]:
     return {items.nth(i).get_attribute("id").removeprefix("first-run-") for i in range(items.count())}
 
 
-def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llamacpp_on_path, tmp_path):
-    UserFactory(username="nina-new", role="admin")
+def test_a_new_admin_follows_the_checklist_on_this_machine(
+    live_url, page, llamacpp_on_path, tmp_path, monkeypatch
+):
+    shots = screenshot_dir(tmp_path)
+    admin = UserFactory(username="nina-new", role="admin")
     log_in(page, live_url, "nina-new", PASSWORD)
     expect(page.locator("#first-run")).to_contain_text("0 of 9 done")
     assert ticked(page) == set()
@@ -83,6 +107,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llama
     page.goto(f"{live_url}/")
     expect(page.locator("#first-run")).to_contain_text("5 of 9 done")
     assert ticked(page) == {"credential", "node", "host_key", "probe", "build"}
+    save_screenshots(page, shots, "first-run")
 
     # The builds page shows it in use and no longer offers the detected install.
     page.goto(f"{live_url}/builds/{node.name}/")
@@ -90,7 +115,8 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llama
     expect(page.locator("#use-detected-install")).to_have_count(0)
 
     # 3. A model, from the checklist's link.
-    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4, n_embd=128))
+    # Random weights from this seed seldom end an answer at once, so the chat below shows one.
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4, n_embd=128, seed=TALKATIVE_SEED))
     page.goto(f"{live_url}/")
     page.click("#first-run-model-action")
     page.fill("#register-model input[name=name]", "tiny")
@@ -104,6 +130,10 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llama
     assert "model" in ticked(page)
     page.click("#first-run-plan-action")
     page.fill("input[name=name]", "tiny on this machine")
+    # Loopback (this machine only, the console's chat included) on a port nobody else's test holds.
+    page.fill("#endpoint-port", str(free_port()))
+    expect(page.locator("#confirm-plan")).to_be_enabled()
+    save_screenshots(page, shots, "plan")
     page.click("#confirm-plan")
     expect(page.locator("#deployment-state")).to_have_text("Confirmed")
     assert Deployment.objects.count() == 1
@@ -125,3 +155,53 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(live_url, page, llama
         "nina-new confirmed the plan of deployment tiny on this"
     )
     expect(page.locator("#audit-table")).to_contain_text(re.compile(r"predicted tokens per s: \d"))
+
+    # 5. Deploy, from the checklist's link: the worker starts the real llama-server on this machine.
+    deployment = Deployment.objects.get()
+    try:
+        page.goto(f"{live_url}/")
+        page.click("#first-run-deploy-action")
+        page.click("#deploy-button")
+        try:
+            expect(page.locator("#deployment-state")).to_have_text("Running", timeout=180_000)
+        except AssertionError:
+            deployment.refresh_from_db()
+            steps = [(s.name, s.job.state, s.job.result) for s in deployment.steps.select_related("job")]
+            raise AssertionError(f"{deployment.state}: {deployment.state_reason}; steps: {steps}") from None
+        expect(page.locator("#speed")).to_contain_text("Measured")
+
+        # 6. Talk to it: the answer of the real llama-server streams in through the console.
+        expect(page.locator("#chat-send")).to_be_enabled()
+        page.fill("#chat-input", "Tell me a story about a fox.")
+        page.press("#chat-input", "Enter")
+        answer = page.locator(".chat-message.assistant")
+        expect(answer.locator(".chat-meta")).to_contain_text("tokens", timeout=120_000)
+        expect(answer).not_to_have_class("streaming")
+        assert answer.locator(".chat-text").inner_text().strip()
+        expect(page.locator("#chat-error")).to_be_hidden()
+        deployment.refresh_from_db()
+        assert deployment.api_key() and deployment.api_key() not in page.content()
+        save_screenshots(page, shots, "deployment")
+        page.locator("#chat").scroll_into_view_if_needed()
+        save_screenshots(page, shots, "chat", selector="#chat")
+
+        # Every step is done (the measure step's answer ticked the chat step): the checklist makes way for
+        # the dashboard's gauges and the running deployment.
+        page.goto(f"{live_url}/")
+        expect(page.locator("#first-run")).to_have_count(0)
+        expect(page.locator(f"#dash-deployment-{deployment.pk}")).to_contain_text("tiny on this machine")
+        save_screenshots(page, shots, "dashboard")
+
+        # 7. Stop (it asks first); nothing is left running.
+        page.goto(f"{live_url}/deployments/{deployment.pk}/run/")
+        page.click("#stop-button")
+        page.click("#confirm-stop")
+        expect(page.locator("#deployment-state")).to_have_text("Stopped", timeout=120_000)
+    finally:
+        deployment.refresh_from_db()
+        if deployment.state not in (
+            DeploymentState.STOPPED,
+            DeploymentState.FAILED,
+            DeploymentState.CONFIRMED,
+        ):
+            _in_thread(stop, deployment, admin, monkeypatch)
