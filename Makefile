@@ -13,7 +13,7 @@ BASE_PYTHON ?= $(shell for p in $(PYTHON_CANDIDATES); do \
 	if command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then \
 	command -v $$p; break; fi; done)
 
-.PHONY: run test lint format check-deploy install-system-deps clean
+.PHONY: run test screenshots lint format check-deploy install-system-deps clean
 
 run: $(STAMP)
 	$(PY) manage.py console
@@ -23,6 +23,16 @@ run: $(STAMP)
 test: $(STAMP) install-system-deps
 	$(PY) -m tests.prepare_llamacpp
 	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The README's pictures (docs/screenshots/*.png, 1280 and 390 px): the first-run browser test walks a new
+# admin from an empty console to a chat answer on this machine and saves them there on the way. Without
+# RAMDECK_SCREENSHOTS_DIR the same test saves them under its tmp_path, so `make test` leaves the repo alone.
+SCREENSHOTS_DIR := docs/screenshots
+screenshots: $(STAMP) install-system-deps
+	$(PY) -m tests.prepare_llamacpp
+	mkdir -p $(SCREENSHOTS_DIR)
+	RAMDECK_SCREENSHOTS_DIR=$(abspath $(SCREENSHOTS_DIR)) $(PY) -m ramdeck_site.services -- \
+		$(VENV)/bin/pytest tests/test_first_run_browser.py -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
