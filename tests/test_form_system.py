@@ -292,3 +292,33 @@ def test_a_bad_node_name_is_explained_without_the_word_slug(admin_client):
     errors = errors_of(response)
     assert "A node name has letters, digits" in errors and "slug" not in errors.lower()
     assert not Node.objects.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# The same checks on a remote node, over its SSH transport (a lab host's real sshd)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(180)
+def test_a_remote_nodes_install_folder_and_git_url_are_checked_over_ssh(
+    lab, lab_host, operator_client, tmp_path, repo, no_worker, settings
+):
+    from tests.deploy_fixtures import lab_node
+
+    settings.RAMDECK_SSH_CONNECT_TIMEOUT_S = 3.0
+    node = lab_node(lab, lab_host)
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    executable(folder / "llama-server")
+    assert_refused(
+        start_build(operator_client, node, source="existing", path=str(folder)),
+        "holds llama-server but no ggml-rpc-server",
+    )
+    assert_refused(
+        start_build(operator_client, node, source="git", git_url=str(repo), git_ref="no-such-tag"),
+        "has no branch or tag named no-such-tag",
+    )
+    executable(folder / "ggml-rpc-server")
+    response = start_build(operator_client, node, source="existing", path=str(folder))
+    assert response.status_code == 302, errors_of(response)
+    assert Job.objects.get(kind="build").params["path"] == str(folder)
