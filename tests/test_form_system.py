@@ -97,6 +97,7 @@ def test_the_stylesheet_shows_only_the_chosen_sources_fields():
     for source in ("tarball", "git", "existing"):
         assert f'#build-form:not(:has(input[name="source"][value="{source}"]:checked)) .when-{source}' in css
     assert '#node-form:has(select[name="transport"] option[value="local"]:checked) .when-ssh' in css
+    assert '#credential-form:has(select[name="kind"] option[value="password"]:checked) .when-key' in css
 
 
 @pytest.mark.parametrize(

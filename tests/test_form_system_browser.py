@@ -8,7 +8,7 @@ from django.urls import reverse
 from playwright.sync_api import expect
 
 from jobs.models import Job
-from nodes.models import Node, Transport
+from nodes.models import Credential, Node, Transport
 from tests.browser import log_in
 from tests.factories import PASSWORD, NodeFactory, UserFactory
 
@@ -66,3 +66,26 @@ def test_the_node_form_hides_the_ssh_fields_for_a_local_node(live_server_url, pa
     page.wait_for_url("**/nodes/this-box/")
     node = Node.objects.get(name="this-box")
     assert node.is_local and node.address == "127.0.0.1"
+
+
+def test_the_credential_form_shows_key_fields_for_a_key_only(live_server_url, page):
+    UserFactory(username="ada-admin", role="admin")
+    log_in(page, live_server_url, "ada-admin", PASSWORD)
+    page.goto(live_server_url + reverse("nodes:credential_create"))
+    secret, generate, key_file, passphrase = (
+        page.locator(f"[name={n}]") for n in ("secret", "generate", "key_file", "passphrase")
+    )
+    page.select_option("[name=kind]", "password")
+    expect(secret).to_be_visible()
+    for field in (generate, key_file, passphrase):
+        expect(field).to_be_hidden()
+    page.select_option("[name=kind]", "private_key")
+    for field in (secret, generate, key_file, passphrase):
+        expect(field).to_be_visible()
+    generate.check()  # the console makes the key: nothing to paste
+    for field in (secret, key_file, passphrase):
+        expect(field).to_be_hidden()
+    page.fill("[name=name]", "made-here")
+    page.click("#credential-form button[type=submit]")
+    expect(page.locator("body")).to_contain_text("ssh-ed25519 ")
+    assert Credential.objects.get(name="made-here").public_key.startswith("ssh-ed25519 ")
