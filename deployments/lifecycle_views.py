@@ -269,7 +269,7 @@ def deployment_redeploy(request, pk: int):
 
 _GIT_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
 _GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
-# git's SSH shorthand: [user@]host:path (the path not starting with '/' only after a host of letters).
+# git's SSH shorthand, [user@]host:path (such as git@github.com:ggml-org/llama.cpp.git).
 _SCP_LIKE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9.-]*:[^\s:][^\s]*")
 
 
