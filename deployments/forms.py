@@ -25,7 +25,12 @@ def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
 
 
 class ModelRegisterForm(forms.Form):
-    name = forms.CharField(max_length=200, help_text="How the console calls this model.")
+    name = forms.CharField(
+        max_length=200,
+        required=False,
+        help_text="How the console calls this model. Leave it empty to use the name written in the file "
+        "(its general.name), or else the file name.",
+    )
     node = forms.ModelChoiceField(
         queryset=Node.objects.filter(enabled=True), help_text="The node that holds it."
     )
@@ -39,8 +44,24 @@ class ModelRegisterForm(forms.Form):
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()
-        if ModelFile.objects.filter(name=name).exists():
+        if name and ModelFile.objects.filter(name=name).exists():
             raise forms.ValidationError("A model with this name is already registered.")
+        return name
+
+    def name_from_file(self, profile: dict) -> str:
+        """The name to register: the one typed, else the file's general.name, else its file name. Adds a
+        form error (and returns "") when a name taken from the file is already registered."""
+        name = self.cleaned_data["name"]
+        if name:
+            return name
+        path = self.cleaned_data["path"]
+        name = " ".join(str(profile.get("name") or "").split())[:200] or posixpath.basename(path)[:200]
+        if ModelFile.objects.filter(name=name).exists():
+            self.add_error(
+                "name", f"The file calls itself {name}, and a model with this name is already registered: "
+                "give it another name.",
+            )  # fmt: skip
+            return ""
         return name
 
     def clean(self) -> dict:

@@ -160,6 +160,14 @@ def _value(cur: _Cursor, vtype: int) -> Any:
     return cur.scalar(vtype)
 
 
+def _describe(magic: bytes) -> str:
+    """The first bytes of a file in plain words: as text when they are printable, else in hex."""
+    text = magic.decode("ascii", errors="replace")
+    if text.isprintable() and "\ufffd" not in text:
+        return f"“{text}”"
+    return "the bytes " + " ".join(f"{b:02x}" for b in magic)
+
+
 def parse_header(read_range: ReadRange) -> GGUFHeader:
     """Parse the key/value and tensor-info sections through `read_range(offset, size)`.
 
@@ -172,7 +180,7 @@ def parse_header(read_range: ReadRange) -> GGUFHeader:
     except TruncatedHeader:
         raise NotGGUF("This is not a GGUF file (it is shorter than the 4-byte magic).") from None
     if struct.unpack("<I", magic)[0] != GGUF_MAGIC:
-        raise NotGGUF(f"This is not a GGUF file (it starts with {magic!r}, not b'GGUF').")
+        raise NotGGUF(f"This is not a GGUF file: it begins with {_describe(magic)}, a GGUF file with GGUF.")
     version = cur.u32()
     if version not in SUPPORTED_VERSIONS:
         if version & 0xFFFF == 0 and version >> 16 in SUPPORTED_VERSIONS:

@@ -7,8 +7,11 @@ Every button is a POST for operators and is audited by the lifecycle function it
 from __future__ import annotations
 
 import os
+import posixpath
 import re
+from urllib.parse import urlsplit
 
+from asgiref.sync import sync_to_async
 from django import forms
 from django.conf import settings
 from django.contrib import messages
@@ -23,7 +26,7 @@ from jobs.models import Job, JobLogLine, refuse_local_node
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
 
-from . import lifecycle
+from . import build_checks, lifecycle
 from .build_job import allowed_tarball, offered_tarballs, pinned_tarball_path, tarball_dir
 from .endpoint import LOOPBACK_HOSTS
 from .lifecycle_steps import endpoint_url, reach_host
@@ -265,16 +268,33 @@ def deployment_redeploy(request, pk: int):
 
 
 _GIT_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}")
+_GIT_SCHEMES = ("https", "http", "ssh", "git", "file")
+# git's SSH shorthand, [user@]host:path (such as git@github.com:ggml-org/llama.cpp.git).
+_SCP_LIKE = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9._-]*@)?[A-Za-z0-9][A-Za-z0-9.-]*:[^\s:][^\s]*")
 
 
 def _git_url_problem(url: str) -> str | None:
     """Why git must not be given this URL, or None. `TRANSPORT::ADDRESS` is git's remote-helper syntax
     (`ext::` runs a command); an option-like or spaced value is no URL."""
     if url.startswith("-") or any(c.isspace() or not c.isprintable() for c in url):
-        return "A git URL has no spaces or control characters and does not start with '-'."
+        return "This is not a git URL: one has no spaces or control characters and does not start with '-'."
     if "::" in url:
         return "Remote-helper URLs (TRANSPORT::ADDRESS, such as ext::) are not accepted; give an https URL."
-    return None
+    if "://" in url:
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in _GIT_SCHEMES:
+            return f"git URLs here start with {', '.join(s + '://' for s in _GIT_SCHEMES)}."
+        if parts.scheme.lower() != "file" and not parts.hostname:
+            return "This URL names no host: give one such as https://github.com/ggml-org/llama.cpp.git."
+        if not parts.path.strip("/"):
+            return "This URL names no repository: give one such as https://github.com/ggml-org/llama.cpp.git."
+        return None
+    if url.startswith("/") or _SCP_LIKE.fullmatch(url):
+        return None  # a repository folder on the node, or user@host:path
+    return (
+        "This is not a git URL: give an https:// URL (such as https://github.com/ggml-org/llama.cpp.git), "
+        "user@host:path for SSH, or the absolute path of a repository on the node."
+    )
 
 
 class BuildForm(forms.Form):
@@ -283,7 +303,8 @@ class BuildForm(forms.Form):
             ("tarball", "Source tarball on this console (uploaded to the node over SFTP)"),
             ("git", "Git URL and ref (the node fetches it)"),
             ("existing", "Existing install on the node (a folder holding llama-server)"),
-        ]
+        ],
+        widget=forms.RadioSelect,
     )
     tarball = forms.ChoiceField(
         required=False,
@@ -291,9 +312,19 @@ class BuildForm(forms.Form):
         help_text="A source tarball in the console's tarball folder (RAMDECK_TARBALL_DIR). The pinned "
         "llama.cpp source is fetched from PyPI once, its SHA-256 checked, when a build first needs it.",
     )
-    git_url = forms.CharField(required=False, max_length=500)
-    git_ref = forms.CharField(required=False, max_length=200)
-    path = forms.CharField(required=False, max_length=1000, help_text="Folder on the node with the binaries.")
+    git_url = forms.CharField(
+        label="Git URL",
+        required=False,
+        max_length=500,
+        help_text="https://, user@host:path or a path on the node.",
+    )
+    git_ref = forms.CharField(
+        label="Git ref", required=False, max_length=200, help_text="A branch, tag or commit, such as b6800."
+    )
+    path = forms.CharField(
+        label="Folder", required=False, max_length=1000,
+        help_text="Absolute path of the folder on the node that holds llama-server and ggml-rpc-server.",
+    )  # fmt: skip
     backend = forms.ChoiceField(
         choices=[
             ("auto", "Detect"),
@@ -323,8 +354,14 @@ class BuildForm(forms.Form):
             if path is None:
                 self.add_error("tarball", f"Choose a tarball in {settings.RAMDECK_TARBALL_DIR}.")
             data["tarball"] = path or ""
-        if source == "existing" and not data.get("path"):
-            self.add_error("path", "Give the folder that holds llama-server and ggml-rpc-server.")
+        if source == "existing":
+            path = data.get("path", "").strip()
+            if not path:
+                self.add_error("path", "Give the folder that holds llama-server and ggml-rpc-server.")
+            elif not path.startswith("/"):
+                self.add_error("path", "Give an absolute path (starting with /).")
+            else:
+                data["path"] = posixpath.normpath(path)
         if source == "git":
             data["git_url"] = data.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL
             data["git_ref"] = data.get("git_ref") or settings.RAMDECK_LLAMACPP_GIT_REF
@@ -364,7 +401,7 @@ def default_tarball() -> str:
     return os.path.basename(path) if path else PINNED.filename
 
 
-def _build_page(request, node: Node, form: BuildForm):
+def _build_page(request, node: Node, form: BuildForm, status: int = 200):
     return render(
         request,
         "deployments/lifecycle/builds.html",
@@ -375,6 +412,7 @@ def _build_page(request, node: Node, form: BuildForm):
             "form": form,
             "can_operate": can_operate(request.user),
         },
+        status=status,
     )
 
 
@@ -393,13 +431,20 @@ def node_builds(request, name: str):
 
 @require_POST
 @role_required(OPERATOR)
-def node_build_start(request, name: str):
-    node = get_object_or_404(Node, name=name)
-    refuse_local_node(request.user, node, "Builds", request=request)
+async def node_build_start(request, name: str):
+    """Async so that the checks on the node (build_checks) hold up only this request."""
+    node = await sync_to_async(get_object_or_404)(Node, name=name)
+    await sync_to_async(refuse_local_node)(request.user, node, "Builds", request=request)
     form = BuildForm(request.POST)
-    if not form.is_valid():
-        return _build_page(request, node, form)
-    params = form.params()
+    if await sync_to_async(form.is_valid)():
+        for field, message in (await build_checks.source_problems(node, form.params())).items():
+            form.add_error(field, message)
+    if form.errors:
+        return await sync_to_async(_build_page)(request, node, form, status=400)
+    return await sync_to_async(_start_build)(request, node, form.params())
+
+
+def _start_build(request, node: Node, params: dict):
     # The job, its audit entry and the enqueue (on commit) happen together or not at all.
     with transaction.atomic():
         job = Job.objects.create(

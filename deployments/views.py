@@ -216,9 +216,10 @@ async def model_register(request):
         except Exception as exc:  # noqa: BLE001 - a transport failure is shown to the operator, not raised
             form.add_error("path", f"Could not read the file on {node.name}: {exc}")
         else:
-            model = await sync_to_async(_register)(request, form.cleaned_data["name"], node, path, profile)
-            await sync_to_async(messages.success)(request, f"Registered {model.name}.")
-            return redirect("deployments:models")
+            if name := await sync_to_async(form.name_from_file)(profile):
+                model = await sync_to_async(_register)(request, name, node, path, profile)
+                await sync_to_async(messages.success)(request, f"Registered {model.name}.")
+                return redirect("deployments:models")
     return await sync_to_async(_models_page)(request, form=form, status=400)
 
 

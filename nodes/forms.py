@@ -49,12 +49,27 @@ class NodeForm(forms.ModelForm):
             "authorized_keys_path": "authorized_keys file",
         }
 
+        error_messages = {
+            "name": {
+                "invalid": "A node name has letters, digits, '-' and '_' only (no spaces), such as old-pc."
+            }
+        }
+
+    # The console's own host is reached without an address or SSH (the page hides these fields for it).
+    LOCAL_ADDRESS = "127.0.0.1"
+
     rpc_bind_everywhere = forms.BooleanField(
         label="Let ggml-rpc-server listen on every interface",
         required=False,
         help_text="Only with an unspecified bind address (0.0.0.0): anyone on every network this node is on "
         "could then use its unauthenticated RPC server in direct mode. Recorded in the audit history.",
     )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Needed for SSH only (see _clean_ssh): the page hides them for a Local node.
+        self.fields["address"].required = False
+        self.fields["ssh_port"].required = False
 
     def clean_name(self):
         return self.cleaned_data["name"].strip().lower()
@@ -96,7 +111,18 @@ class NodeForm(forms.ModelForm):
         return cleaned
 
     def _clean_ssh(self, cleaned):
+        if cleaned.get("transport") == Transport.LOCAL:
+            if not cleaned.get("address") and "address" not in self.errors:
+                cleaned["address"] = self.LOCAL_ADDRESS
+            if cleaned.get("ssh_port") is None and "ssh_port" not in self.errors:
+                cleaned["ssh_port"] = 22
         if cleaned.get("transport") == Transport.SSH:
+            if not cleaned.get("address") and "address" not in self.errors:
+                self.add_error("address", "An SSH node needs its address (a host name or an IP address).")
+            if cleaned.get("ssh_port") is None and "ssh_port" not in self.errors:
+                self.add_error(
+                    "ssh_port", "An SSH node needs the port its SSH server listens on (usually 22)."
+                )
             if not cleaned.get("ssh_user"):
                 self.add_error("ssh_user", "An SSH node needs the user to log in as.")
             if not cleaned.get("credential"):

@@ -184,7 +184,7 @@ def test_no_file_outside_the_tarball_folder_can_be_sent_to_a_node(operator_clien
         reverse("deployments:node_build_start", args=[node.name]),
         {"source": "tarball", "tarball": chosen, "backend": "auto"},
     )
-    assert response.status_code == 200  # the form again, with an error
+    assert response.status_code == 400  # the form again, with an error
     assert not Job.objects.exists()
 
 
@@ -235,7 +235,7 @@ def _audit_fails(monkeypatch, module: str) -> None:
 
 
 def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
-    operator_client, monkeypatch, django_capture_on_commit_callbacks
+    operator_client, monkeypatch, tarball_dir, django_capture_on_commit_callbacks
 ):
     node = NodeFactory(name="old-pc")
     started = []
@@ -244,7 +244,7 @@ def test_a_build_whose_audit_fails_leaves_no_job_and_enqueues_nothing(
     with django_capture_on_commit_callbacks(execute=True), pytest.raises(AuditDown):
         operator_client.post(
             reverse("deployments:node_build_start", args=[node.name]),
-            {"source": "existing", "path": "/opt/llama", "backend": "auto"},
+            {"source": "tarball", "tarball": "llama.cpp-b6800.tar.gz", "backend": "auto"},
         )
     assert not Job.objects.exists() and started == []
 

@@ -113,7 +113,7 @@ def _bad_files(tmp_path: Path) -> list[tuple[str, Path, str]]:
     odd = write_tiny_llama(tmp_path / "odd.gguf", TinyLlama(shards=2))
     odd.with_name("odd-00002-of-00002.gguf").write_text("not a shard at all")
     return [
-        ("not GGUF", notes, "This is not a GGUF file (it starts with b'shop', not b'GGUF')."),
+        ("not GGUF", notes, "This is not a GGUF file: it begins with “shop”, a GGUF file with GGUF."),
         ("truncated", cut, "The GGUF header is cut short at byte 3000"),
         ("version", future, "GGUF version 7 is not supported (supported: 2 and 3)."),
         ("missing shard", split, "1 shard is missing beside it: half-00002-of-00002.gguf"),

@@ -104,7 +104,7 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
     "deployments:self_heal": _rule(LOGIN, 403, 302, 302),
     "deployments:node_builds": _rule(LOGIN, 200, 200, 200),
-    "deployments:node_build_start": _rule(LOGIN, 403, 200, 200),  # the form again, with errors
+    "deployments:node_build_start": _rule(LOGIN, 403, 400, 400),  # the form again, with errors
     "deployments:stale": _rule(LOGIN, 200, 200, 200),
     "deployments:stale_reap": _rule(LOGIN, 403, 302, 302),
     # Django's admin.
