@@ -100,6 +100,7 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:deploy": _rule(LOGIN, 403, 302, 302),
     "deployments:stop": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm stops
     "deployments:chat": _rule(LOGIN, 403, 409, 409),  # POST; the matrix's deployment is not running
+    "deployments:rpc_mode": _rule(LOGIN, 403, 302, 302),  # POST; back to the run page with a message
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
     "deployments:self_heal": _rule(LOGIN, 403, 302, 302),
