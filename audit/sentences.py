@@ -89,7 +89,8 @@ def details(event) -> str:
     if event.action in ("permission_denied", "login.failed"):
         return ""
     parts = []
-    for key, value in (event.changes or {}).items():
+    # In key order: PostgreSQL's jsonb keeps keys by length, SQLite as written; a sentence reads the same on both.
+    for key, value in sorted((event.changes or {}).items()):
         label = str(key).replace("_", " ")
         if isinstance(value, list | tuple) and len(value) == 2 and _is_change(key):
             parts.append(f"{label} from {value_text(value[0])} to {value_text(value[1])}")

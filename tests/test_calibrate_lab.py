@@ -102,11 +102,17 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
     # One after the other: on this two-core machine (the lab hosts share it) two calibrations at once would
     # slow each other down, which no two real machines do.
     measured: dict[str, list[float]] = {"fast": [], "slow": []}
-    for _ in range(ROUNDS):
+    # None is "too fast to tell apart" (the deep model no slower than the shallow one): on a busy machine a
+    # round can come out so. Such a round is run again, twice at most, so each node ends measured.
+    for _ in range(ROUNDS + 2):
         for name, node in (("slow", slow), ("fast", fast)):
+            if len(measured[name]) >= ROUNDS:
+                continue
             calibrate_at_once([node])
             cpu = Node.objects.get(pk=node.pk).devices.get(name="CPU")
-            measured[name].append(cpu.measured_bandwidth_gbs)
+            if cpu.measured_bandwidth_gbs is not None:
+                measured[name].append(cpu.measured_bandwidth_gbs)
+    assert len(measured["slow"]) == ROUNDS and len(measured["fast"]) == ROUNDS, measured
     ratio = statistics.median(measured["slow"]) / statistics.median(measured["fast"])
     print(f"bandwidth GB/s, fast {measured['fast']}, slow {measured['slow']}: ratio of medians {ratio:.3f}")
     assert FACTOR[0] <= ratio <= FACTOR[1], (ratio, measured)

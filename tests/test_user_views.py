@@ -39,7 +39,7 @@ def test_an_admin_adds_an_operator_who_can_log_in(admin_client):
     assert role_of(olga) == "operator"
     event = AuditEvent.objects.get(action="user.create")
     assert event.changes == {"username": "olga", "role": "operator"} and event.actor_name == "alice-admin"
-    assert event.sentence == "alice-admin added user olga: username: olga; role: operator"
+    assert event.sentence == "alice-admin added user olga: role: operator; username: olga"
     assert olga.is_active and olga.check_password(PASSWORD)
 
 

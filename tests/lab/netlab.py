@@ -348,7 +348,11 @@ class Lab:
         _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "down"]))
 
     def link_up(self, host: LabHost) -> None:
+        """Bring the host's link back and wait until its sshd answers over it again (a link just set up
+        may refuse connections for a moment; a test that goes on at once would see that, not its subject)."""
         _run(host.exec_argv(["ip", "link", "set", host.veth_ns, "up"]))
+        if host.sshd_proc is not None:
+            self._wait_for_sshd(host, host.workdir / "sshd.log")
 
     def throttle_cpu(self, host: LabHost, fraction: float, *, period_us: int = 100_000) -> Path:
         """Limit everything the host's sshd starts (from now on) to `fraction` of one core (cgroup v1).
