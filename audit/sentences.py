@@ -89,7 +89,7 @@ def details(event) -> str:
     if event.action in ("permission_denied", "login.failed"):
         return ""
     parts = []
-    # In key order: PostgreSQL's jsonb keeps keys by length, SQLite as written; a sentence reads the same on both.
+    # In key order: PostgreSQL's jsonb keeps keys by length, SQLite as written; the sentence is the same.
     for key, value in sorted((event.changes or {}).items()):
         label = str(key).replace("_", " ")
         if isinstance(value, list | tuple) and len(value) == 2 and _is_change(key):

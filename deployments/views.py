@@ -419,6 +419,13 @@ def _endpoint_form(data, plan: dict | None) -> EndpointForm | None:
     return endpoint_form(data, coordinator) if coordinator else None
 
 
+def default_deployment_name(model: ModelFile, plan: dict) -> str:
+    """ "tiny @ 4096": the context llama.cpp will give it, which it caps at the model's trained one."""
+    ctx = int(plan["settings"]["ctx"])
+    trained = int((model.profile or {}).get("context_length") or 0)
+    return f"{model.name} @ {min(ctx, trained) if trained else ctx}"
+
+
 def _confirm(
     request, model: ModelFile, form: PlanForm, plan: dict, endpoint: EndpointForm, token
 ) -> Deployment:
@@ -426,7 +433,7 @@ def _confirm(
     coordinator = endpoint.coordinator
     with transaction.atomic():
         deployment = Deployment.objects.create(
-            name=form.cleaned_data["name"] or f"{model.name} @ {plan['settings']['ctx']}",
+            name=form.cleaned_data["name"] or default_deployment_name(model, plan),
             model_file=model,
             coordinator=coordinator,
             plan=plan,

@@ -331,3 +331,12 @@ def test_controls_with_one_choice_are_text_not_inputs(model, pool, viewer_client
     assert 'type="checkbox" name="nodes"' not in page
     assert f'<input type="hidden" name="nodes" value="{pool["desk"].pk}">' in page
     assert 'id="server-command"' in page and "--rpc" not in page  # the plan is for desk alone
+
+
+def test_the_default_name_says_the_context_llama_cpp_will_give_not_more(model):
+    from deployments.views import default_deployment_name
+
+    trained = model.profile["context_length"]
+    assert trained > 0
+    assert default_deployment_name(model, {"settings": {"ctx": trained * 2}}) == f"tiny @ {trained}"
+    assert default_deployment_name(model, {"settings": {"ctx": 512}}) == "tiny @ 512"
