@@ -24,6 +24,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
+from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from ramdeck_site.roles import OPERATOR, role_required
@@ -137,11 +138,24 @@ def _refusal(message: str, status: int) -> JsonResponse:
     return JsonResponse({"error": message}, status=status)
 
 
-async def _stream(client: httpx.AsyncClient, upstream: httpx.Response) -> AsyncIterator[bytes]:
+# How `event` starts a piece of the model's answer.
+ANSWER_EVENT = b'data: {"delta"'
+
+
+def _note_first_answer(pk: int) -> None:
+    """The first answer the chat box got from this deployment (the first-run checklist's "chat" step)."""
+    Deployment.objects.filter(pk=pk, chat_answered_at__isnull=True).update(chat_answered_at=timezone.now())
+
+
+async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) -> AsyncIterator[bytes]:
     """The answer, relayed; the connection to llama-server is closed when the page goes away, too (the
     server then stops generating)."""
+    answered = False
     try:
         async for chunk in relay(upstream.aiter_lines()):
+            if not answered and chunk.startswith(ANSWER_EVENT):
+                answered = True
+                await sync_to_async(_note_first_answer)(pk)
             yield chunk
     except httpx.HTTPError as exc:
         yield event({"error": f"The connection to llama-server broke: {exc or type(exc).__name__}"})
@@ -185,7 +199,8 @@ async def deployment_chat(request, pk: int):
         await client.aclose()
         reason = _error_text(_json_or_text(text)) or upstream.reason_phrase
         return _refusal(f"llama-server answered {upstream.status_code}: {reason}", 502)
-    response = StreamingHttpResponse(_stream(client, upstream), content_type="text/event-stream")
+    answer = _stream(client, upstream, deployment.pk)
+    response = StreamingHttpResponse(answer, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # a reverse proxy in front of the console must not hold it back
     return response

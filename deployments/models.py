@@ -134,6 +134,9 @@ class Deployment(models.Model):
     # each slot at the model's trained context), read from llama-server's log by the verify step; the
     # numbers it came from are verification["context"].
     ctx_used = models.PositiveIntegerField(null=True, blank=True)
+    # When the console's chat box first got an answer from it (the first-run checklist's last tick). Only the
+    # time: the conversation itself is never stored.
+    chat_answered_at = models.DateTimeField(null=True, blank=True)
     processes = models.JSONField(default=dict, blank=True)
     rpc_mode = models.CharField(max_length=10, choices=RpcMode.choices, default=RpcMode.AUTO)
     # What a launch changed on a node besides processes, undone by the stop steps: an authorized_keys entry

@@ -122,9 +122,8 @@ def gather_state() -> FirstRunState:
         has_model=model is not None,
         has_deployment=deployments.exists(),
         has_run_deployment=deployments.filter(running_at__isnull=False).exists(),
-        # Until the console has a chat box of its own, a deployment "answered" when its measure step got
-        # tokens back from llama-server (the measured decode speed); the chat page will tick it too.
-        has_answering_deployment=deployments.filter(measured_decode_tps__isnull=False).exists(),
+        # The chat box got an answer from a deployment (not the measure step's request: a person asked).
+        has_answering_deployment=deployments.filter(chat_answered_at__isnull=False).exists(),
         first_node=nodes.order_by("created_at", "pk").values_list("name", flat=True).first() or "",
         node_without_build=without_build or "",
         first_model=model,

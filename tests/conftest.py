@@ -31,6 +31,32 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
+def figure(record_property):
+    """`figure(name, value)`: a measured figure (a recovery time, a start-up time), printed with the others at
+    the end of the run, so a CI log carries them."""
+
+    def record(name: str, value) -> None:
+        record_property(f"figure:{name}", value)
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    figures = [
+        (report.nodeid.split("::")[-1], name.removeprefix("figure:"), value)
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name.startswith("figure:")
+    ]
+    if figures:
+        terminalreporter.section("measured figures")
+        for test, name, value in figures:
+            terminalreporter.write_line(f"{name} = {value}  ({test})")
+
+
+@pytest.fixture
 def password() -> str:
     return PASSWORD
 

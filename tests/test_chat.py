@@ -166,6 +166,7 @@ def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator
     server = _stand_in([_delta("Once"), _delta(" upon"), _delta(" a time", finish="stop")], seen)
     try:
         deployment = _deployment(local_node, server.server_address[1], name="Family, model")
+        assert deployment.chat_answered_at is None
         messages = [{"role": "user", "content": "Tell me a story"}]
         response = _post(operator_user, deployment, messages)
         assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
@@ -176,6 +177,9 @@ def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator
         server.server_close()
     assert [e["delta"] for e in events if "delta" in e] == ["Once", " upon", " a time"]
     assert events[-1]["done"] and events[-1]["finish_reason"] == "stop"
+    # The first answer is noted (the first-run checklist's last tick); what was said is not.
+    deployment.refresh_from_db()
+    assert deployment.chat_answered_at is not None
     [call] = seen
     assert call["path"] == "/v1/chat/completions" and call["auth"] == f"Bearer {KEY}"
     assert call["body"]["model"] == "Family model" and call["body"]["stream"] is True

@@ -84,13 +84,16 @@ def _meminfo_total_bytes(stack: compose.ComposeStack, service: str) -> int:
     return int(re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M).group(1)) * 1024
 
 
-def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_leaves_nothing(built_images):
+def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_leaves_nothing(
+    built_images, figure
+):
     stack = compose.ComposeStack(f"{compose.PROJECT_PREFIX}{os.getpid()}", free_port())
     try:
         started = time.monotonic()
         stack.up()
         served_after = stack.wait_until_served() + (time.monotonic() - started)
         print(f"[compose] up to a served login page: {served_after:.1f} s")
+        figure("compose_up_to_login_page_s", round(served_after, 1))
 
         # The published port is on loopback only, and the admin password was generated and printed once.
         assert f"127.0.0.1:{stack.port}" in stack.compose("port", "web", "8000").stdout

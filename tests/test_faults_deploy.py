@@ -38,7 +38,7 @@ pytestmark = [
 ]
 
 
-def test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure(fault_lab):
+def test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure(fault_lab, figure):
     deployment = fault_lab.ready()
     work = fault_lab.start_worker(consume=("work",))
     fault_lab.start_worker(consume=("control",))  # lives on, like make run's control worker
@@ -59,6 +59,7 @@ def test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure(fault_lab)
     assert deployment.steps.filter(name="rollback", job__state=JobState.SUCCEEDED).count() == 2
     assert_consistent(fault_lab, deployment)
     print("FAULTS " + json.dumps({"worker_sigkill_to_consistent_s": round(recovery_s, 1)}))
+    figure("worker_sigkill_to_consistent_s", round(recovery_s, 1))
 
 
 def test_a_killed_llama_server_makes_the_deployment_degraded_with_its_last_log_lines(fault_lab, monkeypatch):

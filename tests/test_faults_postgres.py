@@ -7,7 +7,9 @@ included, is a private server started here. The machine's own PostgreSQL is neve
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,7 +23,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.lab, pytest.mark.llamacpp, pytest.
 SCENARIO = "tests/postgres_restart_scenario.py"
 
 
-def test_postgresql_restarted_between_two_steps_leaves_the_run_to_carry_on():
+def test_postgresql_restarted_between_two_steps_leaves_the_run_to_carry_on(figure):
     server = PrivatePostgres.create()
     try:
         server.start()
@@ -33,5 +35,7 @@ def test_postgresql_restarted_between_two_steps_leaves_the_run_to_carry_on():
         print(done.stdout[-6000:])
         assert done.returncode == 0, done.stdout[-12000:] + done.stderr[-4000:]
         assert "1 passed" in done.stdout, done.stdout[-4000:]
+        for name, value in json.loads(re.search(r"^FAULTS (.+)$", done.stdout, re.M).group(1)).items():
+            figure(name, value)
     finally:
         server.remove()

@@ -9,6 +9,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from audit.models import AuditEvent
+from deployments.models import Deployment, ModelFile
 from jobs.models import Job, JobState
 from nodes.models import Build, Credential, Node, Transport
 from ramdeck_site.first_run import FirstRunState, checklist, gather_state
@@ -59,6 +60,22 @@ def test_the_state_comes_from_the_database(admin_user):
     Build.objects.create(node=node, source_kind="existing", rpc_server_path=f"{BIN}/ggml-rpc-server",
                          llama_server_path=f"{BIN}/llama-server")  # fmt: skip
     assert gather_state().has_build
+    # A deployment whose measure step got tokens has not "answered" yet: the chat box's first answer ticks it.
+    model = ModelFile.objects.create(name="tiny", node=node, path="/m/tiny.gguf")
+    deployment = Deployment.objects.create(
+        name="tiny",
+        model_file=model,
+        coordinator=node,
+        plan={},
+        port=8080,
+        measured_decode_tps=30.0,
+        running_at=timezone.now(),
+    )
+    state = gather_state()
+    assert state.has_run_deployment and not state.has_answering_deployment
+    deployment.chat_answered_at = timezone.now()
+    deployment.save(update_fields=["chat_answered_at"])
+    assert gather_state().has_answering_deployment
 
 
 def test_the_dashboard_shows_the_checklist_until_everything_is_done(admin_client):

@@ -187,7 +187,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
         page.locator("#chat").scroll_into_view_if_needed()
         save_screenshots(page, shots, "chat", selector="#chat")
 
-        # Every step is done (the measure step's answer ticked the chat step): the checklist makes way for
+        # Every step is done (the chat box's answer ticked the last one): the checklist makes way for
         # the dashboard's gauges and the running deployment.
         page.goto(f"{live_url}/")
         expect(page.locator("#first-run")).to_have_count(0)
