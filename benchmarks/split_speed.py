@@ -22,7 +22,12 @@ long one is not a split an expert would keep, so the sweep leaves it out (and sa
 survive it.
 
     .venv/bin/python benchmarks/split_speed.py [--slow-quota 10] [--model-mib 360] [--repeats 3]
-                                               [--case fits_fast|needs_both|both]
+                                               [--case fits_fast|needs_both|both] [--rpc-mode direct]
+
+The plan is deployed in direct RPC mode by default, as llama.cpp's own variants are run (their llama-server
+reaches the rpc-servers on the workers' LAN addresses): what is compared is the split, not the transport.
+`--rpc-mode tunnel` deploys the plan through the console's SSH tunnels instead (benchmarks/rpc_modes.py
+measures what they cost on their own).
 
 Targets: fits_fast at least 3x the default split, needs_both at least 1.3x; on both the plan within 10% of
 the sweep's best, never slower than the better of (b) and (c), and the prediction within 25% of measured.
@@ -301,18 +306,28 @@ def llama_run(cluster: Cluster, extra: list[str], *, full_prompt: bool = False) 
 # --------------------------------------------------------------------------------------------------
 
 
-def confirm_plan(cluster: Cluster, client: Client) -> Deployment:
+def confirm_plan(cluster: Cluster, client: Client, rpc_mode: str) -> Deployment:
     nodes = [cluster.nodes[name].pk for name in ("desk", "fast", "slow")]
     form = {"full": 1, "ctx": CTX, "parallel": 1, "cache_type": "f16", "clamp": 0.7,
             "coordinator": cluster.nodes["desk"].pk, "nodes": nodes, "name": "split"}  # fmt: skip
     response = client.post(reverse("deployments:confirm", args=[cluster.model.pk]), form)
     if response.status_code != 302:
         raise SystemExit(f"the plan was not confirmed ({response.status_code}): {response.content[:2000]!r}")
-    return Deployment.objects.get(pk=int(response.url.rstrip("/").rsplit("/", 1)[1]))
+    deployment = Deployment.objects.get(pk=int(response.url.rstrip("/").rsplit("/", 1)[1]))
+    client.post(reverse("deployments:rpc_mode", args=[deployment.pk]), {"mode": rpc_mode})
+    deployment.refresh_from_db()
+    if deployment.rpc_mode != rpc_mode:
+        raise SystemExit(f"the deployment's RPC mode is {deployment.rpc_mode}, not {rpc_mode}")
+    return deployment
 
 
 def plan_run(
-    cluster: Cluster, client: Client, previous: Deployment | None, *, full_prompt: bool = False
+    cluster: Cluster,
+    client: Client,
+    previous: Deployment | None,
+    *,
+    full_prompt: bool = False,
+    rpc_mode: str = "direct",
 ) -> tuple[float, Deployment]:
     """Deploy the plan through the console (confirm, deploy, then its steps over SSH), time it, stop it.
     With `full_prompt`, a prompt that fills the context first: the plan must survive it."""
@@ -320,7 +335,7 @@ def plan_run(
     queued: list[tuple[str, int]] = []
     lifecycle._enqueue = lambda task, pk: queued.append((task, pk))
     if previous is None:
-        deployment = confirm_plan(cluster, client)
+        deployment = confirm_plan(cluster, client, rpc_mode)
         client.post(reverse("deployments:deploy", args=[deployment.pk]))
     else:
         deployment, started, message = lifecycle.redeploy(previous, cluster.operator)
@@ -375,7 +390,7 @@ def fast_limit(profile: dict) -> int:
     return int(sum(profile["block_weight_bytes"]) + profile["output_bytes"]) + FAST_HEADROOM_MIB * MIB
 
 
-def run_case(cluster: Cluster, client: Client, name: str, repeats: int) -> dict:
+def run_case(cluster: Cluster, client: Client, name: str, repeats: int, rpc_mode: str) -> dict:
     probe_and_calibrate(cluster)
     samples: dict[str, list[float]] = {"plan": [], "default": [], "fit": []}
     sweep: dict[int, list[float]] = {k: [] for k in range(9)}
@@ -386,15 +401,16 @@ def run_case(cluster: Cluster, client: Client, name: str, repeats: int) -> dict:
     survived: dict[str, bool] = {}
     for round_no in range(1, repeats + 1):
         full = check_full and round_no == 1
-        speed, deployment = plan_run(cluster, client, deployment, full_prompt=full)
+        speed, deployment = plan_run(cluster, client, deployment, full_prompt=full, rpc_mode=rpc_mode)
         if full:
             survived["plan"] = True
         samples["plan"].append(speed)
         if round_no == 1:
             plan = deployment.plan
             baseline = plan["baseline"]["predicted_tokens_per_s"] or 0
-            say(f"[{name}] plan: {describe_plan(plan)}; predicted {plan['predicted_tokens_per_s']:.1f} tok/s "
-                f"(default split predicted {baseline:.1f}); per token {plan['speed_model']}")  # fmt: skip
+            say(f"[{name}] plan ({rpc_mode} RPC): {describe_plan(plan)}; predicted "
+                f"{plan['predicted_tokens_per_s']:.1f} tok/s (default split predicted {baseline:.1f}); "
+                f"per token {plan['speed_model']}")  # fmt: skip
         say(f"[{name}] round {round_no} (a) plan {speed:.1f} tok/s (the console measured "
             f"{deployment.measured_decode_tps:.1f})")  # fmt: skip
         for variant, extra in (("default", ["-ngl", "999", "--fit", "off"]), ("fit", ["--fit", "on"])):
@@ -463,6 +479,10 @@ def main() -> None:
     parser.add_argument("--model-mib", type=int, default=360, help="size of the generated model in MiB")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant (at least 3)")
     parser.add_argument("--case", choices=["fits_fast", "needs_both", "both"], default="both")
+    parser.add_argument(
+        "--rpc-mode", choices=["direct", "tunnel"], default="direct", help="how the plan's deployment reaches"
+        " the rpc-servers (llama.cpp's own variants always go direct)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not 1 <= args.slow_quota <= 100 or args.model_mib < 32 or args.repeats < 1:
         parser.error("--slow-quota must be 1..100, --model-mib at least 32, --repeats at least 1")
@@ -481,12 +501,12 @@ def main() -> None:
         client.force_login(cluster.operator)
         cases = []
         if args.case in ("fits_fast", "both"):
-            cases.append(run_case(cluster, client, "fits_fast", args.repeats))
+            cases.append(run_case(cluster, client, "fits_fast", args.repeats, args.rpc_mode))
         if args.case in ("needs_both", "both"):
             limit = fast_limit(cluster.model.profile)
             lab.limit_memory(cluster.fast_host, limit)
             say(f"\nfast worker limited to {limit / MIB:.0f} MiB")
-            cases.append(run_case(cluster, client, "needs_both", args.repeats))
+            cases.append(run_case(cluster, client, "needs_both", args.repeats, args.rpc_mode))
     finally:
         if cluster is not None:
             stop_rpc_servers(cluster)
@@ -494,7 +514,7 @@ def main() -> None:
                 subprocess.run(["iptables", "-D", *rule], capture_output=True)
         lab.close()
         shutil.rmtree(WORKDIR, ignore_errors=True)
-    print(json.dumps({"cases": cases}))
+    print(json.dumps({"rpc_mode": args.rpc_mode, "cases": cases}))
 
 
 if __name__ == "__main__":

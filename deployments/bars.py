@@ -13,6 +13,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from deployments.llamacpp import placement_key
+
 # The order and names of a plan bar's segments (and their CSS classes).
 PLAN_PARTS = (("weights", "weights"), ("kv", "KV cache"), ("compute", "compute buffer"))
 # Deployments on one device take these colours in turn (CSS classes d0…d5).
@@ -204,8 +206,22 @@ def _pool_bar(title: str, split: dict, other: dict, keys: list) -> Bar:
 # The dashboard
 
 
+def held_bytes(deployment, placement: dict) -> int:
+    """What a deployment holds on one placement's device: what llama.cpp reported allocating there (weights,
+    KV cache and compute buffers, read from its log by the verify step) once it has been verified, else what
+    the plan expected."""
+    verified = (getattr(deployment, "verification", None) or {}).get("devices") or {}
+    logged = verified.get(placement_key(placement)) if verified else None
+    if logged:
+        total = sum(int(logged.get(k) or 0) for k in ("logged_weights", "logged_kv", "logged_compute"))
+        if total:
+            return total
+    return int(placement.get("used_bytes") or 0)
+
+
 def device_gauges(nodes: Iterable, deployments: Iterable) -> list[dict]:
-    """For each node, its devices as gauges: what each active deployment's plan holds on it, the rest free.
+    """For each node, its devices as gauges: what each active deployment holds on it (`held_bytes`), the
+    rest free.
 
     `nodes` are Node rows with their devices prefetched; `deployments` active Deployment rows. Returns
     [{"node": Node, "devices": [{"device": Device, "bar": Bar}]}]."""
@@ -214,7 +230,7 @@ def device_gauges(nodes: Iterable, deployments: Iterable) -> list[dict]:
     for deployment in deployments:
         colours.setdefault(deployment.pk, f"d{len(colours) % DEPLOYMENT_COLOURS}")
         for p in (deployment.plan or {}).get("placements") or []:
-            used = int(p.get("used_bytes") or 0)
+            used = held_bytes(deployment, p)
             if used:
                 holding.setdefault((p["node"], p["device"]), []).append((deployment, used))
     out = []

@@ -97,3 +97,22 @@ def test_device_gauges_show_what_each_running_deployment_holds():
         ("free", "free", "p38", ""),
     ]
     assert bar.used_bytes == 10 * GIB and bar.segments[-1].bytes == 6 * GIB
+
+
+def test_a_verified_deployment_shows_what_llama_cpp_allocated_not_what_was_planned():
+    device = SimpleNamespace(name="CPU", total_bytes=16 * GIB)
+    node = SimpleNamespace(name="pc", devices=SimpleNamespace(all=lambda: [device]))
+    placement = {"node": "pc", "device": "CPU", "llama_device": "RPC0", "endpoint": "10.0.0.2:50052",
+                 "used_bytes": 4 * GIB}  # fmt: skip
+    logged = {"logged_weights": 3 * GIB, "logged_kv": GIB, "logged_compute": GIB}
+    verified = SimpleNamespace(pk=1, name="verified", get_absolute_url=lambda: "/deployments/1/",
+                               plan={"placements": [placement]},
+                               verification={"devices": {"10.0.0.2:50052": logged}})  # fmt: skip
+    launching = SimpleNamespace(pk=2, name="launching", get_absolute_url=lambda: "/deployments/2/",
+                                plan={"placements": [placement]}, verification={})  # fmt: skip
+    bar = bars.device_gauges([node], [verified, launching])[0]["devices"][0]["bar"]
+    assert [(s.label, s.bytes) for s in bar.segments] == [
+        ("verified", 5 * GIB),  # weights, KV cache and compute buffers as llama.cpp reported them
+        ("launching", 4 * GIB),  # not verified yet: the plan's figure
+        ("free", 7 * GIB),
+    ]
