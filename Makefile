@@ -24,15 +24,16 @@ test: $(STAMP) install-system-deps
 	$(PY) -m tests.prepare_llamacpp
 	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The README's pictures (docs/screenshots/*.png, 1280 and 390 px): the first-run browser test walks a new
-# admin from an empty console to a chat answer on this machine and saves them there on the way. Without
+# The README's pictures (docs/screenshots/*.png, 1280 and 390 px): the first-run browser tests walk a new
+# admin from an empty console to a chat answer, on this machine and on a lab host over SSH (the generated key,
+# the host key to approve), and save them there on the way. Without
 # RAMDECK_SCREENSHOTS_DIR the same test saves them under its tmp_path, so `make test` leaves the repo alone.
 SCREENSHOTS_DIR := docs/screenshots
 screenshots: $(STAMP) install-system-deps
 	$(PY) -m tests.prepare_llamacpp
 	mkdir -p $(SCREENSHOTS_DIR)
 	RAMDECK_SCREENSHOTS_DIR=$(abspath $(SCREENSHOTS_DIR)) $(PY) -m ramdeck_site.services -- \
-		$(VENV)/bin/pytest tests/test_first_run_browser.py -q
+		$(VENV)/bin/pytest tests/test_first_run_browser.py tests/test_first_run_lab_browser.py -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
