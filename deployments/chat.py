@@ -16,12 +16,14 @@ Events (`data: {json}` lines): {"delta": text}, {"reasoning": text} (a thinking 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 from django.http import JsonResponse, StreamingHttpResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
@@ -32,6 +34,8 @@ from ramdeck_site.roles import OPERATOR, role_required
 from .lifecycle_steps import endpoint_url
 from .llamacpp import model_alias
 from .models import Deployment, DeploymentState
+
+logger = logging.getLogger(__name__)
 
 # A degraded deployment may still answer (the monitor could not see every process): it is allowed to try.
 CHAT_STATES = (DeploymentState.RUNNING, DeploymentState.DEGRADED)
@@ -143,8 +147,14 @@ ANSWER_EVENT = b'data: {"delta"'
 
 
 def _note_first_answer(pk: int) -> None:
-    """The first answer the chat box got from this deployment (the first-run checklist's "chat" step)."""
-    Deployment.objects.filter(pk=pk, chat_answered_at__isnull=True).update(chat_answered_at=timezone.now())
+    """The first answer the chat box got from this deployment (the first-run checklist's "chat" step). A
+    tick of the checklist never breaks a chat: a database that does not answer just leaves it for later."""
+    try:
+        Deployment.objects.filter(pk=pk, chat_answered_at__isnull=True).update(
+            chat_answered_at=timezone.now()
+        )
+    except DatabaseError:
+        logger.warning("Could not note deployment %s's first chat answer", pk, exc_info=True)
 
 
 async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) -> AsyncIterator[bytes]:
@@ -153,10 +163,11 @@ async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) 
     answered = False
     try:
         async for chunk in relay(upstream.aiter_lines()):
+            yield chunk
             if not answered and chunk.startswith(ANSWER_EVENT):
+                # After the first piece is on its way, so the write never delays it.
                 answered = True
                 await sync_to_async(_note_first_answer)(pk)
-            yield chunk
     except httpx.HTTPError as exc:
         yield event({"error": f"The connection to llama-server broke: {exc or type(exc).__name__}"})
     finally:

@@ -97,17 +97,25 @@ _BUFFER_RE = re.compile(
 )
 _RPC_BUFFER_RE = re.compile(r"^RPC(?P<index>\d+)\[(?P<endpoint>[^\]]+)\]$")
 _OFFLOADED_RE = re.compile(r"offloaded (?P<n>\d+)/(?P<m>\d+) layers to GPU")
-_HOST_SUFFIXES = ("_Mapped", "_Host", "_REPACK", "_AMX", "_KLEIDIAI")
+# Buffer types in the host's RAM: a GPU backend's pinned host buffers (CUDA_Host) and the CPU's extra types.
+_HOST_SUFFIXES = ("_Host", "_REPACK", "_AMX", "_KLEIDIAI")
+# A device's own memory under another name: Metal's weights mapped from the file (MTL0_Mapped) or private
+# to the GPU (MTL0_Private) are MTL0's. (CPU_Mapped starts with CPU and stays the CPU's.)
+_DEVICE_SUFFIXES = ("_Mapped", "_Private")
 
 
 def buffer_key(buffer: str) -> str:
-    """Where a buffer lives: `host:port` (`host:port#k` for a server's k-th device), `CPU`, `CUDA0`."""
+    """Where a buffer lives: `host:port` (`host:port#k` for a server's k-th device), `CPU`, or a device of
+    the coordinator (`CUDA0`, `MTL0`)."""
     match = _RPC_BUFFER_RE.match(buffer)
     if match:
         index = int(match["index"])
         return match["endpoint"] if index == 0 else f"{match['endpoint']}#{index}"
     if buffer.startswith("CPU") or buffer.endswith(_HOST_SUFFIXES):
         return "CPU"
+    for suffix in _DEVICE_SUFFIXES:
+        if buffer.endswith(suffix):
+            return buffer.removesuffix(suffix)
     return buffer
 
 

@@ -277,3 +277,33 @@ def test_a_page_that_goes_away_ends_the_answer_at_llama_server_too(
         server.server_close()
     assert seen[0].get("hung_up"), seen[0].get("written")
     assert seen[0]["written"] < 100
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_that_cannot_note_the_first_answer_does_not_break_the_chat(
+    local_node, operator_user, monkeypatch, caplog
+):
+    from django.db import OperationalError
+    from django.db.models import QuerySet
+
+    real_update = QuerySet.update
+
+    def update(queryset, **fields):
+        if "chat_answered_at" in fields:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_update(queryset, **fields)
+
+    monkeypatch.setattr(QuerySet, "update", update)
+    seen: list[dict] = []
+    server = _stand_in([_delta("Still"), _delta(" here", finish="stop")], seen)
+    try:
+        deployment = _deployment(local_node, server.server_address[1])
+        events = _events(_post(operator_user, deployment, [{"role": "user", "content": "Hello"}]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [e["delta"] for e in events if "delta" in e] == ["Still", " here"]
+    assert events[-1]["done"] and not any("error" in e for e in events)
+    assert "first chat answer" in caplog.text
+    deployment.refresh_from_db()
+    assert deployment.chat_answered_at is None

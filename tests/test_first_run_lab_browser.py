@@ -120,6 +120,9 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     page.click("#probe-now")
     expect(page.locator("#host-key-banner")).to_contain_text("New host key", timeout=60_000)
     probe = Job.objects.get(node=node, kind="probe")
+    # The banner shows as soon as the key is recorded; the job ends a moment later.
+    wait_for(lambda: Job.objects.get(pk=probe.pk).is_terminal, timeout=60, what="the first probe's end")
+    probe.refresh_from_db()
     assert probe.state == JobState.NEEDS_APPROVAL, probe.result
     node.refresh_from_db()
     assert node.pending_host_key == host.host_public_key and not node.host_key
@@ -142,8 +145,10 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     # 4. llama.cpp on the node, built from the pinned source the console uploads (the builds page's default).
     page.click("#first-run-build-action")
     page.click("#start-build")
-    wait_for(lambda: Build.objects.filter(node=node).exists(), timeout=300, what="the build on study-pc")
+    wait_for(lambda: Job.objects.filter(node=node, kind="build").exists(), timeout=30, what="the build job")
     build_job = Job.objects.get(node=node, kind="build")
+    wait_for(lambda: Job.objects.get(pk=build_job.pk).is_terminal, timeout=300, what="the build on study-pc")
+    build_job.refresh_from_db()
     assert build_job.state == JobState.SUCCEEDED, build_job.result
     build = Build.objects.get(node=node)
     assert build.rpc_protocol and build.llama_server_path.endswith("/llama-server")

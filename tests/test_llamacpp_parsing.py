@@ -52,6 +52,23 @@ def test_load_log_is_keyed_by_endpoint_and_sums_buffers_of_one_device():
     assert devices["127.0.0.1:50162#1"]["model"] == mib
 
 
+@pytest.mark.parametrize(
+    ("buffer", "key"),
+    [
+        ("CPU_Mapped", "CPU"),
+        ("CPU_REPACK", "CPU"),
+        ("CUDA_Host", "CPU"),  # pinned host memory of the CUDA backend
+        ("CUDA0", "CUDA0"),
+        ("MTL0_Mapped", "MTL0"),  # a Mac's weights on Metal, mapped from the file: the GPU's, not the CPU's
+        ("MTL0_Private", "MTL0"),
+        ("MTL0", "MTL0"),
+        ("RPC1[10.0.0.2:50052]", "10.0.0.2:50052#1"),
+    ],
+)
+def test_every_buffer_is_counted_on_the_device_that_holds_it(buffer, key):
+    assert llamacpp.buffer_key(buffer) == key
+
+
 def test_server_args_put_rpc_before_device_and_count_the_output_slot():
     placements = [
         {"llama_device": "CPU", "endpoint": None, "layers": 2, "output_layer": False},
