@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -170,3 +171,30 @@ def save_screenshots(page, folder: Path, name: str, *, selector: str | None = No
     finally:
         page.set_viewport_size(viewport)
     return saved
+
+
+def in_own_thread(function, *args, timeout: float = 300):
+    """`function(*args)` on a thread of its own, its result or its exception: Playwright's sync API keeps an
+    event loop on the test's thread, and the job runner (asyncio.run) wants one of its own."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(timeout=timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{function.__name__} did not return within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def checklist_ticks(page) -> set[str]:
+    """The keys of the dashboard's first-run steps shown as done."""
+    items = page.locator("#first-run li.done")
+    return {items.nth(i).get_attribute("id").removeprefix("first-run-") for i in range(items.count())}

@@ -4,13 +4,11 @@ deployment on the console's own host (tests/chat_fixtures.py)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from playwright.sync_api import expect
 
 from deployments.models import DeploymentState
-from tests.browser import log_in
+from tests.browser import in_own_thread, log_in
 from tests.chat_fixtures import ALIAS, deploy, local_deployment, stop
 from tests.factories import PASSWORD, UserFactory
 
@@ -24,15 +22,6 @@ def short_answers(settings):
     settings.RAMDECK_CHAT_MAX_TOKENS = MAX_TOKENS
 
 
-def _in_thread(function, *args):
-    """Playwright's sync API keeps an event loop on this thread; the job runner wants one of its own."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", function(*args)))
-    thread.start()
-    thread.join(timeout=600)
-    return result["value"]
-
-
 def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_in(
     short_answers, live_server_url, page, tmp_path, monkeypatch
 ):
@@ -42,7 +31,7 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
     # Room for a conversation of two turns (the byte-level vocabulary makes every character a token).
     deployment = local_deployment(tmp_path, operator, trained=4096, asked=2048)
     try:
-        deployment = _in_thread(deploy, deployment, admin, monkeypatch)
+        deployment = in_own_thread(deploy, deployment, admin, monkeypatch, timeout=600)
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         key = deployment.api_key()
         log_in(page, live_server_url, "oscar-operator", PASSWORD)
@@ -89,7 +78,7 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
         assert key not in page.content()
 
         # Stopped: the page hears it over its websocket and the box closes, saying why; a new page has none.
-        deployment = _in_thread(stop, deployment, admin, monkeypatch)
+        deployment = in_own_thread(stop, deployment, admin, monkeypatch, timeout=600)
         assert deployment.state == DeploymentState.STOPPED
         expect(page.locator("#chat-unavailable")).to_be_visible(timeout=30_000)
         expect(page.locator("#chat-send")).to_be_disabled()
@@ -98,4 +87,4 @@ def test_an_operator_chats_with_a_running_deployment_and_sees_the_answer_stream_
         expect(page.locator("#chat")).to_have_count(0)
     finally:
         if deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED):
-            _in_thread(stop, deployment, admin, monkeypatch)
+            in_own_thread(stop, deployment, admin, monkeypatch, timeout=600)

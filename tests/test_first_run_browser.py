@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 
 import pytest
 from playwright.sync_api import expect
@@ -19,7 +18,7 @@ from deployments.models import Deployment, DeploymentState
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import Job, JobState
 from nodes.models import Build, Node, Transport
-from tests.browser import log_in, save_screenshots, screenshot_dir
+from tests.browser import checklist_ticks, in_own_thread, log_in, save_screenshots, screenshot_dir
 from tests.chat_fixtures import TALKATIVE_SEED, free_port, stop
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker, wait_for
@@ -68,20 +67,6 @@ def live_url(celery_worker, short_answers, live_server_url):
     return live_server_url
 
 
-def _in_thread(function, *args):
-    """Playwright's sync API keeps an event loop on this thread; the job runner wants one of its own."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", function(*args)))
-    thread.start()
-    thread.join(timeout=300)
-    return result.get("value")
-
-
-def ticked(page) -> set[str]:
-    items = page.locator("#first-run li.done")
-    return {items.nth(i).get_attribute("id").removeprefix("first-run-") for i in range(items.count())}
-
-
 def test_a_new_admin_follows_the_checklist_on_this_machine(
     live_url, page, llamacpp_on_path, tmp_path, monkeypatch
 ):
@@ -89,7 +74,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     admin = UserFactory(username="nina-new", role="admin")
     log_in(page, live_url, "nina-new", PASSWORD)
     expect(page.locator("#first-run")).to_contain_text("0 of 9 done")
-    assert ticked(page) == set()
+    assert checklist_ticks(page) == set()
 
     # 1. Add this machine: a Local node that may coordinate, probed at once.
     page.click("#first-run-credential-action")
@@ -106,7 +91,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     assert build.rpc_protocol and build.version
     page.goto(f"{live_url}/")
     expect(page.locator("#first-run")).to_contain_text("5 of 9 done")
-    assert ticked(page) == {"credential", "node", "host_key", "probe", "build"}
+    assert checklist_ticks(page) == {"credential", "node", "host_key", "probe", "build"}
     save_screenshots(page, shots, "first-run")
 
     # The builds page shows it in use and no longer offers the detected install.
@@ -127,7 +112,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
 
     # 4. The plan, from the checklist's link, confirmed.
     page.goto(f"{live_url}/")
-    assert "model" in ticked(page)
+    assert "model" in checklist_ticks(page)
     page.click("#first-run-plan-action")
     page.fill("input[name=name]", "tiny on this machine")
     # Loopback (this machine only, the console's chat included) on a port nobody else's test holds.
@@ -206,4 +191,4 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
             DeploymentState.FAILED,
             DeploymentState.CONFIRMED,
         ):
-            _in_thread(stop, deployment, admin, monkeypatch)
+            in_own_thread(stop, deployment, admin, monkeypatch)

@@ -14,8 +14,6 @@ test's tmp_path, or into RAMDECK_SCREENSHOTS_DIR when set."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from playwright.sync_api import expect
 
@@ -23,7 +21,7 @@ from deployments.models import Deployment, DeploymentState
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.models import Job, JobState
 from nodes.models import Build, Credential, Node
-from tests.browser import log_in, save_screenshots, screenshot_dir
+from tests.browser import checklist_ticks, in_own_thread, log_in, save_screenshots, screenshot_dir
 from tests.chat_fixtures import TALKATIVE_SEED, stop
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker, wait_for
@@ -60,24 +58,10 @@ def live_url(celery_worker, settings, live_server_url):
     return live_server_url
 
 
-def _in_thread(function, *args):
-    """Playwright's sync API keeps an event loop on this thread; the job runner wants one of its own."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("value", function(*args)))
-    thread.start()
-    thread.join(timeout=300)
-    return result.get("value")
-
-
-def ticked(page) -> set[str]:
-    items = page.locator("#first-run li.done")
-    return {items.nth(i).get_attribute("id").removeprefix("first-run-") for i in range(items.count())}
-
-
 def dashboard(page, live_url: str, done: int) -> set[str]:
     page.goto(f"{live_url}/")
     expect(page.locator("#first-run")).to_contain_text(f"{done} of 9 done")
-    return ticked(page)
+    return checklist_ticks(page)
 
 
 def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
@@ -217,4 +201,4 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
             DeploymentState.FAILED,
             DeploymentState.CONFIRMED,
         ):
-            _in_thread(stop, deployment, admin, monkeypatch)
+            in_own_thread(stop, deployment, admin, monkeypatch)
