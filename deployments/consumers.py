@@ -5,33 +5,26 @@ buttons) and sends them to be swapped out of band; a burst of messages makes one
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.template.loader import render_to_string
 
-from jobs.watchers import FORBIDDEN, UserBoundConsumer
+from jobs.watchers import FORBIDDEN, CoalescedRenderConsumer, UserBoundConsumer
 from ramdeck_site.roles import can_view
 
 from . import live
 from .models import Deployment
-
-# Changes arriving within this long of each other are shown together.
-COALESCE_S = 0.25
 
 
 def _may_view(user) -> bool:
     return bool(user is not None and user.is_authenticated and can_view(user))
 
 
-class DeploymentConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
+class DeploymentConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.deployment_id = int(self.scope["url_route"]["kwargs"]["pk"])
         self.group = None
-        self._pending: asyncio.Task | None = None
         user = self.scope.get("user")
         allowed = await database_sync_to_async(_may_view)(user)
         exists = await database_sync_to_async(Deployment.objects.filter(pk=self.deployment_id).exists)()
@@ -42,12 +35,11 @@ class DeploymentConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
         await self.channel_layer.group_add(self.group, self.channel_name)
         await self.accept()
         await self.bind_to_user()
-        await self._render_and_send()  # whatever changed between the page load and now
+        await self.render_and_send()  # whatever changed between the page load and now
 
     async def disconnect(self, code: int) -> None:
         await self.unbind_from_user()
-        if self._pending is not None:
-            self._pending.cancel()
+        self.cancel_render()
         if self.group:
             await self.channel_layer.group_discard(self.group, self.channel_name)
 
@@ -55,29 +47,15 @@ class DeploymentConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
         """Clients only listen."""
 
     async def deployment_changed(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
     async def job_status(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
     async def job_lines(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
-    def _soon(self) -> None:
-        if self._pending is None or self._pending.done():
-            self._pending = asyncio.create_task(self._render_later())
-
-    async def _render_later(self) -> None:
-        await asyncio.sleep(COALESCE_S)
-        with contextlib.suppress(Exception):  # a closed socket: nothing to tell
-            await self._render_and_send()
-
-    async def _render_and_send(self) -> None:
-        html = await database_sync_to_async(self._render)()
-        if html:
-            await self.send(text_data=html)
-
-    def _render(self) -> str:
+    def render(self) -> str:
         from .lifecycle_views import run_context
 
         deployment = (

@@ -7,6 +7,9 @@ Signals, not explicit calls: roles change in Django admin, where the console has
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from channels.db import database_sync_to_async
 from django.contrib.auth import get_user_model
 from django.contrib.auth.signals import user_logged_out
@@ -54,6 +57,37 @@ class UserBoundConsumer:
             await self.close(code=FORBIDDEN)
             return
         self.scope["user"] = fresh  # what it may do now (an operator's buttons) follows the new role
+
+
+class CoalescedRenderConsumer:
+    """For AsyncWebsocketConsumer subclasses that send a page's live regions again whenever something
+    changes: `render_soon()` on every message that matters renders once, `coalesce_s` later, however many
+    arrive meanwhile; `render()` (sync, may query) returns the HTML to send, "" for nothing. Call
+    `cancel_render()` in disconnect()."""
+
+    coalesce_s = 0.25
+    _pending: asyncio.Task | None = None
+
+    def render(self) -> str:
+        raise NotImplementedError
+
+    def render_soon(self) -> None:
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.create_task(self._render_later())
+
+    def cancel_render(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    async def render_and_send(self) -> None:
+        html = await database_sync_to_async(self.render)()
+        if html:
+            await self.send(text_data=html)
+
+    async def _render_later(self) -> None:
+        await asyncio.sleep(self.coalesce_s)
+        with contextlib.suppress(Exception):  # a closed socket: nothing to tell
+            await self.render_and_send()
 
 
 def _fresh_user(user_id: int):

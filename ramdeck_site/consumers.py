@@ -4,9 +4,6 @@ swapped out of band. A burst of changes makes one render."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -14,24 +11,21 @@ from django.template.loader import render_to_string
 
 from deployments.live import DASHBOARD_GROUP
 from jobs.broadcast import LIST_GROUP
-from jobs.watchers import FORBIDDEN, UserBoundConsumer
+from jobs.watchers import FORBIDDEN, CoalescedRenderConsumer, UserBoundConsumer
 
 from . import dashboard_live
 from .roles import can_operate, can_view
-
-# Changes arriving within this long of each other are shown together.
-COALESCE_S = 0.3
 
 
 def _may_view(user) -> bool:
     return bool(user is not None and user.is_authenticated and can_view(user))
 
 
-class DashboardConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
+class DashboardConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsocketConsumer):
     groups_joined: tuple[str, ...] = ()
+    coalesce_s = 0.3  # changes arriving within this long of each other are shown together
 
     async def connect(self) -> None:
-        self._pending: asyncio.Task | None = None
         if not await database_sync_to_async(_may_view)(self.scope.get("user")):
             await self.close(code=FORBIDDEN)
             return
@@ -40,12 +34,11 @@ class DashboardConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
         await self.bind_to_user()
-        await self._render_and_send()  # whatever changed between the page load and now
+        await self.render_and_send()  # whatever changed between the page load and now
 
     async def disconnect(self, code: int) -> None:
         await self.unbind_from_user()
-        if self._pending is not None:
-            self._pending.cancel()
+        self.cancel_render()
         for group in self.groups_joined:
             await self.channel_layer.group_discard(group, self.channel_name)
 
@@ -53,31 +46,18 @@ class DashboardConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
         """Clients only listen."""
 
     async def job_status(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
     async def job_lines(self, event: dict) -> None:
         """Log lines do not change the dashboard."""
 
     async def deployment_changed(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
     async def dashboard_changed(self, event: dict) -> None:
-        self._soon()
+        self.render_soon()
 
-    def _soon(self) -> None:
-        if self._pending is None or self._pending.done():
-            self._pending = asyncio.create_task(self._render_later())
-
-    async def _render_later(self) -> None:
-        await asyncio.sleep(COALESCE_S)
-        with contextlib.suppress(Exception):  # a closed socket: nothing to tell
-            await self._render_and_send()
-
-    async def _render_and_send(self) -> None:
-        html = await database_sync_to_async(self._render)()
-        await self.send(text_data=html)
-
-    def _render(self) -> str:
+    def render(self) -> str:
         user = self.scope["user"]
         context = {
             **dashboard_live.live_context(),
