@@ -31,9 +31,12 @@ TUNNEL_MARK = "ramdeck-rpc-tunnel"
 # the tunnel is fast: sshd turns Nagle's algorithm off (TCP_NODELAY) only for a session with a pty, and
 # without it every RPC answer that ggml writes in two pieces waits for the coordinator's delayed ACK (~40 ms
 # a token: tunnel decode measured 5-8x slower than direct with `ssh -N`, on par with it this way).
-# OpenSSH 9.2 refuses a key whose entry says permitlisten="none", so remote forwards to the worker's
-# loopback stay possible for whoever holds the key (the coordinator).
-KEY_OPTIONS = 'restrict,port-forwarding,pty,permitopen="127.0.0.1:{port}",command="sleep 2147483647"'
+# Remote forwards (-R) are held to the same port: OpenSSH 9.2 refuses permitlisten="none" in a key's entry,
+# and the rpc-server holds 127.0.0.1:PORT for as long as the key is there, so no listener can be opened.
+KEY_OPTIONS = (
+    'restrict,port-forwarding,pty,permitopen="127.0.0.1:{port}",permitlisten="127.0.0.1:{port}",'
+    'command="sleep 2147483647"'
+)
 
 
 class BindRefused(ValueError):

@@ -62,7 +62,10 @@ def test_the_tunnel_key_may_forward_to_one_port_and_nothing_else():
     assert private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
     line = rpc_guard.authorized_line(public, 50052, "ramdeck-d7-old-pc")
     options, kind, _blob, tag = line.rsplit(" ", 3)
-    assert options == ('restrict,port-forwarding,pty,permitopen="127.0.0.1:50052",command="sleep 2147483647"')
+    assert options == (
+        'restrict,port-forwarding,pty,permitopen="127.0.0.1:50052",permitlisten="127.0.0.1:50052",'
+        'command="sleep 2147483647"'
+    )
     assert (kind, tag) == ("ssh-ed25519", "ramdeck-d7-old-pc")
 
 
@@ -109,3 +112,33 @@ def test_the_firewall_rule_admits_only_the_coordinator():
     text = " ".join(rule)
     assert "--dport 50052 ! -s 10.0.0.2/32" in text and "--comment ramdeck-d7-old-pc" in text
     assert text.endswith("-j REJECT --reject-with tcp-reset")
+
+
+@pytest.mark.lab
+def test_sshd_holds_the_tunnel_key_to_its_one_forward(lab, lab_host, tmp_path):
+    """The entry as a real sshd reads it: a local forward to the rpc-server's port is opened, a remote
+    forward onto any other port of the worker is refused."""
+    private, public = rpc_guard.new_key_pair("ramdeck-d7-old-pc")
+    (lab_host.workdir / "authorized_keys").write_text(rpc_guard.authorized_line(public, 50052, "t") + "\n")
+    key = tmp_path / "tunnel.key"
+    key.write_text(private)
+    key.chmod(0o600)
+    ssh = ["ssh", "-i", str(key), "-p", str(lab_host.port), "-o", "BatchMode=yes",
+           "-o", "ExitOnForwardFailure=yes", "-o", "StrictHostKeyChecking=no",
+           "-o", "UserKnownHostsFile=/dev/null"]  # fmt: skip
+    target = f"root@{lab_host.address}"
+    remote = subprocess.run([*ssh, "-N", "-R", "127.0.0.1:40001:127.0.0.1:22", target],
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert remote.returncode != 0 and "remote port forwarding failed" in remote.stderr, remote.stderr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    forward = f"127.0.0.1:{port}:127.0.0.1:50052"
+    local = subprocess.Popen([*ssh, "-tt", "-L", forward, target], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            local.wait(timeout=3)  # the forward is up and the forced command waits
+    finally:
+        local.kill()
+        local.wait()
