@@ -6,6 +6,7 @@ Other fixture modules register themselves through `pytest_plugins` below so each
 from __future__ import annotations
 
 import pytest
+from django.test import override_settings
 
 from tests.factories import PASSWORD, UserFactory
 from tests.unavailable import in_ci
@@ -54,6 +55,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured figures")
         for test, name, value in figures:
             terminalreporter.write_line(f"{name} = {value}  ({test})")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_password_hashing():
+    """Tests hash passwords with MD5: the console's PBKDF2 (a million rounds, about 0.7 s here, on purpose)
+    would cost the suite minutes of test users. tests/test_auth_and_audit.py checks what the console uses."""
+    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
+        yield
 
 
 @pytest.fixture

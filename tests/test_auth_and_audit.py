@@ -15,6 +15,18 @@ from tests.factories import PASSWORD, UserFactory
 pytestmark = pytest.mark.django_db
 
 
+def test_the_console_hashes_passwords_slowly_whatever_the_tests_use():
+    # The suite swaps in MD5 for speed (tests/conftest.py); the console's own settings keep Django's
+    # PBKDF2 first, which makes a stolen database's passwords expensive to guess.
+    from django.conf import global_settings
+
+    import ramdeck_site.settings as console
+
+    hashers = getattr(console, "PASSWORD_HASHERS", global_settings.PASSWORD_HASHERS)
+    assert hashers[0] == "django.contrib.auth.hashers.PBKDF2PasswordHasher"
+    assert not any("MD5" in h or "Unsalted" in h for h in hashers)
+
+
 def test_login_and_logout_are_audited_with_the_source_address(client):
     UserFactory(username="oscar", role="operator")
     response = client.post(
