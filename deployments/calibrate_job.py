@@ -15,6 +15,11 @@ that may coordinate, the CPU is also measured inside llama-server itself, with l
 the blocks a plan keeps on the coordinator's CPU run. Last, the console speaks the RPC protocol to the node's
 RPC port to time the link (deployments/rpc_link.py).
 
+On a node with a CPU quota (a container's limit, a cgroup), llama-server beside the rpc-server spends the same
+quota, which in a deployment the rpc-server has to itself: there the CPU time both use during the samples
+(/proc/PID/stat) splits each run's time, and only the rpc-servers' share counts for the device and its hop
+(`Run.device_seconds_per_token`).
+
 The models are written once on the console (deployments/tiny_model.py), cached in RAMDECK_VAR_DIR, and
 uploaded over SFTP into ~/.ramdeck/calibrate on the node, where they stay for the next calibration. Every
 process this job starts is ended by PID before it finishes, whatever happens. A node that serves a running
@@ -33,6 +38,7 @@ import os
 import posixpath
 import secrets
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,6 +79,8 @@ HEALTH_TIMEOUT_S = 120.0
 MIN_SLOWDOWN = 1.05
 # A line whose fixed cost is more than this share of the shallow model's time explains too little by bytes.
 MAX_FIXED_SHARE = 0.5
+# Fewer CPU ticks (1/100 s each on Linux) than this between two readings say too little to split them.
+MIN_SHARE_TICKS = 20
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,28 @@ class Run:
     model: str
     read_bytes: int
     tokens_per_s: list[float]
+    # On a node with a CPU quota: the rpc-servers' share of the CPU time the node spent on the samples
+    # (theirs over theirs plus llama-server's), else None. See `device_seconds_per_token`.
+    rpc_cpu_share: float | None = None
 
     @property
     def seconds_per_token(self) -> float:
         # The median sample: what the device does under the machine's usual load, as a deployment will
         # run (one disturbed sample does not move it).
         return 1.0 / statistics.median(self.tokens_per_s)
+
+    @property
+    def device_seconds_per_token(self) -> float:
+        """What the device's rpc-servers take per token, as a deployment runs them (llama-server elsewhere).
+
+        Under a CPU quota the node's time is the quota's: llama-server, which drives the calibration from
+        the same node, spends part of it, so the wall time per token is that of both processes' CPU time
+        together. In a deployment llama-server runs on the coordinator and the rpc-server has the quota to
+        itself: its share of the wall time is its share of the CPU time. Without a quota the two run on
+        separate cores and the wall time is the device's.
+        """
+        share = 1.0 if self.rpc_cpu_share is None else self.rpc_cpu_share
+        return self.seconds_per_token * share
 
 
 @dataclass(frozen=True)
@@ -112,7 +136,7 @@ def fit(shallow: Run, deep: Run) -> Line:
     fixed cost) when the deeper model is not clearly slower, or when the line would leave most of the
     shallow run's time unexplained by its bytes: then the runs were too disturbed to trust their slope (or
     the device is too fast for these models to tell)."""
-    t_a, t_b = shallow.seconds_per_token, deep.seconds_per_token
+    t_a, t_b = shallow.device_seconds_per_token, deep.device_seconds_per_token
     if t_b < t_a * MIN_SLOWDOWN or deep.read_bytes <= shallow.read_bytes:
         return Line(None, t_a)
     bandwidth = (deep.read_bytes - shallow.read_bytes) / (t_b - t_a)
@@ -241,6 +265,37 @@ async def _decode(client: httpx.AsyncClient, url: str, key: str, tokens: int) ->
     return float(speed)
 
 
+def cpu_ticks(stat_text: str) -> dict[int, int]:
+    """User plus system CPU ticks by PID, from the text of /proc/PID/stat files one after the other."""
+    ticks = {}
+    for line in stat_text.splitlines():
+        pid, _, rest = line.partition(" (")
+        # The command name may hold spaces and parentheses: the fields go on after the last ") ".
+        fields = rest.rpartition(") ")[2].split()
+        if pid.strip().isdigit() and len(fields) > 12:
+            ticks[int(pid)] = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return ticks
+
+
+async def read_cpu_ticks(ctx, pids: list[int]) -> dict[int, int] | None:
+    """The CPU ticks the processes have used so far (Linux /proc), or None when one cannot be read."""
+    script = 'for p; do cat "/proc/$p/stat" || exit 1; done'
+    result = await ctx.transport.run(["sh", "-c", script, "ticks", *map(str, pids)], timeout=30)
+    ticks = cpu_ticks(result.stdout) if result.exit_status == 0 else {}
+    return ticks if set(ticks) == set(pids) else None
+
+
+def rpc_share(before: dict[int, int] | None, after: dict[int, int] | None, llama_pid: int) -> float | None:
+    """The rpc-servers' share of the CPU ticks spent between two readings (None: unknown or too few)."""
+    if before is None or after is None:
+        return None
+    used = {pid: after[pid] - before[pid] for pid in after}
+    total = sum(used.values())
+    if total < MIN_SHARE_TICKS:
+        return None
+    return round((total - used[llama_pid]) / total, 4)
+
+
 async def timed_run(
     ctx,
     procs: Processes,
@@ -250,8 +305,13 @@ async def timed_run(
     placement: list[str],
     workdir: str,
     label: str,
+    *,
+    rpc_pids: Sequence[int] = (),
 ) -> Run:
-    """Start llama-server with `placement` arguments, decode a few times, end it; the speeds it reported."""
+    """Start llama-server with `placement` arguments, decode a few times, end it; the speeds it reported.
+
+    With `rpc_pids` (the node's rpc-servers this run drives, on a node with a CPU quota) the CPU time they
+    and llama-server use during the samples is read too, for `Run.device_seconds_per_token`."""
     port = 40000 + secrets.randbelow(20000)
     tag = f"calibrate-{ctx.job.pk}-{label}-{model.name}"
     log_path = posixpath.join(workdir, f"{tag}.log")
@@ -269,18 +329,29 @@ async def timed_run(
             warm = await _decode(client, url, key, 8)
             tokens = int(min(MAX_TOKENS, max(MIN_TOKENS, warm * SAMPLE_SECONDS)))
             speeds = []
+            watched = [pid, *rpc_pids]
+            before = await read_cpu_ticks(ctx, watched) if rpc_pids else None
             for _ in range(SAMPLES):
                 if ctx.cancelled():
                     raise JobCancelled()
                 speeds.append(await _decode(client, url, key, tokens))
+            after = await read_cpu_ticks(ctx, watched) if rpc_pids else None
     finally:
         await procs.end(pid)
         await ctx.transport.run(["rm", "-f", key_path, log_path], timeout=30)
-    run = Run(model.name, model.read_bytes, speeds)
+    run = Run(model.name, model.read_bytes, speeds, rpc_share(before, after, pid))
+    share = ""
+    if run.rpc_cpu_share is not None:
+        share = (
+            f"; the rpc-server's share of the node's CPU time {run.rpc_cpu_share:.0%}: "
+            f"{1000 * run.device_seconds_per_token:.2f} ms per token without llama-server beside it"
+        )
+    elif rpc_pids:
+        share = "; the CPU time of the processes could not be read: the wall time is taken as it is"
     await ctx.log(
         f"{label}, {model.name} model ({model.read_bytes / 1e6:.0f} MB per token): "
         f"{1000 * run.seconds_per_token:.2f} ms per token "
-        f"(samples of {tokens} tokens: {', '.join(f'{s:.1f}' for s in speeds)} tok/s)"
+        f"(samples of {tokens} tokens: {', '.join(f'{s:.1f}' for s in speeds)} tok/s){share}"
     )
     return run
 
@@ -327,19 +398,26 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
 
 
 async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
-                       workdir: str) -> dict:  # fmt: skip
+                       workdir: str, rpc_pid: int) -> dict:  # fmt: skip
     """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
     rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
-    parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops."""
+    parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops.
+
+    Under a CPU quota the hop is the rpc-server's own time (its share of the run, see
+    `Run.device_seconds_per_token`): llama-server's pass, on the same node here, is not part of it."""
     alone = await run(tiny, ["--device", "none", "-ngl", "0", "-t", "1", "--poll", "0"], "llama-server alone")
-    one = await run(tiny, ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"], f"{device} through one")
+    through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
+    one = await run(tiny, through, f"{device} through one", [rpc_pid])
     second = 40000 + secrets.randbelow(20000)
     other_pid, _ = await _start_rpc_server(ctx, procs, build, "127.0.0.1", second, device, workdir)
     chain = ["--rpc", f"{endpoint},127.0.0.1:{second}", "--device", "RPC0,RPC1", "-ngl", "999", "-ts", "1,2"]
-    two = await run(tiny, chain, f"{device} through two")
+    two = await run(tiny, chain, f"{device} through two", [rpc_pid, other_pid])
     await procs.end(other_pid)
-    hop = max(0.0, one.seconds_per_token - alone.seconds_per_token)
-    pipeline = max(0.0, two.seconds_per_token - one.seconds_per_token - hop)
+    if one.rpc_cpu_share is None:
+        hop = max(0.0, one.seconds_per_token - alone.seconds_per_token)
+    else:
+        hop = one.device_seconds_per_token
+    pipeline = max(0.0, two.device_seconds_per_token - one.device_seconds_per_token - hop)
     return {
         "device": device,
         "runs": [asdict(alone), asdict(one), asdict(two)],
@@ -372,13 +450,20 @@ async def calibrate_body(ctx) -> str:
     results: dict = {"job": ctx.job.pk, "build": build.version, "devices": {}, "hop": None, "local": None}
     link = None
 
-    async def run(model: CalibrationModel, placement: list[str], label: str) -> Run:
+    # Under a CPU quota llama-server's work, on the node here but on the coordinator in a deployment, spends
+    # the rpc-server's quota: the CPU time of both is read to take it out (Run.device_seconds_per_token).
+    quota = (node.facts or {}).get("cpu_quota_cores")
+
+    async def run(model: CalibrationModel, placement: list[str], label: str, rpc_pids=()) -> Run:
         if "--rpc" in placement and "-t" not in placement:
             # The device under test does the work; llama-server, which a deployment runs on another
             # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
             # its spinning threads would spend the quota the rpc-server is measured by).
             placement = [*placement, "-t", "1", "--poll", "0"]
-        return await timed_run(ctx, procs, build, paths[model.name], model, placement, workdir, label)
+        watched = list(rpc_pids) if quota else []
+        return await timed_run(
+            ctx, procs, build, paths[model.name], model, placement, workdir, label, rpc_pids=watched
+        )
 
     # The deep model, its context and compute buffers, and llama-server beside it on the same node.
     needed = int(1.5 * deep.size_bytes)
@@ -401,12 +486,12 @@ async def calibrate_body(ctx) -> str:
             endpoint = f"{node.rpc_endpoint_host}:{port}"
             through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
             label = f"{device.name} through ggml-rpc-server"
-            runs = [await run(model, through, label) for model in (shallow, deep)]
+            runs = [await run(model, through, label, [rpc_pid]) for model in (shallow, deep)]
             if link is None:
                 link = await _measure_link(ctx, node, port)
             if results["hop"] is None:
                 results["hop"] = await _fixed_costs(
-                    ctx, procs, build, run, tiny, device.name, endpoint, workdir
+                    ctx, procs, build, run, tiny, device.name, endpoint, workdir, rpc_pid
                 )
             await procs.end(rpc_pid)
             await ctx.transport.run(["rm", "-f", rpc_log], timeout=30)

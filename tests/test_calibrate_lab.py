@@ -126,6 +126,12 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
         assert node.calibrated_at and node.pass_overhead_ms >= 0 and node.rpc_hop_ms >= 0
         assert node.link_rtt_ms > 0 and node.link_throughput_mbs > 0
         assert node.calibration["devices"]["CPU"]["runs"][1]["model"] == "deep"
+    # Under the quota llama-server's CPU time, spent beside the rpc-server here, is taken out of the slow
+    # host's runs (read from /proc over SSH); the unthrottled host's wall times count as they are.
+    slow_runs = Node.objects.get(pk=slow.pk).calibration["devices"]["CPU"]["runs"]
+    assert all(0.5 < run["rpc_cpu_share"] <= 1.0 for run in slow_runs), slow_runs
+    fast_runs = Node.objects.get(pk=fast.pk).calibration["devices"]["CPU"]["runs"]
+    assert all(run["rpc_cpu_share"] is None for run in fast_runs), fast_runs
     for host in (fast_host, slow_host):
         assert our_processes(host) == [] and listeners_in(host, 50052) == ""
 
