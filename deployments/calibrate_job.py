@@ -8,17 +8,19 @@ plus a fixed cost per token. Both are measured here the way a deployment will us
     seconds per token = fixed + bytes read per token / bandwidth
 
 Two depths give two points of that line: the slope is the device's effective bandwidth, the intercept the
-fixed per-token cost of a pass through its rpc-server. The shallow model once more through two rpc-servers
-(one block each) instead of one gives the cost of one more hop in the chain (`rpc_hop_ms`); the intercept
-less that hop is llama-server's own cost per token when this node coordinates (`pass_overhead_ms`). On a node
+fixed per-token cost of a pass through its rpc-server. A tiny model inside llama-server alone gives the cost
+of a pass when this node coordinates (`pass_overhead_ms`), through one rpc-server what a hop adds to it
+(`rpc_hop_ms`), and through two what splitting across servers adds beyond their hops
+(`pipeline_overhead_ms`). On a node
 that may coordinate, the CPU is also measured inside llama-server itself, with llama-server's threads, as
 the blocks a plan keeps on the coordinator's CPU run. Last, the console speaks the RPC protocol to the node's
 RPC port to time the link (deployments/rpc_link.py).
 
-On a node with a CPU quota (a container's limit, a cgroup), llama-server beside the rpc-server spends the same
-quota, which in a deployment the rpc-server has to itself: there the CPU time both use during the samples
-(/proc/PID/stat) splits each run's time, and only the rpc-servers' share counts for the device and its hop
-(`Run.device_seconds_per_token`).
+On a node whose CPU quota is below its core count (a container's limit, a cgroup), llama-server beside the
+rpc-server spends the same quota, which in a deployment the rpc-server has to itself: there the CPU time both
+use during the samples (/proc/PID/stat) splits each run's time of the CPU device, and only the rpc-servers'
+share counts for its line and the hop (`Run.device_seconds_per_token`). A GPU's time is not the CPU's, and
+is taken as measured.
 
 The models are written once on the console (deployments/tiny_model.py), cached in RAMDECK_VAR_DIR, and
 uploaded over SFTP into ~/.ramdeck/calibrate on the node, where they stay for the next calibration. Every
@@ -55,6 +57,7 @@ from deployments.reaper import find_holders
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
+from jobs.transport import TransportError
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
 # caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
@@ -113,14 +116,22 @@ class Run:
     def device_seconds_per_token(self) -> float:
         """What the device's rpc-servers take per token, as a deployment runs them (llama-server elsewhere).
 
-        Under a CPU quota the node's time is the quota's: llama-server, which drives the calibration from
-        the same node, spends part of it, so the wall time per token is that of both processes' CPU time
-        together. In a deployment llama-server runs on the coordinator and the rpc-server has the quota to
-        itself: its share of the wall time is its share of the CPU time. Without a quota the two run on
-        separate cores and the wall time is the device's.
+        Under a CPU quota that binds, the node's time is the quota's: llama-server, which drives the
+        calibration from the same node, spends part of it, so the wall time per token is that of both
+        processes' CPU time together. In a deployment llama-server runs on the coordinator and the
+        rpc-server has the quota to itself: its share of the wall time is its share of the CPU time.
+        Without a share (no quota, or it could not be read) the wall time counts as it is.
         """
         share = 1.0 if self.rpc_cpu_share is None else self.rpc_cpu_share
         return self.seconds_per_token * share
+
+
+def comparable(*runs: Run) -> list[float]:
+    """Seconds per token of the runs, all on the same footing: the device's share of each when every run
+    has one, else the wall times (a slope between a scaled and an unscaled time would mean nothing)."""
+    if all(run.rpc_cpu_share is not None for run in runs):
+        return [run.device_seconds_per_token for run in runs]
+    return [run.seconds_per_token for run in runs]
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,7 @@ def fit(shallow: Run, deep: Run) -> Line:
     fixed cost) when the deeper model is not clearly slower, or when the line would leave most of the
     shallow run's time unexplained by its bytes: then the runs were too disturbed to trust their slope (or
     the device is too fast for these models to tell)."""
-    t_a, t_b = shallow.device_seconds_per_token, deep.device_seconds_per_token
+    t_a, t_b = comparable(shallow, deep)
     if t_b < t_a * MIN_SLOWDOWN or deep.read_bytes <= shallow.read_bytes:
         return Line(None, t_a)
     bandwidth = (deep.read_bytes - shallow.read_bytes) / (t_b - t_a)
@@ -280,18 +291,22 @@ def cpu_ticks(stat_text: str) -> dict[int, int]:
 async def read_cpu_ticks(ctx, pids: list[int]) -> dict[int, int] | None:
     """The CPU ticks the processes have used so far (Linux /proc), or None when one cannot be read."""
     script = 'for p; do cat "/proc/$p/stat" || exit 1; done'
-    result = await ctx.transport.run(["sh", "-c", script, "ticks", *map(str, pids)], timeout=30)
+    try:
+        result = await ctx.transport.run(["sh", "-c", script, "ticks", *map(str, pids)], timeout=30)
+    except TransportError:
+        return None
     ticks = cpu_ticks(result.stdout) if result.exit_status == 0 else {}
     return ticks if set(ticks) == set(pids) else None
 
 
 def rpc_share(before: dict[int, int] | None, after: dict[int, int] | None, llama_pid: int) -> float | None:
     """The rpc-servers' share of the CPU ticks spent between two readings (None: unknown or too few)."""
-    if before is None or after is None:
+    if before is None or after is None or before.keys() != after.keys() or llama_pid not in after:
         return None
     used = {pid: after[pid] - before[pid] for pid in after}
     total = sum(used.values())
-    if total < MIN_SHARE_TICKS:
+    # A negative count is another process under a reused PID; too few ticks say too little.
+    if min(used.values()) < 0 or total < MIN_SHARE_TICKS:
         return None
     return round((total - used[llama_pid]) / total, 4)
 
@@ -343,11 +358,11 @@ async def timed_run(
     share = ""
     if run.rpc_cpu_share is not None:
         share = (
-            f"; the rpc-server's share of the node's CPU time {run.rpc_cpu_share:.0%}: "
-            f"{1000 * run.device_seconds_per_token:.2f} ms per token without llama-server beside it"
+            f"; the rpc-servers' share of the node's CPU time {run.rpc_cpu_share:.0%}: "
+            f"{1000 * run.device_seconds_per_token:.2f} ms per token without llama-server beside them"
         )
     elif rpc_pids:
-        share = "; the CPU time of the processes could not be read: the wall time is taken as it is"
+        share = "; the CPU time of the processes was not read or too short to split: the wall time counts"
     await ctx.log(
         f"{label}, {model.name} model ({model.read_bytes / 1e6:.0f} MB per token): "
         f"{1000 * run.seconds_per_token:.2f} ms per token "
@@ -398,26 +413,30 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
 
 
 async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
-                       workdir: str, rpc_pid: int) -> dict:  # fmt: skip
+                       workdir: str, cpu_pids: list[int], bandwidth_bps: float | None) -> dict:  # fmt: skip
     """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
     rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
     parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops.
 
     Under a CPU quota the hop is the rpc-server's own time (its share of the run, see
-    `Run.device_seconds_per_token`): llama-server's pass, on the same node here, is not part of it."""
+    `Run.device_seconds_per_token`) less its work on the tiny model's weights at the device's measured
+    bandwidth (`bandwidth_bps`): llama-server's pass, on the same node here, is not part of it. `cpu_pids`
+    (the rpc-server's PID, when its device is the CPU under a quota) asks for that split."""
     alone = await run(tiny, ["--device", "none", "-ngl", "0", "-t", "1", "--poll", "0"], "llama-server alone")
     through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
-    one = await run(tiny, through, f"{device} through one", [rpc_pid])
+    one = await run(tiny, through, f"{device} through one", cpu_pids)
     second = 40000 + secrets.randbelow(20000)
     other_pid, _ = await _start_rpc_server(ctx, procs, build, "127.0.0.1", second, device, workdir)
     chain = ["--rpc", f"{endpoint},127.0.0.1:{second}", "--device", "RPC0,RPC1", "-ngl", "999", "-ts", "1,2"]
-    two = await run(tiny, chain, f"{device} through two", [rpc_pid, other_pid])
+    two = await run(tiny, chain, f"{device} through two", [*cpu_pids, other_pid] if cpu_pids else [])
     await procs.end(other_pid)
     if one.rpc_cpu_share is None:
         hop = max(0.0, one.seconds_per_token - alone.seconds_per_token)
     else:
-        hop = one.device_seconds_per_token
-    pipeline = max(0.0, two.device_seconds_per_token - one.device_seconds_per_token - hop)
+        compute = tiny.read_bytes / bandwidth_bps if bandwidth_bps else 0.0
+        hop = max(0.0, one.device_seconds_per_token - compute)
+    t_one, t_two = comparable(one, two)
+    pipeline = max(0.0, t_two - t_one - hop)
     return {
         "device": device,
         "runs": [asdict(alone), asdict(one), asdict(two)],
@@ -452,7 +471,10 @@ async def calibrate_body(ctx) -> str:
 
     # Under a CPU quota llama-server's work, on the node here but on the coordinator in a deployment, spends
     # the rpc-server's quota: the CPU time of both is read to take it out (Run.device_seconds_per_token).
-    quota = (node.facts or {}).get("cpu_quota_cores")
+    facts = node.facts or {}
+    quota = facts.get("cpu_quota_cores")
+    # Only a quota below the cores can hold the two processes to it (a larger one never binds).
+    quota_binds = bool(quota) and quota < (facts.get("cpu_cores") or float("inf"))
 
     async def run(model: CalibrationModel, placement: list[str], label: str, rpc_pids=()) -> Run:
         if "--rpc" in placement and "-t" not in placement:
@@ -460,7 +482,7 @@ async def calibrate_body(ctx) -> str:
             # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
             # its spinning threads would spend the quota the rpc-server is measured by).
             placement = [*placement, "-t", "1", "--poll", "0"]
-        watched = list(rpc_pids) if quota else []
+        watched = list(rpc_pids) if quota_binds else []
         return await timed_run(
             ctx, procs, build, paths[model.name], model, placement, workdir, label, rpc_pids=watched
         )
@@ -486,16 +508,27 @@ async def calibrate_body(ctx) -> str:
             endpoint = f"{node.rpc_endpoint_host}:{port}"
             through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
             label = f"{device.name} through ggml-rpc-server"
-            runs = [await run(model, through, label, [rpc_pid]) for model in (shallow, deep)]
+            # The quota holds the CPU's time, not a GPU's: only the CPU device's runs are split.
+            cpu_pids = [rpc_pid] if device.name == "CPU" else []
+            runs = [await run(model, through, label, cpu_pids) for model in (shallow, deep)]
+            line = fit(*runs)
             if link is None:
                 link = await _measure_link(ctx, node, port)
             if results["hop"] is None:
                 results["hop"] = await _fixed_costs(
-                    ctx, procs, build, run, tiny, device.name, endpoint, workdir, rpc_pid
+                    ctx,
+                    procs,
+                    build,
+                    run,
+                    tiny,
+                    device.name,
+                    endpoint,
+                    workdir,
+                    cpu_pids,
+                    line.bandwidth_bps,
                 )
             await procs.end(rpc_pid)
             await ctx.transport.run(["rm", "-f", rpc_log], timeout=30)
-            line = fit(*runs)
             results["devices"][device.name] = {
                 "runs": [asdict(r) for r in runs],
                 "bandwidth_gbs": _gbs(line.bandwidth_bps),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.calibrate_job import Run, _refusal, cpu_ticks, fit, rpc_share
+from deployments.calibrate_job import Run, _refusal, comparable, cpu_ticks, fit, rpc_share
 from deployments.models import Deployment, DeploymentState, ModelFile, ResourceClaim
 from nodes.models import Build
 from tests.factories import DeviceFactory, NodeFactory
@@ -53,8 +53,11 @@ def test_the_rpc_servers_share_is_theirs_of_the_ticks_spent_between_two_readings
     after = {1: 130, 2: 1050, 3: 70}  # llama-server (1) 30 ticks, rpc-servers (2, 3) 50 + 20
     assert rpc_share(before, after, llama_pid=1) == pytest.approx(0.7)
     assert rpc_share(None, after, llama_pid=1) is None
-    # Too few ticks to split: nothing is claimed.
+    # Too few ticks to split, readings of other processes, a PID reused in between: nothing is claimed.
     assert rpc_share({1: 0, 2: 0}, {1: 5, 2: 10}, llama_pid=1) is None
+    assert rpc_share({1: 100, 2: 1000}, after, llama_pid=1) is None
+    assert rpc_share(before, after, llama_pid=9) is None
+    assert rpc_share(before, {1: 130, 2: 10, 3: 70}, llama_pid=1) is None
 
 
 def test_under_a_quota_only_the_rpc_servers_share_of_a_run_counts_for_the_device():
@@ -69,6 +72,16 @@ def test_under_a_quota_only_the_rpc_servers_share_of_a_run_counts_for_the_device
     assert line.fixed_s == pytest.approx(0.0)
     # No share read (no quota): the wall time is the device's.
     assert Run("shallow", 40 * MB, [100.0]).device_seconds_per_token == pytest.approx(0.010)
+
+
+def test_a_run_without_a_share_puts_both_runs_of_the_line_on_wall_time():
+    # The deep run's share could not be read: a slope between a scaled and an unscaled time would mean
+    # nothing, so both count as measured (the line of the first test, 10 GB/s and 2 ms).
+    shallow = Run("shallow", 40 * MB, [1000 / 6], rpc_cpu_share=0.5)
+    deep = Run("deep", 120 * MB, [1000 / 14])
+    assert comparable(shallow, deep) == pytest.approx([0.006, 0.014])
+    line = fit(shallow, deep)
+    assert line.bandwidth_bps == pytest.approx(10e9) and line.fixed_s == pytest.approx(0.002)
 
 
 @pytest.mark.django_db
