@@ -471,9 +471,9 @@ async def calibrate_body(ctx) -> str:
 
     # Under a CPU quota llama-server's work, on the node here but on the coordinator in a deployment, spends
     # the rpc-server's quota: the CPU time of both is read to take it out (Run.device_seconds_per_token).
+    # Only a quota below the cores can hold the two processes to it (a larger one never binds).
     facts = node.facts or {}
     quota = facts.get("cpu_quota_cores")
-    # Only a quota below the cores can hold the two processes to it (a larger one never binds).
     quota_binds = bool(quota) and quota < (facts.get("cpu_cores") or float("inf"))
 
     async def run(model: CalibrationModel, placement: list[str], label: str, rpc_pids=()) -> Run:
@@ -482,9 +482,8 @@ async def calibrate_body(ctx) -> str:
             # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
             # its spinning threads would spend the quota the rpc-server is measured by).
             placement = [*placement, "-t", "1", "--poll", "0"]
-        watched = list(rpc_pids) if quota_binds else []
         return await timed_run(
-            ctx, procs, build, paths[model.name], model, placement, workdir, label, rpc_pids=watched
+            ctx, procs, build, paths[model.name], model, placement, workdir, label, rpc_pids=rpc_pids
         )
 
     # The deep model, its context and compute buffers, and llama-server beside it on the same node.
@@ -509,7 +508,7 @@ async def calibrate_body(ctx) -> str:
             through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
             label = f"{device.name} through ggml-rpc-server"
             # The quota holds the CPU's time, not a GPU's: only the CPU device's runs are split.
-            cpu_pids = [rpc_pid] if device.name == "CPU" else []
+            cpu_pids = [rpc_pid] if quota_binds and device.name == "CPU" else []
             runs = [await run(model, through, label, cpu_pids) for model in (shallow, deep)]
             line = fit(*runs)
             if link is None:

@@ -24,11 +24,6 @@ pytestmark = pytest.mark.security
 N = 3
 
 
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 def add_rows(count: int, admin, first: dict | None = None) -> dict:
     """`count` more of everything the pages list: nodes with devices and builds, jobs with log lines,
     models with running deployments, stale processes and audit entries; and, for the first node and

@@ -208,11 +208,6 @@ def test_every_route_has_a_rule():
 # --- A small world for the URL arguments ----------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-
-
 @pytest.fixture
 def world(tmp_path):
     """Users in each role, a local and an SSH node with devices, a credential, a model with a confirmed
