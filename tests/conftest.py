@@ -11,13 +11,22 @@ from django.test import override_settings
 from tests.factories import PASSWORD, UserFactory
 from tests.unavailable import in_ci
 
-pytest_plugins: list[str] = ["tests.lab.fixtures", "tests.browser", "tests.job_fixtures"]
+pytest_plugins: list[str] = [
+    "tests.lab.fixtures",
+    "tests.browser",
+    "tests.job_fixtures",
+    "tests.llamacpp_background",
+]
 
 
 def pytest_collection_modifyitems(config, items):
     """Browser tests last: Playwright's sync API keeps an event loop on the main thread for the rest of the
-    session, which would break later tests that start their own (asyncio.run, async_to_sync)."""
-    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
+    session, which would break later tests that start their own (asyncio.run, async_to_sync). Within each
+    part, the tests that need llama.cpp after the others, so a first build runs beside those
+    (tests/llamacpp_background.py)."""
+    from tests.llamacpp_background import needs_llamacpp  # registered as a plugin above: imported after
+
+    items.sort(key=lambda item: (item.get_closest_marker("browser") is not None, needs_llamacpp(item)))
 
 
 @pytest.hookimpl(wrapper=True)

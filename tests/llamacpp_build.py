@@ -11,8 +11,9 @@ console's own build job (deployments/build_job.py, deployments/llamacpp.py), so 
 exactly what the console would. Lab tests point the build job's RAMDECK_BUILD_ROOT at BUILD_ROOT
 (`use_cached_llamacpp`), so the namespace hosts, which share this file system, find this build too.
 
-`make test` runs tests/prepare_llamacpp.py before the suite, so the fetch and the compile (about 5 minutes
-on two cores, once) are not charged to one test's time limit.
+On a machine without the build, the suite compiles it beside the tests that do not need it
+(tests/llamacpp_background.py) and waits for it, outside any test's time limit, before the first test that
+does; those are marked `llamacpp` (or `e2e`). `python -m tests.prepare_llamacpp` builds it on its own.
 """
 
 from __future__ import annotations
@@ -108,11 +109,31 @@ def _rpc_cmakelists(src: Path) -> str:
     return ""
 
 
+# Set by tests/llamacpp_background.py when the build it ran beside the suite failed: the reason, so every
+# test that needs llama.cpp reports it instead of compiling again.
+BUILD_FAILURE: str | None = None
+# Set by the same plugin while that build runs and the current test is not marked to wait for it: a test
+# that reaches for llama.cpp then would block on the build's lock inside its own time limit.
+UNMARKED_TEST_DURING_BUILD: str | None = None
+
+
+def built_binaries() -> LlamaCpp | None:
+    """The binaries when they are built with today's flags, without building."""
+    return _find(_source_dir() / f"build-{BACKEND}" / "bin")
+
+
 def llamacpp_binaries() -> LlamaCpp:
-    src = _source_dir()
-    found = _find(src / f"build-{BACKEND}" / "bin")
+    if BUILD_FAILURE:
+        raise LlamaCppUnavailable(BUILD_FAILURE)
+    if UNMARKED_TEST_DURING_BUILD:
+        raise AssertionError(
+            f"{UNMARKED_TEST_DURING_BUILD} needs llama.cpp but is not marked `llamacpp`: mark it, so it runs "
+            "after the build that is running beside the suite (tests/llamacpp_background.py)"
+        )
+    found = built_binaries()
     if found:
         return found
+    src = _source_dir()
     BUILD_ROOT.mkdir(parents=True, exist_ok=True)
     with open(BUILD_ROOT / ".build-cpu.lock", "w") as lock:
         # Another test process (or engineer) may be building right now: wait for it, then look again.
@@ -142,6 +163,7 @@ def use_cached_llamacpp(settings) -> Path:
     """Point the console's build job at this cache (a pytest-django `settings` fixture): builds upload only
     from the tarball folder, and on the lab hosts, which share this file system, they find the source
     unpacked and compiled already, as a node that built it before would. Returns the tarball."""
+    require_llamacpp()
     tarball = require_tarball()
     settings.RAMDECK_TARBALL_DIR = str(TARBALL_DIR)
     settings.RAMDECK_BUILD_ROOT = str(BUILD_ROOT)

@@ -1,14 +1,16 @@
-"""Fetch the pinned llama.cpp source and build the tests' llama.cpp once, before the suite starts.
+"""Fetch the pinned llama.cpp source and build the tests' llama.cpp once per machine.
 
-`make test` runs this first so the download (about 15 s) and the compile (about 5 minutes on two cores, the
-first time on a machine) are visible as their own step and not charged to one test's time limit. When
-llama.cpp cannot be had it says why; under CI=true it then exits 1, elsewhere the tests that need it skip.
+The suite runs this beside the tests that do not need llama.cpp (tests/llamacpp_background.py); run alone,
+it builds ahead of a session. When llama.cpp cannot be had it says why; under CI=true it then exits 1,
+elsewhere the tests that need it skip.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 import django
@@ -20,7 +22,23 @@ from tests.llamacpp_build import LlamaCppUnavailable, llamacpp_binaries  # noqa:
 from tests.unavailable import in_ci  # noqa: E402
 
 
+def end_with_parent() -> None:
+    """When the process that started this one goes away (a test session killed by its time limit or by
+    SIGKILL, which runs no clean-up), end this process group, the compile with it (the group is ours: the
+    session started it with a new session). Ninja ends the compilers it started when it is ended."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(2)
+        os.killpg(os.getpgrp(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main() -> int:
+    if "--with-parent" in sys.argv[1:]:
+        end_with_parent()
     started = time.monotonic()
     try:
         found = llamacpp_binaries()

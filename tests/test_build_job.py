@@ -88,6 +88,7 @@ def test_backend_choice_and_flags():
     assert "-DGGML_CUDA=ON" not in cmake_flags("metal")
 
 
+@pytest.mark.llamacpp
 def test_the_cached_build_already_holds_the_cpu_flags_but_not_cuda():
     # The build the other tests use (skips without it, fails under CI=true): its folder holds bin/.
     from tests.llamacpp_build import require_llamacpp

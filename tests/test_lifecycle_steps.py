@@ -188,6 +188,7 @@ def _reap_job(node, port: int, pid: int):
     return run(Job.objects.create(kind="reap", node=node, params={"ports": [port], "pid": pid}))
 
 
+@pytest.mark.llamacpp
 def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):
     from jobs.models import JobState
 
@@ -198,6 +199,7 @@ def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):
     assert f"reaped rpc-server PID {proc.pid}" in job.result
 
 
+@pytest.mark.llamacpp
 def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local_rpc_server):
     from jobs.models import JobState
 
@@ -209,6 +211,7 @@ def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local
     assert proc.poll() is None
 
 
+@pytest.mark.llamacpp
 def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, local_rpc_server):
     from deployments.models import DeploymentState, ResourceClaim
     from jobs.models import JobState
@@ -283,6 +286,7 @@ def test_the_monitor_checks_every_deployment_in_one_event_loop(local_node, monke
     assert runs == [1]
 
 
+@pytest.mark.llamacpp
 def test_the_monitor_stores_process_status_and_metrics_and_the_page_only_reads_them(
     local_node,
     local_rpc_server,

@@ -22,6 +22,7 @@ def test_a_missing_component_fails_the_test_under_ci(monkeypatch):
         unavailable("no chromium here")
 
 
+@pytest.mark.llamacpp
 def test_the_test_build_lives_where_the_console_build_job_puts_a_tarball_build():
     if not llamacpp_build.TARBALL.exists():
         unavailable(f"the llama.cpp source tarball is missing ({llamacpp_build.TARBALL})")
