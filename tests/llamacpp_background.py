@@ -49,13 +49,14 @@ class BackgroundBuild:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.seconds: float | None = None
+        # Seconds from the start of the build to the first test that needed it (the wait's end).
+        self.waited_s: float | None = None
 
     def wait(self) -> None:
-        if self.seconds is not None:
+        if self.waited_s is not None:
             return
         self.proc.wait()
-        self.seconds = time.monotonic() - self.started
+        self.waited_s = time.monotonic() - self.started
         if llamacpp_build.built_binaries() is None:
             tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
             llamacpp_build.BUILD_FAILURE = f"the build beside the suite failed (log {self.log}):\n{tail}"
@@ -82,7 +83,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    building = _build is not None and _build.seconds is None
+    building = _build is not None and _build.waited_s is None
     if building and needs_llamacpp(item):
         item.config.get_terminal_writer().line(f"\nwaiting for the llama.cpp build (log {LOG}) ...")
         _build.wait()
@@ -100,9 +101,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if _build is not None and _build.seconds is not None:
-        outcome = "failed" if llamacpp_build.BUILD_FAILURE else "built"
-        terminalreporter.section("llama.cpp")
-        terminalreporter.write_line(
-            f"llama.cpp {outcome} beside the suite in {_build.seconds:.0f} s (log {LOG})"
-        )
+    if _build is None or _build.waited_s is None:
+        return
+    terminalreporter.section("llama.cpp")
+    if llamacpp_build.BUILD_FAILURE:
+        terminalreporter.write_line(f"the llama.cpp build beside the suite failed (log {LOG})")
+    else:
+        # Its own line ("llama.cpp ready in N s: ..."): how long the compile took beside the tests.
+        last = (LOG.read_text(errors="replace").strip().splitlines() or [""])[-1]
+        terminalreporter.write_line(f"built beside the suite: {last}")
+    started = f"{_build.waited_s:.0f} s"
+    terminalreporter.write_line(f"the first test that needed it started {started} after the build did")
