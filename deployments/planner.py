@@ -193,6 +193,7 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
             int(problem.profile["output_bytes"]) if output else 0
         )
         used = weights + kv + compute
+        overhead = slot.overhead_s if count or output else 0.0
         in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
         out.append(
             {
@@ -224,9 +225,7 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
                 "bandwidth_source": slot.device.bandwidth_source,
                 "fits": used <= slot.capacity,
-                "ms_per_token": round(
-                    1000 * read / slot.bandwidth + (slot.overhead_s * 1000 if count or output else 0), 4
-                ),
+                "ms_per_token": round(1000 * slot.quota_time(read / slot.bandwidth + overhead), 4),
             }
         )
     return out
@@ -383,18 +382,24 @@ def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings:
 
 
 def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
-    """The fixed costs the prediction counts, for the page: the coordinator's pass and each remote node's
-    hop (its measured or default hop plus its round trips)."""
+    """The fixed costs the prediction counts, for the page: the coordinator's pass, each remote node's hop
+    (its measured or default hop plus its round trips) and the period of each used node's CPU quota."""
     used = {problem.slots[i].node.name for i in (split.order if split else [])}
     hops = {}
+    bursts = {}
     for slot in problem.slots:
         if slot.remote and slot.node.name in used:
             hops[slot.node.name] = round(slot.overhead_s * 1000, 3)
+            if slot.burst_s:
+                bursts[slot.node.name] = round(slot.burst_s * 1000, 3)
     pipeline = problem.pipeline_s * 1000 if split is not None and pipeline_parallel(split) else 0.0
     return {
         "pass_overhead_ms": round(problem.fixed_s * 1000, 3),
         "hop_ms": hops,
         "pipeline_overhead_ms": round(pipeline, 3),
+        # Per node under a CPU quota: what its work per token gains from starting with quota to spend
+        # (`Slot.quota_time`), at most.
+        "quota_period_ms": bursts,
     }
 
 

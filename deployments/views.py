@@ -89,9 +89,19 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
                 pass_overhead_ms=node.pass_overhead_ms if calibrated else None,
                 hop_ms=node.rpc_hop_ms if calibrated else None,
                 pipeline_overhead_ms=node.pipeline_overhead_ms if calibrated else None,
+                **binding_cpu_quota(node.facts or {}),
             )
         )
     return out
+
+
+def binding_cpu_quota(facts: dict) -> dict[str, float]:
+    """The node's CPU quota and its period as the planner takes them, when the quota binds (below its
+    cores: a larger one never holds the node back)."""
+    quota, period = facts.get("cpu_quota_cores"), facts.get("cpu_quota_period_ms")
+    if not quota or not period or quota >= (facts.get("cpu_cores") or float("inf")):
+        return {}
+    return {"cpu_quota_cores": float(quota), "cpu_quota_period_ms": float(period)}
 
 
 def stale_calibration_warnings(nodes: list[Node]) -> list[str]:

@@ -163,9 +163,9 @@ class _Search:
                     na = np.full_like(a, INF) if is_last else a
                     a, b = na, nb
                 else:
-                    v, j = best(
-                        f[..., :, None] + (m + self.p.slots[i].overhead_s if self.p.slots[i].remote else m)
-                    )
+                    slot = self.p.slots[i]
+                    cost = slot.quota_time(m + slot.overhead_s) if slot.remote else m
+                    v, j = best(f[..., :, None] + cost)
                     if is_last:
                         pick = np.ones(self.n + 1, dtype=int)
                         nf = v

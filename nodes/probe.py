@@ -54,6 +54,8 @@ class ProbeReport:
     memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
     ram_physical_bytes: int = 0  # The machine's RAM, whatever limit applies to the probe's cgroup.
     cpu_quota_cores: float | None = None  # A cgroup CPU quota in cores (0.25 = a quarter of one core).
+    # The period the quota is granted per (ms): after a pause, a quota'd process starts at full speed.
+    cpu_quota_period_ms: float | None = None
     devices: list[DeviceInfo] = field(default_factory=list)
     binaries: dict[str, str] = field(default_factory=dict)  # name -> path
     llama_version: str = ""
@@ -242,17 +244,28 @@ def cgroup_memory(sections: dict[str, str]) -> tuple[int | None, int | None]:
     return limit, usage
 
 
-def cgroup_cpu_quota(sections: dict[str, str]) -> float | None:
-    """The CPU quota of the probe's cgroup in cores (v2 `cpu.max` "QUOTA PERIOD", v1 cfs_quota_us and
-    cfs_period_us); None when there is none ("max", -1) or it cannot be read."""
+def _cgroup_quota_and_period_us(sections: dict[str, str]) -> tuple[int, int] | None:
     parts = sections.get("cgroup-v2-cpu-max", "").split()
     if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[1]):
-        return round(int(parts[0]) / int(parts[1]), 4)
+        return int(parts[0]), int(parts[1])
     quota = sections.get("cgroup-v1-cpu-quota", "").strip()
     period = sections.get("cgroup-v1-cpu-period", "").strip()
     if quota.isdigit() and period.isdigit() and int(period):
-        return round(int(quota) / int(period), 4)
+        return int(quota), int(period)
     return None
+
+
+def cgroup_cpu_quota(sections: dict[str, str]) -> float | None:
+    """The CPU quota of the probe's cgroup in cores (v2 `cpu.max` "QUOTA PERIOD", v1 cfs_quota_us and
+    cfs_period_us); None when there is none ("max", -1) or it cannot be read."""
+    found = _cgroup_quota_and_period_us(sections)
+    return round(found[0] / found[1], 4) if found else None
+
+
+def cgroup_cpu_period_ms(sections: dict[str, str]) -> float | None:
+    """The period that quota is granted per, in ms (None without a quota)."""
+    found = _cgroup_quota_and_period_us(sections)
+    return round(found[1] / 1000, 3) if found else None
 
 
 def parse_nvidia_smi(text: str) -> list[tuple[int, str, int, int]]:
@@ -413,6 +426,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         available = min(available, max(0, limit - (usage or 0)))
     report.ram_total_bytes, report.ram_available_bytes = total, available
     report.cpu_quota_cores = cgroup_cpu_quota(sections)
+    report.cpu_quota_period_ms = cgroup_cpu_period_ms(sections)
     if report.cpu_quota_cores is not None:
         report.warnings.append(
             f"A CPU quota limits this node to {report.cpu_quota_cores:g} cores' worth of time: calibrate it "

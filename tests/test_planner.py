@@ -51,9 +51,11 @@ def dev(
 
 
 def cluster(coordinator_devices, *remotes) -> list[Node]:
+    """Remotes are (name, devices, rtt) or (name, devices, rtt, {more Node fields})."""
     nodes = [Node("desk", "10.0.0.1", tuple(coordinator_devices), coordinator=True)]
-    for i, (name, devices, rtt) in enumerate(remotes):
-        nodes.append(Node(name, f"10.0.0.{i + 2}", tuple(devices), rpc_port=50052, rtt_ms=rtt))
+    for i, (name, devices, rtt, *more) in enumerate(remotes):
+        fields = more[0] if more else {}
+        nodes.append(Node(name, f"10.0.0.{i + 2}", tuple(devices), rpc_port=50052, rtt_ms=rtt, **fields))
     return nodes
 
 
@@ -114,7 +116,10 @@ def instances(draw):
         if count < 5 and draw(st.booleans()):
             count += 1
             devices.append(dev(name, "Vulkan0", capacity(), draw(bandwidths), kind="vulkan"))
-        remotes.append((name, devices, draw(st.sampled_from([0.1, 1.0, 10.0, 60.0]))))
+        # Some CPU workers are held to a CPU quota (a container, a throttled machine), granted per period.
+        quota = draw(st.sampled_from([None, None, (0.1, 10.0), (0.5, 100.0)]))
+        fields = {"cpu_quota_cores": quota[0], "cpu_quota_period_ms": quota[1]} if quota else {}
+        remotes.append((name, devices, draw(st.sampled_from([0.1, 1.0, 10.0, 60.0])), fields))
     nodes = cluster(coord, *remotes)
     cfg = Settings(ctx=draw(st.sampled_from([512, 2048])), margin_fraction=0.0)
     return profile, nodes, cfg

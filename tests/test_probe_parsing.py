@@ -282,19 +282,21 @@ def test_a_cgroup_v1_limit_counts_the_working_set_and_the_cpu_quota_is_reported(
     report = probe.build_report(text, rpc_port=50052)
     assert report.memory_limit_bytes == 512 * MIB
     assert (report.ram_total_bytes, report.ram_available_bytes) == (512 * MIB, 412 * MIB)
-    assert report.cpu_quota_cores == 0.25
+    assert report.cpu_quota_cores == 0.25 and report.cpu_quota_period_ms == 100.0
     assert any("CPU quota" in warning for warning in report.warnings)
 
 
 @pytest.mark.parametrize(
-    ("sections", "cores"),
+    ("sections", "cores", "period_ms"),
     [
-        ({"cgroup-v2-cpu-max": "max 100000"}, None),
-        ({"cgroup-v2-cpu-max": "150000 100000"}, 1.5),
-        ({"cgroup-v1-cpu-quota": "-1", "cgroup-v1-cpu-period": "100000"}, None),
-        ({"cgroup-v1-cpu-quota": "10000", "cgroup-v1-cpu-period": "100000"}, 0.1),
-        ({}, None),
+        ({"cgroup-v2-cpu-max": "max 100000"}, None, None),
+        ({"cgroup-v2-cpu-max": "150000 100000"}, 1.5, 100.0),
+        ({"cgroup-v1-cpu-quota": "-1", "cgroup-v1-cpu-period": "100000"}, None, None),
+        ({"cgroup-v1-cpu-quota": "10000", "cgroup-v1-cpu-period": "100000"}, 0.1, 100.0),
+        ({"cgroup-v1-cpu-quota": "1000", "cgroup-v1-cpu-period": "10000"}, 0.1, 10.0),
+        ({}, None, None),
     ],
 )
-def test_cpu_quotas(sections, cores):
+def test_cpu_quotas_and_the_period_they_are_granted_per(sections, cores, period_ms):
     assert probe.cgroup_cpu_quota(sections) == cores
+    assert probe.cgroup_cpu_period_ms(sections) == period_ms

@@ -59,6 +59,7 @@ def test_the_prediction_counts_the_pass_the_bytes_the_hop_and_the_round_trips():
         "pass_overhead_ms": 2.0,
         "hop_ms": {"pc": 2.1},
         "pipeline_overhead_ms": 0.0,
+        "quota_period_ms": {},
     }
 
 
@@ -72,6 +73,7 @@ def test_an_uncalibrated_cluster_pays_the_default_costs_and_the_plan_says_its_fi
         "pass_overhead_ms": planner.DEFAULT_PASS_OVERHEAD_MS,
         "hop_ms": {"pc": planner.DEFAULT_HOP_MS},
         "pipeline_overhead_ms": 0.0,
+        "quota_period_ms": {},
     }
     assert any("desk/CPU, pc/CPU comes from a table" in w for w in plan["warnings"])
     assert any("desk is not calibrated" in w for w in plan["warnings"])
@@ -265,6 +267,11 @@ def test_a_cluster_file_carries_calibrated_costs_and_bad_ones_are_named():
     desk, pc = planner.cluster_from_dict(data)
     assert (desk.pass_overhead_ms, desk.devices[0].local_bandwidth_gbs) == (1.2, 2.5)
     assert (pc.hop_ms, pc.pass_overhead_ms) == (0.7, None)
+    data["nodes"][1].update(cpu_quota_cores=0.25, cpu_quota_period_ms=100)
+    assert planner.cluster_from_dict(data)[1].cpu_quota_cores == 0.25
+    data["nodes"][1]["cpu_quota_cores"] = 0
+    with pytest.raises(planner.ClusterError, match="Node 'pc': cpu_quota_cores must be a number of cores"):
+        planner.cluster_from_dict(data)
     data["nodes"][1]["hop_ms"] = "slow"
     with pytest.raises(planner.ClusterError, match="Node 'pc': hop_ms must be a number of milliseconds"):
         planner.cluster_from_dict(data)
@@ -326,3 +333,65 @@ def test_the_context_shown_is_llama_cpps_with_the_requested_one_beside_it_when_t
     deployment.refresh_from_db()
     assert not deployment.ctx_differs and deployment.ctx_note() == ""
     assert 'id="context-requested"' not in viewer_client.get(deployment.get_absolute_url()).content.decode()
+
+
+def test_a_worker_under_a_cpu_quota_starts_its_part_of_a_token_with_a_period_to_spend():
+    """A quota is granted per period: a worker that waited for the others' part of the token starts with
+    quota to spend at full speed and ends about a period sooner than its steady (calibrated) pace; never
+    sooner than the same work at full speed."""
+    desk = planner.Node(
+        "desk", "127.0.0.1", (cpu("desk", 16, 10.0),), coordinator=True,
+        pass_overhead_ms=1.0, pipeline_overhead_ms=0.0,
+    )  # fmt: skip
+    fast = planner.Node("fast", "10.0.0.2", (cpu("fast", 120, 20.0),), rtt_ms=0.0, hop_ms=1.0)
+    slow = planner.Node(
+        "slow", "10.0.0.3", (cpu("slow", 4096, 2.0),), rtt_ms=0.0, hop_ms=4.0,
+        cpu_quota_cores=0.1, cpu_quota_period_ms=10.0,
+    )  # fmt: skip
+    problem = planner.build_problem(profile(), [desk, fast, slow], planner.Settings(ctx=256))
+    fast_slot, slow_slot = problem.slots
+    assert (slow_slot.burst_s, slow_slot.quota_cores) == (0.010, 0.1) and fast_slot.burst_s == 0.0
+    # Two blocks on the slow worker: 100 MB at 2 GB/s and its 4 ms hop is 54 ms at the steady pace.
+    split = planner.Split(0, [1, 0], [2, 2])
+    kv = [sum(problem.kv[0:2]), sum(problem.kv[2:4])]
+    slow_s = (100_000_000 + kv[0]) / 2e9 + 0.004
+    fast_s = (100_000_000 + kv[1] + 1_000_000) / 20e9 + 0.001
+    expected = 0.001 + (slow_s - 0.010) + fast_s
+    assert planner.evaluate(problem, split).seconds_per_token == pytest.approx(expected, rel=1e-9)
+    # Little work: never faster than that work at full speed (its steady time times the quota).
+    assert slow_slot.quota_time(0.005) == pytest.approx(0.0005)
+    assert slow_slot.quota_time(0.054) == pytest.approx(0.044)
+    plan = planner.plan(profile(), [desk, fast, slow], planner.Settings(ctx=256))
+    used = plan["speed_model"]["hop_ms"]
+    assert plan["speed_model"]["quota_period_ms"] == ({"slow": 10.0} if "slow" in used else {})
+
+
+def test_a_cpu_quota_counts_only_where_it_binds_and_only_for_a_cpu_alone_on_its_node():
+    from deployments.views import binding_cpu_quota
+
+    assert binding_cpu_quota({"cpu_quota_cores": 0.5, "cpu_quota_period_ms": 100.0, "cpu_cores": 4}) == {
+        "cpu_quota_cores": 0.5,
+        "cpu_quota_period_ms": 100.0,
+    }
+    assert binding_cpu_quota({"cpu_quota_cores": 4.0, "cpu_quota_period_ms": 100.0, "cpu_cores": 4}) == {}
+    assert binding_cpu_quota({"cpu_quota_cores": 0.5, "cpu_cores": 4}) == {}  # probed before the period
+    assert binding_cpu_quota({}) == {}
+    gpu = planner.Device("box", "CUDA0", "cuda", 8192 * MIB, 8192 * MIB, 300.0)
+    quota = {"cpu_quota_cores": 0.5, "cpu_quota_period_ms": 100.0}
+    desk = planner.Node("desk", "127.0.0.1", (cpu("desk", 16, 10.0),), coordinator=True)
+    box = planner.Node("box", "10.0.0.2", (cpu("box", 4096, 20.0), gpu), **quota)
+    problem = planner.build_problem(profile(), [desk, box], planner.Settings(ctx=256))
+    assert all(slot.burst_s == 0.0 for slot in problem.slots)  # the quota is the CPU's, not the GPU's
+
+
+@pytest.mark.django_db
+def test_the_planner_takes_the_quota_the_probe_found_on_the_node():
+    node = NodeFactory(
+        name="slow", facts={"cpu_quota_cores": 0.1, "cpu_quota_period_ms": 10.0, "cpu_cores": 2}
+    )
+    coordinator = NodeFactory(name="desk", may_coordinate=True)
+    for row in (node, coordinator):
+        DeviceFactory(node=row, name="CPU", kind="cpu")
+    planned = {n.name: n for n in planner_nodes([node, coordinator], coordinator)}
+    assert (planned["slow"].cpu_quota_cores, planned["slow"].cpu_quota_period_ms) == (0.1, 10.0)
+    assert planned["desk"].cpu_quota_cores is None
