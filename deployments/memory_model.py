@@ -366,9 +366,11 @@ class Slot:
         A quota is granted per period: a process that waited for the others' part of the token starts its
         own with quota to spend at full speed, and on average ends about one period sooner than the steady
         pace says (it starts at a random point of a period, and its last part runs at full speed at the
-        start of one). Never faster than the same work at full speed (`seconds` times the quota). In the
-        lab (10% of a core, 10 ms periods), one block on the throttled worker cost a few ms a token in a
-        deployment against 22 at the calibrated pace. Takes and returns numbers or numpy arrays."""
+        start of one). Never faster than the same work at full speed, `seconds` times the quota; with a
+        quota of a core or more that floor is `seconds` itself (how many cores the work would use at full
+        speed is not known), so no gain is counted. In the lab (10% of a core, 10 ms periods) one block
+        moved to the throttled worker cost 7 to 10 ms a token in a deployment, where its calibrated pace
+        and hop say about 24 (README, "Why the split matters"). Takes and returns numbers or arrays."""
         if not self.burst_s:
             return seconds
         return np.maximum(seconds - self.burst_s, seconds * min(1.0, self.quota_cores))
