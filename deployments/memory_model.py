@@ -23,6 +23,7 @@ it into a plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,10 +180,10 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
             for key in ("pass_overhead_ms", "hop_ms", "pipeline_overhead_ms", "cpu_quota_period_ms")
         }
         for key, value in costs.items():
-            if value is not None and (not isinstance(value, int | float) or value < 0):
+            if value is not None and (not isinstance(value, int | float) or not 0 <= value < math.inf):
                 raise ClusterError(f"Node {name!r}: {key} must be a number of milliseconds, 0 or more.")
         quota = raw.get("cpu_quota_cores")
-        if quota is not None and (not isinstance(quota, int | float) or quota <= 0):
+        if quota is not None and (not isinstance(quota, int | float) or not 0 < quota < math.inf):
             raise ClusterError(f"Node {name!r}: cpu_quota_cores must be a number of cores above 0.")
         nodes.append(
             Node(
@@ -358,6 +359,13 @@ class Slot:
     # (seconds) and the quota in cores (see `quota_time`). 0.0: no quota to model.
     burst_s: float = 0.0
     quota_cores: float = 1.0
+    # The network's round trips inside overhead_s: waiting on the wire, which no CPU quota speeds up.
+    network_s: float = 0.0
+
+    def time_with_overhead(self, seconds):
+        """`seconds` of work on this device plus its node's overhead: the work and the hop under the
+        node's CPU quota (`quota_time`), the network's round trips as they are."""
+        return self.quota_time(seconds + self.overhead_s - self.network_s) + self.network_s
 
     def quota_time(self, seconds):
         """The time per token of work that takes `seconds` (its share of bytes over the measured bandwidth,
@@ -430,8 +438,12 @@ def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_c
 
 def _quota(node: Node, device: Device) -> dict[str, float]:
     """Slot fields for a node's CPU quota: only for a CPU that is its node's only device, where the quota
-    covers everything the node does for a token (its hop too); a GPU's time is not the CPU's."""
+    covers everything the node does for a token (its hop too); a GPU's time is not the CPU's. Only for a
+    measured figure: calibration measures the steady pace under the quota that this gain is taken from,
+    where a table's figure knows nothing of the quota."""
     if device.kind != "cpu" or len(node.devices) != 1 or not node.cpu_quota_cores:
+        return {}
+    if device.bandwidth_source != "measured":
         return {}
     if not node.cpu_quota_period_ms:
         return {}
@@ -469,6 +481,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             capacity=capacity,
             bandwidth=bandwidth * 1e9,
             overhead_s=(hop + RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0)) / 1000.0 if remote else 0.0,
+            network_s=RPC_ROUND_TRIPS_PER_TOKEN * (rtt or 0.0) / 1000.0 if remote else 0.0,
             compute=_compute_table(profile, settings, coordinator_cpu=False),
             lazy=remote and device.kind == "cpu",
             input_copy=input_copy_bytes(profile, settings),
@@ -583,8 +596,9 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
         own = read / slot.bandwidth
         if slot.remote and slot.node.name not in used_nodes:
             used_nodes.add(slot.node.name)
-            own += slot.overhead_s
-        seconds += slot.quota_time(own)
+            seconds += slot.time_with_overhead(own)
+        else:
+            seconds += slot.quota_time(own)
         parts.append((slot, start, count, weights, kv, compute, output))
         start += count
     if problem.pool_slot is not None:

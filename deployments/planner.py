@@ -193,7 +193,6 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
             int(problem.profile["output_bytes"]) if output else 0
         )
         used = weights + kv + compute
-        overhead = slot.overhead_s if count or output else 0.0
         in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
         out.append(
             {
@@ -225,10 +224,16 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
                 "bandwidth_source": slot.device.bandwidth_source,
                 "fits": used <= slot.capacity,
-                "ms_per_token": round(1000 * slot.quota_time(read / slot.bandwidth + overhead), 4),
+                "ms_per_token": round(1000 * _slot_time(slot, read, count or output), 4),
             }
         )
     return out
+
+
+def _slot_time(slot: Slot, read: int, used: bool) -> float:
+    """Seconds per token of a placement: its bytes over its bandwidth, with its node's overhead when used."""
+    work = read / slot.bandwidth
+    return slot.time_with_overhead(work) if used and slot.remote else slot.quota_time(work)
 
 
 def _rpc_servers(placements: list[dict[str, Any]], problem: Problem) -> list[dict[str, Any]]:

@@ -164,7 +164,7 @@ class _Search:
                     a, b = na, nb
                 else:
                     slot = self.p.slots[i]
-                    cost = slot.quota_time(m + slot.overhead_s) if slot.remote else m
+                    cost = slot.time_with_overhead(m) if slot.remote else m
                     v, j = best(f[..., :, None] + cost)
                     if is_last:
                         pick = np.ones(self.n + 1, dtype=int)

@@ -4,6 +4,7 @@ was measured."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -272,6 +273,10 @@ def test_a_cluster_file_carries_calibrated_costs_and_bad_ones_are_named():
     data["nodes"][1]["cpu_quota_cores"] = 0
     with pytest.raises(planner.ClusterError, match="Node 'pc': cpu_quota_cores must be a number of cores"):
         planner.cluster_from_dict(data)
+    data["nodes"][1].update(cpu_quota_cores=0.25, cpu_quota_period_ms=float("inf"))
+    with pytest.raises(planner.ClusterError, match="cpu_quota_period_ms must be a number of milliseconds"):
+        planner.cluster_from_dict(data)
+    data["nodes"][1]["cpu_quota_period_ms"] = 100
     data["nodes"][1]["hop_ms"] = "slow"
     with pytest.raises(planner.ClusterError, match="Node 'pc': hop_ms must be a number of milliseconds"):
         planner.cluster_from_dict(data)
@@ -344,9 +349,10 @@ def test_a_worker_under_a_cpu_quota_starts_its_part_of_a_token_with_a_period_to_
         pass_overhead_ms=1.0, pipeline_overhead_ms=0.0,
     )  # fmt: skip
     fast = planner.Node("fast", "10.0.0.2", (cpu("fast", 120, 20.0),), rtt_ms=0.0, hop_ms=1.0)
+    quota = {"cpu_quota_cores": 0.1, "cpu_quota_period_ms": 10.0}
     slow = planner.Node(
-        "slow", "10.0.0.3", (cpu("slow", 4096, 2.0),), rtt_ms=0.0, hop_ms=4.0,
-        cpu_quota_cores=0.1, cpu_quota_period_ms=10.0,
+        "slow", "10.0.0.3", (cpu("slow", 4096, 2.0, bandwidth_source="measured"),), rtt_ms=0.0, hop_ms=4.0,
+        **quota,
     )  # fmt: skip
     problem = planner.build_problem(profile(), [desk, fast, slow], planner.Settings(ctx=256))
     fast_slot, slow_slot = problem.slots
@@ -361,6 +367,13 @@ def test_a_worker_under_a_cpu_quota_starts_its_part_of_a_token_with_a_period_to_
     # Little work: never faster than that work at full speed (its steady time times the quota).
     assert slow_slot.quota_time(0.005) == pytest.approx(0.0005)
     assert slow_slot.quota_time(0.054) == pytest.approx(0.044)
+    # The network's round trips are waiting on the wire: no quota speeds them up.
+    far = replace(slow, rtt_ms=5.0)
+    far_slot = planner.build_problem(profile(), [desk, fast, far], planner.Settings(ctx=256)).slots[1]
+    assert far_slot.time_with_overhead(0.050) == pytest.approx(0.050 + 0.004 - 0.010 + 0.015)
+    # A table's figure knows nothing of the quota: no gain is taken from it.
+    guessed = replace(slow, devices=(cpu("slow", 4096, 2.0),))
+    assert planner.build_problem(profile(), [desk, fast, guessed], planner.Settings()).slots[1].burst_s == 0.0
     plan = planner.plan(profile(), [desk, fast, slow], planner.Settings(ctx=256))
     used = plan["speed_model"]["hop_ms"]
     assert plan["speed_model"]["quota_period_ms"] == ({"slow": 10.0} if "slow" in used else {})
@@ -379,7 +392,7 @@ def test_a_cpu_quota_counts_only_where_it_binds_and_only_for_a_cpu_alone_on_its_
     gpu = planner.Device("box", "CUDA0", "cuda", 8192 * MIB, 8192 * MIB, 300.0)
     quota = {"cpu_quota_cores": 0.5, "cpu_quota_period_ms": 100.0}
     desk = planner.Node("desk", "127.0.0.1", (cpu("desk", 16, 10.0),), coordinator=True)
-    box = planner.Node("box", "10.0.0.2", (cpu("box", 4096, 20.0), gpu), **quota)
+    box = planner.Node("box", "10.0.0.2", (cpu("box", 4096, 20.0, bandwidth_source="measured"), gpu), **quota)
     problem = planner.build_problem(profile(), [desk, box], planner.Settings(ctx=256))
     assert all(slot.burst_s == 0.0 for slot in problem.slots)  # the quota is the CPU's, not the GPU's
 
