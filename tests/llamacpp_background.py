@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from tests import llamacpp_build
 
@@ -42,12 +43,24 @@ class BackgroundBuild:
         self.started = time.monotonic()
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as out:
-            # Its own session, so an interrupted run can end the whole group (cmake, ninja, the compilers).
+            # A process group of its own (not a session: a new session would get a scheduler autogroup of
+            # its own, beside which nice means little), so an interrupted run can end the whole group
+            # (cmake, ninja, the compilers). From the project root, where `tests` imports, whatever folder
+            # pytest was started in; told this process's PID, to end itself once that is gone.
             self.proc = subprocess.Popen(
-                ["nice", "-n", "19", sys.executable, "-m", "tests.prepare_llamacpp", "--with-parent"],
+                [
+                    "nice",
+                    "-n",
+                    "19",
+                    sys.executable,
+                    "-m",
+                    "tests.prepare_llamacpp",
+                    f"--with-parent={os.getpid()}",
+                ],
+                cwd=settings.BASE_DIR,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,
             )
         # Seconds from the start of the build to the first test that needed it (the wait's end).
         self.waited_s: float | None = None

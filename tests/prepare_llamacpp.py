@@ -22,11 +22,11 @@ from tests.llamacpp_build import LlamaCppUnavailable, llamacpp_binaries  # noqa:
 from tests.unavailable import in_ci  # noqa: E402
 
 
-def end_with_parent() -> None:
-    """When the process that started this one goes away (a test session killed by its time limit or by
-    SIGKILL, which runs no clean-up), end this process group, the compile with it (the group is ours: the
-    session started it with a new session). Ninja ends the compilers it started when it is ended."""
-    parent = os.getppid()
+def end_with_parent(parent: int) -> None:
+    """When the process that started this one (`parent`, given on the command line: read here it could
+    already be a reaper's) goes away (a test session killed by its time limit or by SIGKILL, which runs no
+    clean-up), end this process group, the compile with it (the group is ours: the session started it as a
+    group of its own). Ninja ends the compilers it started when it is ended."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -37,8 +37,9 @@ def end_with_parent() -> None:
 
 
 def main() -> int:
-    if "--with-parent" in sys.argv[1:]:
-        end_with_parent()
+    for arg in sys.argv[1:]:
+        if arg.startswith("--with-parent="):
+            end_with_parent(int(arg.partition("=")[2]))
     started = time.monotonic()
     try:
         found = llamacpp_binaries()
