@@ -61,12 +61,17 @@ def listeners_in(host, port: int) -> str:
 
 
 def wait_listening(host, port: int, timeout: float = 30.0) -> str:
+    """The listener's `ss` line once it names its process: right after listen() ss can show the socket
+    before it finds the process holding it (it reads every process's file descriptors meanwhile)."""
     deadline = time.monotonic() + timeout
+    text = ""
     while time.monotonic() < deadline:
         text = listeners_in(host, port)
-        if text:
+        if "pid=" in text:
             return text
         time.sleep(0.2)
+    if text:
+        return text
     raise AssertionError(f"nobody listens on {host.address}:{port} after {timeout:g} s")
 
 
