@@ -20,6 +20,8 @@ from html import escape
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
+from ramdeck_site.printable import printable
+
 logger = logging.getLogger(__name__)
 
 # Everyone watching the job list; status changes of every job go here too.
@@ -28,8 +30,6 @@ LIST_GROUP = "jobs"
 # ANSI escape sequences: CSI (colours, cursor moves), OSC (window titles, hyperlinks), and the short
 # two-byte forms. Build tools colour their output; a web page must never show the raw codes.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
-# Other control characters (except tab) have no business in a page or a text download.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 def group_name(job_id: int) -> str:
@@ -39,14 +39,16 @@ def group_name(job_id: int) -> str:
 
 def plain_text(text: str) -> str:
     """What a person should read: ANSI codes stripped, a carriage-return progress line reduced to its
-    final state (what a terminal would show), other control characters dropped."""
+    final state (what a terminal would show), other control characters and the bidi and other format
+    characters (a right-to-left override would make the page or a downloaded log read otherwise than it
+    is) dropped; tabs and newlines kept."""
     if text.isprintable():  # The common case, and a cheap test: nothing to strip.
         return text
     if "\x1b" in text:
         text = _ANSI.sub("", text)
     if "\r" in text:
         text = next((part for part in reversed(text.split("\r")) if part), "")
-    return _CONTROL.sub("", text)
+    return printable(text, None, lines=True)
 
 
 def log_line_html(seq: int, stream: str, text: str) -> str:
