@@ -11,9 +11,13 @@ from typing import Any
 
 from django.db import models
 
+from ramdeck_site.printable import printable, printable_json
+
 from .models import AuditEvent
 
 REDACTED = "•••"
+# A string in a change set is cut to this (a node's notes, a reason: long enough for what people write).
+CHANGE_TEXT_LIMIT = 4000
 # Keys whose values are secret wherever they appear in a change set.
 # "token" but not "tokens_per_s" (a speed, which an audit entry of a confirmed plan should show).
 _SECRET_KEY_PATTERN = re.compile(
@@ -62,8 +66,10 @@ def record(
         action=action,
         object_type=object_type,
         object_id=str(obj.pk) if obj is not None and obj.pk is not None else "",
-        object_repr=object_repr[:200],
-        changes=redact(changes or {}),
+        # Names and changes may quote what a node or a model file said (a reason, a model's name): printable
+        # only, as everywhere such text is stored (ramdeck_site/printable.py).
+        object_repr=printable(object_repr, 200),
+        changes=printable_json(redact(changes or {}), CHANGE_TEXT_LIMIT, lines=True),
         source_ip=client_ip(request),
     )
 

@@ -31,6 +31,7 @@ from deployments.llamacpp import parse_rpc_banner_version, parse_server_version
 from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball, file_sha256
 from jobs.aio import db
 from jobs.context import JobFailed
+from ramdeck_site.printable import printable
 
 COMMON_FLAGS = [
     "-DGGML_RPC=ON",
@@ -391,6 +392,10 @@ async def build_body(ctx) -> str:
         header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))
         probed["rpc_protocol"] = probed["rpc_protocol"] or parse_rpc_protocol_header(header)
         fields["build_dir"] = layout.build_dir
+    # The version and the protocol are what the binaries printed (an existing install's can be anything):
+    # printable text only, cut to their fields, as every string a node reports.
+    probed["version"] = printable(probed["version"], 200)
+    probed["rpc_protocol"] = printable(probed["rpc_protocol"], 20)
     if not probed["rpc_protocol"]:
         raise JobFailed("could not tell the RPC protocol version of this build")
 

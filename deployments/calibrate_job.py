@@ -58,6 +58,7 @@ from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
 from jobs.transport import TransportError
+from ramdeck_site.printable import printable_json
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
 # caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
@@ -604,7 +605,8 @@ def store(node, results: dict) -> list[str]:
         locked.pipeline_overhead_ms = pipeline
         locked.link_rtt_ms = link.get("rtt_ms")
         locked.link_throughput_mbs = link.get("throughput_mbs")
-        locked.calibration = results
+        # The raw samples carry what the node's servers said (the RPC protocol of the link, ...).
+        locked.calibration = printable_json(results)
         locked.save(
             update_fields=[
                 "calibrated_at",

@@ -11,6 +11,7 @@ from django.conf import settings as site_settings
 
 from jobs.models import Job
 from nodes.models import Device, Node, Transport
+from ramdeck_site.printable import printable
 
 from . import fetch_policy, planner
 from .models import ModelFile
@@ -55,7 +56,9 @@ class ModelRegisterForm(forms.Form):
         if name:
             return name
         path = self.cleaned_data["path"]
-        name = " ".join(str(profile.get("name") or "").split())[:200] or posixpath.basename(path)[:200]
+        # general.name is the file's author's text: printable only (ramdeck_site/printable.py).
+        written = " ".join(printable(profile.get("name"), 200).split())
+        name = written or posixpath.basename(path)[:200]
         if ModelFile.objects.filter(name=name).exists():
             self.add_error(
                 "name", f"The file calls itself {name}, and a model with this name is already registered: "

@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from jobs.models import refuse_local_node
 from ramdeck_site import crypto
+from ramdeck_site.printable import printable, printable_json
 
 from . import live
 
@@ -39,6 +40,9 @@ class ModelFile(models.Model):
         if self._state.adding and self.created_by_id:
             # A model on the console's own host (registered by path or downloaded) needs an admin.
             refuse_local_node(self.created_by, self.node, "Models")
+        # Whoever made the file wrote its header's strings (general.name, the architecture, ...): printable
+        # text only, however the model was registered.
+        self.profile = printable_json(self.profile or {})
         super().save(*args, **kwargs)
 
 
@@ -246,6 +250,7 @@ class Deployment(models.Model):
     # whether it changed anything.
 
     def _transition(self, from_states, to_state: str, **fields) -> bool:
+        fields = _reported(fields)
         changed = Deployment.objects.filter(pk=self.pk, state__in=list(from_states)).update(
             state=to_state, **fields
         )
@@ -303,7 +308,7 @@ class Deployment(models.Model):
     def mark_heal_failed(self, reason: str) -> bool:
         """A self-healing attempt that did not bring it back: degraded again, with why."""
         mid = [DeploymentState.LAUNCHING, DeploymentState.VERIFYING]
-        return self._transition(mid, DeploymentState.DEGRADED, state_reason=reason[:4000])
+        return self._transition(mid, DeploymentState.DEGRADED, state_reason=reason)
 
     def mark_degraded(self, reason: str) -> bool:
         return self._transition([DeploymentState.RUNNING], DeploymentState.DEGRADED, state_reason=reason)
@@ -331,7 +336,7 @@ class Deployment(models.Model):
                 [DeploymentState.CONFIRMED, *ACTIVE_STATES],
                 DeploymentState.FAILED,
                 failed_step=step,
-                state_reason=reason[:4000],
+                state_reason=reason,
                 stopped_at=timezone.now(),
             )
             if changed:
@@ -340,6 +345,7 @@ class Deployment(models.Model):
 
     def record(self, **fields) -> None:
         """Save non-state fields (verification, measured speed, processes) without touching the state."""
+        fields = _reported(fields)
         for name, value in fields.items():
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
@@ -364,6 +370,23 @@ class Deployment(models.Model):
     def store_api_key(self, key: str) -> None:
         self.set_api_key(key)
         self.save(update_fields=["api_key_encrypted"])
+
+
+# Fields that hold what llama.cpp, its logs, /metrics or a node said (a reason quotes an error, the
+# verification quotes the log, the live status the monitor's look at the processes): printable only, as
+# every string a node reports (ramdeck_site/printable.py). The reason keeps its line breaks.
+STATE_REASON_LIMIT = 4000
+_REPORTED_JSON = ("verification", "live_status")
+
+
+def _reported(fields: dict) -> dict:
+    cleaned = dict(fields)
+    if isinstance(cleaned.get("state_reason"), str):
+        cleaned["state_reason"] = printable(cleaned["state_reason"], STATE_REASON_LIMIT, lines=True)
+    for name in _REPORTED_JSON:
+        if name in cleaned:
+            cleaned[name] = printable_json(cleaned[name], lines=True)
+    return cleaned
 
 
 def _figures_problem(node) -> str:

@@ -22,6 +22,7 @@ from deployments.reaper import Holder, find_holders
 from jobs.aio import run_to_completion
 from jobs.transport import TransportError, open_transport
 from nodes.models import Node
+from ramdeck_site.printable import printable
 
 from . import healing, live
 from .models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
@@ -324,7 +325,12 @@ def scan_stale() -> int:
                 node=node,
                 port=port,
                 pid=holder.pid,
-                defaults={"program": holder.kind, "cmdline": holder.cmdline[:2000], "last_seen_at": now},
+                # The command line is what the node's ps printed: printable only (ramdeck_site/printable.py).
+                defaults={
+                    "program": printable(holder.kind, 40),
+                    "cmdline": printable(holder.cmdline, 2000),
+                    "last_seen_at": now,
+                },
             )
             keep.append(row.pk)
         StaleProcess.objects.filter(node=node).exclude(pk__in=keep).delete()

@@ -11,12 +11,16 @@ from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
+from ramdeck_site.printable import printable
+
 from . import kinds
 
 logger = logging.getLogger(__name__)
 
 # The Celery task that runs a job (jobs/tasks.py), sent by name so this module needs no import of it.
 RUN_TASK = "jobs.tasks.run_job"
+# Job.result's length.
+RESULT_LIMIT = 500
 
 
 class JobState(models.TextChoices):
@@ -219,11 +223,14 @@ class Job(models.Model):
         if state not in TERMINAL_STATES:
             raise ValueError(f"{state!r} is not a terminal state")
         now = timezone.now()
+        # A result often quotes what the node said (an OS name, a version, the last lines of an error):
+        # printable only, as every string a node reports (ramdeck_site/printable.py).
+        result = printable(result, RESULT_LIMIT, lines=True)
         changed = Job.objects.filter(pk=self.pk, state__in=ACTIVE_STATES).update(
-            state=state, finished_at=now, exit_code=exit_code, result=result[:500]
+            state=state, finished_at=now, exit_code=exit_code, result=result
         )
         if changed:
-            self.state, self.finished_at, self.exit_code, self.result = state, now, exit_code, result[:500]
+            self.state, self.finished_at, self.exit_code, self.result = state, now, exit_code, result
         return bool(changed)
 
     def request_cancel(self) -> bool:

@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from ramdeck_site import crypto
+from ramdeck_site.printable import printable
 
 from .validators import validate_host
 
@@ -95,6 +96,8 @@ class Reachability(models.TextChoices):
 
 
 port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
+# A node's last error quotes what the node or its SSH server said: cleaned and cut to this when stored.
+LAST_ERROR_LIMIT = 2000
 
 
 class Node(models.Model):
@@ -244,6 +247,7 @@ class Node(models.Model):
         self, offered_key: str, fingerprint: str, *, changed: bool, message: str
     ) -> None:
         """A key no admin approved was offered: keep it for review; nothing runs until it is approved."""
+        message = printable(message, LAST_ERROR_LIMIT, lines=True)
         self.pending_host_key, self.pending_host_key_fingerprint = offered_key, fingerprint
         self.reachability = Reachability.HOST_KEY_CHANGED if changed else Reachability.HOST_KEY_PENDING
         self.last_error = message
@@ -255,6 +259,7 @@ class Node(models.Model):
         )
 
     def mark_unreachable(self, message: str) -> None:
+        message = printable(message, LAST_ERROR_LIMIT, lines=True)  # it may quote the node's SSH server
         self.reachability, self.last_error = Reachability.UNREACHABLE, message
         Node.objects.filter(pk=self.pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
 

@@ -15,8 +15,9 @@ from django.utils import timezone
 
 from jobs.local import LocalTransport
 from jobs.transport import TransportError
+from ramdeck_site.printable import printable, printable_json
 
-from .models import Device, Node, Reachability
+from .models import LAST_ERROR_LIMIT, Device, Node, Reachability
 from .probe import LLAMA_SERVER_BINARY, PROBE_SCRIPT, DeviceInfo, ProbeReport, build_report
 
 PROBE_TIMEOUT_S = 120.0
@@ -92,10 +93,35 @@ def _fill_from_psutil(report: ProbeReport) -> None:
             device.total_bytes, device.free_bytes = total, available
 
 
+# What the probe reports is whatever the node printed (a fake nvidia-smi on its PATH can print anything): it
+# is cleaned (ramdeck_site/printable.py) before it is stored, each string cut to what its place holds.
+DESCRIPTION_LIMIT = 200  # Device.description
+FACT_LIMITS = {
+    "hostname": 253,
+    "os_name": 200,
+    "kernel": 200,
+    "arch": 64,
+    "cpu_model": 200,
+    "llama_version": 200,
+    "llama_commit": 64,
+    "rpc_port_process": 200,
+}
+
+
+def stored_facts(report: ProbeReport) -> dict:
+    """The report's facts as a Node stores them: printable strings only (paths and warnings up to
+    JSON_STRING_LIMIT characters, the named facts up to their FACT_LIMITS)."""
+    facts = printable_json(report.facts())
+    for key, limit in FACT_LIMITS.items():
+        if isinstance(facts.get(key), str):
+            facts[key] = printable(facts[key], limit)
+    return facts
+
+
 def _device_fields(info: DeviceInfo) -> dict:
     return {
         "kind": info.kind,
-        "description": info.description[:200],
+        "description": printable(info.description, DESCRIPTION_LIMIT),
         "total_bytes": info.total_bytes,
         "free_bytes": info.free_bytes,
         "unified_memory": info.unified_memory,
@@ -126,7 +152,7 @@ def apply_probe_report(node: Node, report: ProbeReport) -> list[Device]:
             locked.devices.filter(name__in=gone).delete()
         node.reachability = Reachability.REACHABLE
         node.last_seen_at = node.last_probe_at = now
-        node.facts = report.facts()
+        node.facts = stored_facts(report)
         node.rtt_ms = report.rtt_ms
         node.last_error = ""
         node.save(
@@ -138,7 +164,7 @@ def apply_probe_report(node: Node, report: ProbeReport) -> list[Device]:
 def record_probe_failure(node: Node, message: str, *, reachability: str | None = None) -> None:
     """A probe that could not finish: keep the devices (last known), mark the node and say why."""
     node.last_probe_at = timezone.now()
-    node.last_error = message[:2000]
+    node.last_error = printable(message, LAST_ERROR_LIMIT, lines=True)
     fields = ["last_probe_at", "last_error"]
     if reachability:
         node.reachability = reachability
