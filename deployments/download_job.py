@@ -3,6 +3,7 @@
 Reading a profile on a node (`read_model_profile`) is shared by the register view (a remote node, over SFTP)
 and by the download job (any node): only the GGUF header of each shard is read, never the weights, through
 `transport.read_head`; file sizes and the presence of the other shards come from one small shell command.
+The headers are parsed in a child process with a memory and a time limit (deployments/gguf_isolated.py).
 
 The download runs on the node: `curl --continue-at -` into `DEST.part` (so a failed or cancelled download
 resumes where it stopped the next time; `DEST.part.url` records which URL the part belongs to, and a part
@@ -31,14 +32,15 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.transport import TransportError, shell_join
 
-from . import fetch_policy, gguf_profile
+from . import fetch_policy, gguf_isolated, gguf_profile
 
 if TYPE_CHECKING:
     from jobs.context import JobContext
 
-# The first read of a header; it grows (×4) only for headers larger than that (big vocabularies).
+# The first read of a header; it grows (×4) only for headers larger than that (big vocabularies), up to
+# the largest header the parser accepts.
 HEAD_FIRST_READ = 256 * 1024
-HEAD_MAX_READ = 256 * 1024 * 1024
+HEAD_MAX_READ = gguf_profile.MAX_HEADER_BYTES
 # Bounds the whole profile read of a job (the register view has its own, shorter bound).
 PROFILE_TIMEOUT_S = 300.0
 PROGRESS_EVERY_S = 5
@@ -116,18 +118,28 @@ def _refuse(path: str, state: int | str) -> None:
         raise gguf_profile.GGUFError(f"{path} cannot be read by the console's user on the node.")
 
 
-async def read_header(transport, path: str) -> gguf_profile.GGUFHeader:
-    """Parse one GGUF header from the first bytes of the file; reads more only when the header needs it."""
+async def read_header(
+    transport,
+    path: str,
+    reader: gguf_isolated.HeaderReader,
+    *,
+    file_size: int,
+    index: int = 0,
+    count: int = 1,
+) -> dict[str, int]:
+    """Hand shard `index`'s GGUF header to `reader` (the bounded child process that parses it) from the first
+    bytes of the file; reads more only when the header needs it. Answers the reader's summary
+    ({"split_count", "data_offset", "tensor_count"})."""
     size = HEAD_FIRST_READ
     while True:
         data = await transport.read_head(path, size)
         try:
-            return gguf_profile.parse_header_bytes(data)
+            return await reader.add_header(data, file_size=file_size, index=index, count=count, path=path)
         except gguf_profile.TruncatedHeader as exc:
-            if len(data) < size:
+            if len(data) < size or exc.needed > file_size:
                 raise  # The file itself ends inside its header.
             if size >= HEAD_MAX_READ:
-                raise gguf_profile.GGUFError(
+                raise gguf_profile.OutOfRange(
                     f"The GGUF header of {path} is larger than {HEAD_MAX_READ // 2**20} MiB; "
                     "the header is corrupt or the file is not a model."
                 ) from None
@@ -137,32 +149,36 @@ async def read_header(transport, path: str) -> gguf_profile.GGUFHeader:
 async def read_model_profile(transport, path: str) -> dict[str, Any]:
     """The planner's profile of a GGUF model on the node behind `transport` (an open one).
 
-    For a split model `path` is the first shard and the others are looked for beside it. Raises a
-    `gguf_profile.GGUFError` subclass whose message names the problem.
+    For a split model `path` is the first shard and the others are looked for beside it. The headers are
+    parsed in a child process with a memory and a time limit (deployments/gguf_isolated.py); only their
+    bytes pass through here. Raises a `gguf_profile.GGUFError` subclass whose message names the problem.
     """
     [first_state] = await file_sizes(transport, [path])
     _refuse(path, first_state)
-    first = await read_header(transport, path)
-    count = gguf_profile.split_count(first)
-    paths = gguf_profile.shard_paths(path, count)
-    states = [first_state, *await file_sizes(transport, paths[1:])]
-    missing = [posixpath.basename(p) for p, state in zip(paths, states, strict=True) if state == "missing"]
-    if missing:
-        raise gguf_profile.MissingShard(
-            f"{posixpath.basename(path)} is shard 1 of {count}, but {len(missing)} shard"
-            f"{'s are' if len(missing) > 1 else ' is'} missing beside it: {', '.join(missing)}"
-        )
-    headers = [first]
-    for index, (shard, state) in enumerate(zip(paths[1:], states[1:], strict=True), start=1):
-        try:
-            _refuse(shard, state)
-            header = await read_header(transport, shard)
-        except gguf_profile.GGUFError as exc:
-            # Same kind of error, but saying which shard: the operator registered the first one.
-            raise type(exc)(f"Shard {index + 1} of {count} ({posixpath.basename(shard)}): {exc}") from None
-        gguf_profile.check_shard(header, index, count, shard)
-        headers.append(header)
-    profile = gguf_profile.build_profile(headers, shard_names=[posixpath.basename(p) for p in paths])
+    async with gguf_isolated.HeaderReader() as reader:
+        first = await read_header(transport, path, reader, file_size=first_state)
+        count = first["split_count"]
+        paths = gguf_profile.shard_paths(path, count)
+        states = [first_state, *await file_sizes(transport, paths[1:])]
+        missing = [
+            posixpath.basename(p) for p, state in zip(paths, states, strict=True) if state == "missing"
+        ]
+        if missing:
+            raise gguf_profile.MissingShard(
+                f"{posixpath.basename(path)} is shard 1 of {count}, but {len(missing)} shard"
+                f"{'s are' if len(missing) > 1 else ' is'} missing beside it: {', '.join(missing)}"
+            )
+        for index, (shard, state) in enumerate(zip(paths[1:], states[1:], strict=True), start=1):
+            try:
+                _refuse(shard, state)
+                await read_header(transport, shard, reader, file_size=state, index=index, count=count)
+            except gguf_profile.MissingShard:
+                raise  # It says which shard it is and which it should be.
+            except gguf_profile.GGUFError as exc:
+                # Same kind of error, but saying which shard: the operator registered the first one.
+                which = f"Shard {index + 1} of {count} ({posixpath.basename(shard)})"
+                raise type(exc)(f"{which}: {exc}") from None
+        profile = await reader.profile([posixpath.basename(p) for p in paths])
     profile["shard_paths"] = paths
     profile["size_bytes"] = sum(states)
     return profile

@@ -4,15 +4,24 @@ Only the header is read: the key/value section and the tensor-info section, neve
 takes a `read_range(offset, size) -> bytes` callable so the same code works on a local file, on an SFTP
 handle, or on the first bytes of a file already fetched (`parse_header_bytes`). The `gguf` package supplies
 the constants (value types, quantisation block sizes); its `GGUFReader` is not used because it memory-maps a
-whole local path.
+whole local path and builds an object for every element of every array.
+
+A header is input from whoever put the file on the node, so the parser is bounded: every count is checked
+against a limit far above any real model before anything in proportion to it is built, long arrays (the
+vocabulary, the merges) are stepped over without building a Python object per element, the header may take
+at most `MAX_HEADER_BYTES`, and a tensor whose data would lie beyond the end of the file is refused. The
+console's pages and jobs parse in a child process with a memory and a time limit on top of that
+(deployments/gguf_isolated.py).
 
 The profile (a JSON-able dict, stored on `ModelFile.profile`) is what `deployments/planner.py` consumes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,12 +32,32 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, G
 ReadRange = Callable[[int, int], bytes]
 
 SUPPORTED_VERSIONS = (2, 3)
-# Sanity limits so a corrupt header cannot make us allocate gigabytes.
-_MAX_COUNT = 10_000_000
-_MAX_STRING = 64 * 1024 * 1024
+
+# Limits on what a header may claim. A real model lies far inside each; a header outside one is refused with
+# a message naming the field, before anything in proportion to the claim is built (a 182-byte file claiming
+# 4,000,000 blocks once cost 186 MiB; arrays cost about 2 µs per element).
+# The deepest released models have a few hundred blocks at most (Llama 3.1 405B: 126).
+MAX_BLOCKS = 4096
+# About 1,100 tensors in Llama 3.1 405B or DeepSeek-V3; a MoE file with every expert as a tensor of its own
+# (128 experts × 3 matrices × 60 blocks) has some 23,000.
+MAX_TENSORS = 65_536
+# Models carry a few dozen metadata keys.
+MAX_KV = 4096
+# Split models come in a few dozen shards (Hugging Face holds at most 50 GB per file).
+MAX_SHARDS = 1024
+# The whole header (key/value and tensor-info sections). Llama 3's 128k-token vocabulary with its 280k merges
+# takes about 8 MiB, Gemma 3's 262k tokens about 6 MiB.
+MAX_HEADER_BYTES = 64 * 2**20
+# Array elements kept as Python values, over the whole header: short arrays only (per-layer figures, a tiny
+# model's vocabulary); a Python int costs ~36 bytes for 4 bytes of file, so this bounds that growth.
+MAX_KEPT_VALUES = 262_144
+# Metadata keys and tensor names (llama.cpp allows tensor names of 63 bytes).
+MAX_NAME_BYTES = 65_536
 _MAX_DIMS = 8
 # Arrays longer than this (token lists, merges) are summarised by their length in the profile fields.
 _KEEP_ARRAY = 4096
+# The largest piece read from the file at once.
+_MAX_CHUNK = 8 * 2**20
 
 _SCALAR = {
     GGUFValueType.UINT8: "<B",
@@ -43,6 +72,7 @@ _SCALAR = {
     GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
+_U64 = struct.Struct("<Q")
 _SHARD_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -68,6 +98,11 @@ class UnsupportedVersion(GGUFError):
 
 class MissingShard(GGUFError):
     pass
+
+
+class OutOfRange(GGUFError):
+    """A count, a length or a size in the header lies beyond what any model has (a corrupt or hostile
+    file)."""
 
 
 @dataclass
@@ -99,34 +134,83 @@ class GGUFHeader:
     data_offset: int = 0
 
 
-class _Cursor:
-    """Sequential little-endian reads through `read_range`, fetched in growing chunks."""
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
 
-    def __init__(self, read_range: ReadRange, chunk: int = 1 << 20):
+
+class _Cursor:
+    """Sequential little-endian reads through `read_range`, fetched in growing chunks, never past
+    `MAX_HEADER_BYTES` nor past `file_size` (when known); skipped stretches are not read at all."""
+
+    def __init__(self, read_range: ReadRange, chunk: int = 1 << 20, file_size: int | None = None):
         self._read = read_range
         self._buf = b""
         self._buf_start = 0
         self._chunk = chunk
+        self.file_size = file_size
+        # Every read ends at or before this; beyond it `_refuse_end` says why.
+        self._limit = MAX_HEADER_BYTES if file_size is None else min(MAX_HEADER_BYTES, file_size)
         self.pos = 0
+        self.kept = 0  # array elements built as Python values so far
 
-    def take(self, size: int) -> bytes:
+    def _refuse_end(self, end: int, what: str) -> None:
+        if end > MAX_HEADER_BYTES:
+            raise OutOfRange(
+                f"The GGUF header is larger than {_mib(MAX_HEADER_BYTES)} ({what} reaches byte {end}); "
+                "a model's header takes a few MiB, so the file is corrupt or not a model."
+            )
+        if self.file_size is not None and end > self.file_size:
+            raise TruncatedHeader(
+                f"The GGUF header is cut short at byte {self.file_size} (needed {end}).", needed=end
+            )
+
+    def _ensure(self, size: int, what: str) -> None:
+        """The buffer holds [pos, pos + size)."""
         end = self.pos + size
+        if end > self._limit:
+            self._refuse_end(end, what)
         if end > self._buf_start + len(self._buf):
-            want = max(end - self.pos, self._chunk)
+            want = min(max(size, self._chunk), self._limit - self.pos)
             data = self._read(self.pos, want)
-            if len(data) < end - self.pos:
+            if len(data) < size:
                 raise TruncatedHeader(
                     f"The GGUF header is cut short at byte {self.pos + len(data)} (needed {end}).", needed=end
                 )
             self._buf, self._buf_start = data, self.pos
-            self._chunk = min(self._chunk * 2, 64 << 20)
+            self._chunk = min(self._chunk * 2, _MAX_CHUNK)
+
+    def take(self, size: int, what: str = "the header") -> bytes:
+        self._ensure(size, what)
         start = self.pos - self._buf_start
-        self.pos = end
+        self.pos += size
         return self._buf[start : start + size]
 
-    def scalar(self, vtype: GGUFValueType) -> Any:
+    def skip(self, size: int, what: str) -> None:
+        """Step over `size` bytes without reading them."""
+        end = self.pos + size
+        if end > self._limit:
+            self._refuse_end(end, what)
+        self.pos = end
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Step over `count` strings: only their 8-byte lengths are read, nothing is decoded or kept."""
+        if self.pos + 8 * count > self._limit:  # each string takes at least its length field
+            self._refuse_end(self.pos + 8 * count, what)
+        left = count
+        while left:
+            self._ensure(8, what)
+            buf, base = self._buf, self._buf_start
+            offset, last = self.pos - base, len(buf) - 8
+            while left and offset <= last:
+                offset += 8 + _U64.unpack_from(buf, offset)[0]
+                left -= 1
+            self.pos = base + offset
+            if self.pos > self._limit:
+                self._refuse_end(self.pos, what)
+
+    def scalar(self, vtype: GGUFValueType, what: str = "the header") -> Any:
         fmt = _SCALAR[vtype]
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
     def u32(self) -> int:
         return struct.unpack("<I", self.take(4))[0]
@@ -134,30 +218,58 @@ class _Cursor:
     def u64(self) -> int:
         return struct.unpack("<Q", self.take(8))[0]
 
-    def string(self) -> str:
+    def string(self, what: str = "a string", limit: int | None = None) -> str:
+        at = self.pos
         length = self.u64()
-        if length > _MAX_STRING:
-            raise GGUFError(f"Implausible string length {length} at byte {self.pos}: the header is corrupt.")
-        return self.take(length).decode("utf-8", errors="replace")
+        if limit is not None and length > limit:
+            raise OutOfRange(
+                f"{what.capitalize()} at byte {at} is {length} bytes long; a GGUF model's are at most "
+                f"{limit}: the header is corrupt."
+            )
+        return self.take(length, what).decode("utf-8", errors="replace")
+
+    def keep(self, count: int, what: str) -> None:
+        self.kept += count
+        if self.kept > MAX_KEPT_VALUES:
+            raise OutOfRange(
+                f"The GGUF header holds more than {MAX_KEPT_VALUES} values in short arrays (at {what}); "
+                "a model has a few thousand: the header is corrupt."
+            )
 
 
-def _value(cur: _Cursor, vtype: int) -> Any:
+def _value_type(cur: _Cursor, vtype: int, key: str) -> GGUFValueType:
     try:
-        vtype = GGUFValueType(vtype)
+        return GGUFValueType(vtype)
     except ValueError:
         raise GGUFError(
-            f"Unknown GGUF value type {vtype} at byte {cur.pos}: the header is corrupt."
+            f"Unknown GGUF value type {vtype} for {key} at byte {cur.pos}: the header is corrupt."
         ) from None
+
+
+def _value(cur: _Cursor, vtype: int, key: str) -> Any:
+    vtype = _value_type(cur, vtype, key)
     if vtype == GGUFValueType.STRING:
-        return cur.string()
+        return cur.string(key)
     if vtype == GGUFValueType.ARRAY:
-        item_type = cur.u32()
+        item_type = _value_type(cur, cur.u32(), key)
         count = cur.u64()
-        if count > _MAX_COUNT:
-            raise GGUFError(f"Implausible array length {count}: the header is corrupt.")
-        items = [_value(cur, item_type) for _ in range(count)]
-        return items if count <= _KEEP_ARRAY else {"array_length": count}
-    return cur.scalar(vtype)
+        if item_type == GGUFValueType.ARRAY:
+            raise GGUFError(
+                f"{key} is an array of arrays, which llama.cpp does not read: the file is corrupt."
+            )
+        if count > _KEEP_ARRAY:
+            # Summarised by its length: stepped over, no Python object per element.
+            if item_type == GGUFValueType.STRING:
+                cur.skip_strings(count, key)
+            else:
+                cur.skip(count * struct.calcsize(_SCALAR[item_type]), key)
+            return {"array_length": count}
+        cur.keep(count, key)
+        if item_type == GGUFValueType.STRING:
+            return [cur.string(key) for _ in range(count)]
+        fmt = _SCALAR[item_type]
+        return list(struct.unpack(f"<{count}{fmt[1]}", cur.take(count * struct.calcsize(fmt), key)))
+    return cur.scalar(vtype, key)
 
 
 def _describe(magic: bytes) -> str:
@@ -168,13 +280,24 @@ def _describe(magic: bytes) -> str:
     return "the bytes " + " ".join(f"{b:02x}" for b in magic)
 
 
-def parse_header(read_range: ReadRange) -> GGUFHeader:
+def _alignment(fields: dict[str, Any]) -> int:
+    alignment = fields.get("general.alignment", 32)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 0:
+        raise GGUFError(f"general.alignment is {alignment!r}, not a whole number: the header is corrupt.")
+    alignment = alignment or 32
+    if alignment & (alignment - 1):
+        raise GGUFError(f"general.alignment is {alignment}, not a power of two: the header is corrupt.")
+    return alignment
+
+
+def parse_header(read_range: ReadRange, *, file_size: int | None = None) -> GGUFHeader:
     """Parse the key/value and tensor-info sections through `read_range(offset, size)`.
 
     `read_range` may return fewer bytes than asked at the end of the file; the parser raises
-    `TruncatedHeader` only when it actually needs the missing bytes.
+    `TruncatedHeader` only when it actually needs the missing bytes. With `file_size` (the file's real size)
+    a header reaching past it is cut short, and so is a tensor whose data would lie beyond it.
     """
-    cur = _Cursor(read_range)
+    cur = _Cursor(read_range, file_size=file_size)
     try:
         magic = cur.take(4)
     except TruncatedHeader:
@@ -187,46 +310,59 @@ def parse_header(read_range: ReadRange) -> GGUFHeader:
             raise UnsupportedVersion("This GGUF file is big-endian; only little-endian files are supported.")
         raise UnsupportedVersion(f"GGUF version {version} is not supported (supported: 2 and 3).")
     tensor_count, kv_count = cur.u64(), cur.u64()
-    if tensor_count > _MAX_COUNT or kv_count > _MAX_COUNT:
-        raise GGUFError("Implausible tensor or key count: the header is corrupt.")
+    if tensor_count > MAX_TENSORS:
+        raise OutOfRange(f"The header claims {tensor_count} tensors; a GGUF model has at most {MAX_TENSORS}.")
+    if kv_count > MAX_KV:
+        raise OutOfRange(f"The header claims {kv_count} metadata keys; a GGUF model has at most {MAX_KV}.")
     fields: dict[str, Any] = {}
     for _ in range(kv_count):
-        key = cur.string()
-        fields[key] = _value(cur, cur.u32())
+        key = cur.string("a metadata key", limit=MAX_NAME_BYTES)
+        fields[key] = _value(cur, cur.u32(), key)
     tensors = []
     for _ in range(tensor_count):
-        name = cur.string()
+        name = cur.string("a tensor name", limit=MAX_NAME_BYTES)
         n_dims = cur.u32()
         if n_dims > _MAX_DIMS:
             raise GGUFError(f"Tensor {name!r} claims {n_dims} dimensions: the header is corrupt.")
-        shape = [cur.u64() for _ in range(n_dims)]
+        shape = list(struct.unpack(f"<{n_dims}Q", cur.take(8 * n_dims, "a tensor's shape")))
         ggml_type = cur.u32()
         if ggml_type not in GGML_QUANT_SIZES:
             raise GGUFError(f"Tensor {name!r} has unknown type {ggml_type}.")
         tensors.append(TensorInfo(name=name, shape=shape, ggml_type=ggml_type, offset=cur.u64()))
-    alignment = int(fields.get("general.alignment", 32)) or 32
+    alignment = _alignment(fields)
     data_offset = -(-cur.pos // alignment) * alignment
+    if file_size is not None:
+        for tensor in tensors:
+            end = data_offset + tensor.offset + tensor.n_bytes
+            if end > file_size:
+                raise OutOfRange(
+                    f"Tensor {tensor.name!r} lies beyond the end of the file: its data would end at byte "
+                    f"{end}, the file has {file_size} bytes."
+                )
     return GGUFHeader(version=version, fields=fields, tensors=tensors, data_offset=data_offset)
 
 
-def parse_header_bytes(data: bytes) -> GGUFHeader:
+def parse_header_bytes(data: bytes, *, file_size: int | None = None) -> GGUFHeader:
     """Parse from the first bytes of a file. Raises `TruncatedHeader` (with `.needed`) if they are too few."""
 
     def read_range(offset: int, size: int) -> bytes:
         return data[offset : offset + size]
 
-    return parse_header(read_range)
+    return parse_header(read_range, file_size=file_size)
 
 
 def read_header_path(path: str | os.PathLike[str]) -> GGUFHeader:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path):
+            # A FIFO or a device would block or never end; only a regular file is a model.
+            raise GGUFError(f"{path} is not a regular file.")
         with open(path, "rb") as fh:
 
             def read_range(offset: int, size: int) -> bytes:
                 fh.seek(offset)
                 return fh.read(size)
 
-            return parse_header(read_range)
+            return parse_header(read_range, file_size=os.fstat(fh.fileno()).st_size)
     except FileNotFoundError:
         raise GGUFError(f"No such file: {path}") from None
     except IsADirectoryError:
@@ -248,6 +384,36 @@ def shard_paths(first_path: str, split_count: int) -> list[str]:
         os.path.join(directory, f"{match['prefix']}-{i:05d}-of-{split_count:05d}.gguf")
         for i in range(1, split_count + 1)
     ]
+
+
+def _as_gguf_error(function):
+    """A value of the wrong kind in a corrupt or hostile header (text where a count belongs, a list for a
+    number) becomes a GGUFError the form can show, not an exception."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except GGUFError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:
+            message = f"The header holds a value of the wrong kind ({exc}): the file is corrupt."
+            raise GGUFError(message) from None
+
+    return wrapper
+
+
+def _bounded(value: Any, name: str, maximum: int, unit: str) -> int:
+    """`value` as a count between 1 and `maximum`, or a GGUFError naming `name`."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise GGUFError(f"{name} is {value!r:.80}, not a whole number: the header is corrupt.") from None
+    if number > maximum:
+        raise OutOfRange(f"{name} is {number}; a GGUF model has at most {maximum} {unit}.")
+    if number < 1:
+        raise OutOfRange(f"{name} is {number}, not a number of {unit}: the header is corrupt.")
+    return number
 
 
 def _arch_field(fields: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
@@ -278,8 +444,12 @@ def _swa_layers(fields: dict[str, Any], arch: str, n_layer: int) -> list[bool]:
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
+@_as_gguf_error
 def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = None) -> dict[str, Any]:
     """The planner's memory profile from the headers of every shard (first shard first)."""
+    tensor_count = sum(len(h.tensors) for h in headers)
+    if tensor_count > MAX_TENSORS:
+        raise OutOfRange(f"The shards hold {tensor_count} tensors; a GGUF model has at most {MAX_TENSORS}.")
     fields = headers[0].fields
     arch = fields.get("general.architecture")
     if not isinstance(arch, str):
@@ -289,7 +459,8 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
     n_head_field = _arch_field(fields, arch, "attention.head_count")
     if not n_layer or not n_embd or n_head_field is None:
         raise GGUFError(f"{arch}: block_count, embedding_length or attention.head_count is missing.")
-    n_layer, n_embd = int(n_layer), int(n_embd)
+    # Bounded before the per-layer lists below are built from it.
+    n_layer, n_embd = _bounded(n_layer, f"{arch}.block_count", MAX_BLOCKS, "blocks"), int(n_embd)
     n_head = _per_layer(n_head_field, n_layer, "attention.head_count")
     n_head_kv = _per_layer(
         _arch_field(fields, arch, "attention.head_count_kv", n_head), n_layer, "head_count_kv"
@@ -337,7 +508,7 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
     file_type = fields.get("general.file_type")
     try:
         file_type_name = LlamaFileType(file_type).name if file_type is not None else None
-    except ValueError:
+    except (ValueError, TypeError):
         file_type_name = None
     return {
         "format": "gguf",
@@ -372,9 +543,10 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
 
 
 def split_count(header: GGUFHeader) -> int:
-    return int(header.fields.get("split.count", 1) or 1)
+    return _bounded(header.fields.get("split.count", 1) or 1, "split.count", MAX_SHARDS, "shards")
 
 
+@_as_gguf_error
 def check_shard(header: GGUFHeader, index: int, count: int, path: str) -> None:
     """Each shard must say it is shard `index` of `count`."""
     no, total = header.fields.get("split.no"), header.fields.get("split.count")

@@ -23,7 +23,7 @@ from jobs.transport import TransportError, open_transport, shell_join
 from nodes.models import Node
 from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 
-from . import bars, fetch_policy, gguf_profile, planner
+from . import bars, fetch_policy, gguf_isolated, gguf_profile, planner
 from .download_job import read_model_profile
 from .endpoint import EndpointForm, endpoint_form
 from .forms import ModelDownloadForm, ModelRegisterForm, PlanForm
@@ -131,9 +131,10 @@ async def _read_profile(node: Node, path: str) -> dict:
     """The GGUF profile of a file on a node, reading only its header (and its shards' headers).
 
     Async so that a slow or silent node holds up only this request, not the thread every synchronous view
-    of the console shares under ASGI."""
+    of the console shares under ASGI. The headers are parsed in a child process with a memory and a time
+    limit (deployments/gguf_isolated.py): a hostile header stalls or exhausts that child, not daphne."""
     if node.is_local:
-        profile = await sync_to_async(gguf_profile.profile_path, thread_sensitive=False)(path)
+        profile = await gguf_isolated.profile_of_path(path)
         # A shard found beside the first may be a symlink out of the model folders.
         outside = [p for p in profile.get("shard_paths", [path]) if not fetch_policy.under_model_dirs(p)]
         if outside:

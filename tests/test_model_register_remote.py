@@ -15,12 +15,13 @@ from asgiref.sync import async_to_sync
 from django.urls import reverse
 
 from audit.models import AuditEvent
-from deployments import download_job, gguf_profile
+from deployments import download_job, gguf_isolated, gguf_profile
 from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
 from jobs.local import LocalTransport
 from jobs.ssh import SSHTransport
 from tests.deploy_fixtures import lab_node
+from tests.test_gguf_bounds import BLOCKS_MESSAGE, HOSTILE_BLOCKS
 
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(180)]
 
@@ -112,7 +113,13 @@ def _bad_files(tmp_path: Path) -> list[tuple[str, Path, str]]:
     split.with_name("half-00002-of-00002.gguf").unlink()
     odd = write_tiny_llama(tmp_path / "odd.gguf", TinyLlama(shards=2))
     odd.with_name("odd-00002-of-00002.gguf").write_text("not a shard at all")
+    hostile = tmp_path / "blocks.gguf"
+    hostile.write_bytes(HOSTILE_BLOCKS)
+    beyond = tmp_path / "beyond.gguf"
+    beyond.write_bytes(data[: gguf_profile.read_header_path(good).data_offset + 4096])
     return [
+        ("hostile block count", hostile, BLOCKS_MESSAGE),
+        ("tensor beyond the end", beyond, "lies beyond the end of the file: its data would end at byte"),
         ("not GGUF", notes, "This is not a GGUF file: it begins with “shop”, a GGUF file with GGUF."),
         ("truncated", cut, "The GGUF header is cut short at byte 3000"),
         ("version", future, "GGUF version 7 is not supported (supported: 2 and 3)."),
@@ -174,9 +181,17 @@ def test_a_header_larger_than_the_first_read_is_read_in_growing_pieces(tmp_path,
         return await original(self, remote_path, nbytes)
 
     monkeypatch.setattr(LocalTransport, "read_head", counting)
-    header = async_to_sync(download_job.read_header)(LocalTransport(), str(path))
-    # Long arrays are kept as their length only.
-    assert header.fields["test.strings"] == {"array_length": 40_000}
-    assert [t.name for t in header.tensors] == ["t"]
+
+    async def read() -> dict[str, int]:
+        async with gguf_isolated.HeaderReader() as reader:
+            return await download_job.read_header(
+                LocalTransport(), str(path), reader, file_size=path.stat().st_size
+            )
+
+    header = async_to_sync(read)()
+    assert header["tensor_count"] == 1 and header["split_count"] == 1
     assert asked == [download_job.HEAD_FIRST_READ, download_job.HEAD_FIRST_READ * 4]
-    assert download_job.HEAD_FIRST_READ < header.data_offset < download_job.HEAD_FIRST_READ * 4
+    assert download_job.HEAD_FIRST_READ < header["data_offset"] < download_job.HEAD_FIRST_READ * 4
+    # Long arrays are kept as their length only.
+    fields = gguf_profile.read_header_path(path).fields
+    assert fields["test.strings"] == {"array_length": 40_000}
