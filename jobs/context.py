@@ -74,9 +74,11 @@ class JobContext:
         env: dict[str, str] | None = None,
         capture: bool = True,
         echo: bool = True,
+        input: bytes | None = None,
     ) -> CommandResult:
         """Run argv on the node, every output line into the job log. `capture` keeps the lines in the
-        result too (for parsing); `check` raises JobFailed on a non-zero exit."""
+        result too (for parsing); `check` raises JobFailed on a non-zero exit; `input` goes to the command's
+        standard input (never to the log)."""
         if self.cancelled():
             raise JobCancelled()
         argv = [str(arg) for arg in argv]
@@ -84,7 +86,7 @@ class JobContext:
             await self.log("$ " + shell_join(argv))
         captured: list[OutputLine] = []
         tail: deque[str] = deque(maxlen=TAIL_LINES)
-        command = self.transport.command(argv, timeout=timeout, env=env)
+        command = self.transport.command(argv, timeout=timeout, env=env, input=input)
         self._command = command
         try:
             async for line in command.lines():

@@ -64,12 +64,19 @@ class LocalTransport:
         return None
 
     def command(
-        self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        input: bytes | None = None,
     ) -> Command:
-        return Command(argv, lambda command: self._lines(command, timeout or self.command_timeout, env))
+        return Command(
+            argv, lambda command: self._lines(command, timeout or self.command_timeout, env, input)
+        )
 
     async def _lines(
-        self, command: Command, timeout: float, env: dict[str, str] | None
+        self, command: Command, timeout: float, env: dict[str, str] | None, input: bytes | None = None
     ) -> AsyncIterator[OutputLine]:
         argv = command.argv
         loop = asyncio.get_running_loop()
@@ -77,7 +84,7 @@ class LocalTransport:
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL if input is None else asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=scrubbed_env(env),
@@ -91,6 +98,10 @@ class LocalTransport:
         except PermissionError as exc:
             raise TransportError(f"{argv[0]!r} cannot be executed here: permission denied.") from exc
         command.pid = process.pid
+        if input is not None:
+            # Small (a curl config line): buffered by the pipe's transport, never blocking the output.
+            process.stdin.write(input)
+            process.stdin.close()
         pump = LinePump({"out": process.stdout, "err": process.stderr})
         finished = False
         try:
@@ -122,9 +133,14 @@ class LocalTransport:
                     await process.wait()
 
     async def run(
-        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        check: bool = False,
+        input: bytes | None = None,
     ) -> CommandResult:
-        return await run_to_end(self, argv, timeout=timeout, check=check)
+        return await run_to_end(self, argv, timeout=timeout, check=check, input=input)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
         # A launcher shell of its own, not a `Command`: it prints the daemon's PID and exits at once.

@@ -311,22 +311,27 @@ class SSHTransport:
         return f"echo {PID_MARKER} $$ >&2; exec {shell_join(full)}"
 
     def command(
-        self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        input: bytes | None = None,
     ) -> Command:
         """A handle on argv; its `pid` is known once the command's first line (a PID marker) arrives."""
-        return Command(argv, lambda command: self._guarded_lines(command, timeout, env))
+        return Command(argv, lambda command: self._guarded_lines(command, timeout, env, input))
 
     async def _guarded_lines(
-        self, command: Command, timeout: float | None, env: dict[str, str] | None
+        self, command: Command, timeout: float | None, env: dict[str, str] | None, input: bytes | None
     ) -> AsyncIterator[OutputLine]:
         # aclosing: when our consumer stops early, the inner generator's cleanup (ending the command by
         # PID) runs now, not whenever it is garbage-collected.
-        async with contextlib.aclosing(self._lines(command, timeout, env)) as lines:
+        async with contextlib.aclosing(self._lines(command, timeout, env, input)) as lines:
             async for line in lines:
                 yield line
 
     async def _lines(
-        self, command: Command, timeout: float | None, env: dict[str, str] | None
+        self, command: Command, timeout: float | None, env: dict[str, str] | None, input: bytes | None = None
     ) -> AsyncIterator[OutputLine]:
         """The command's lines; its PID and result go to its own handle."""
         argv, running = command.argv, command
@@ -335,9 +340,15 @@ class SSHTransport:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         try:
-            process = await conn.create_process(
-                self._command_line(argv, env), encoding=None, stdin=asyncssh.DEVNULL
-            )
+            if input is None:
+                process = await conn.create_process(
+                    self._command_line(argv, env), encoding=None, stdin=asyncssh.DEVNULL
+                )
+            else:
+                # The input travels inside the SSH channel, never on the node's command line.
+                process = await conn.create_process(self._command_line(argv, env), encoding=None)
+                process.stdin.write(input)
+                process.stdin.write_eof()
         except (asyncssh.Error, OSError) as exc:
             raise (
                 self._lost_error()
@@ -418,9 +429,15 @@ class SSHTransport:
                 await asyncio.wait_for(self.kill(pid, grace=2.0), 15)
 
     async def run(
-        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        check: bool = False,
+        input: bytes | None = None,
     ) -> CommandResult:
-        return await run_to_end(self, argv, timeout=timeout, check=check, where=f" on {self.target.host}")
+        where = f" on {self.target.host}"
+        return await run_to_end(self, argv, timeout=timeout, check=check, where=where, input=input)
 
     async def _helper(self, argv: Sequence[str], *, timeout: float = 60) -> CommandResult:
         """Run a short helper command to completion (kill, pid_alive, start_daemon)."""

@@ -134,13 +134,25 @@ class Transport(Protocol):
     async def __aexit__(self, *exc) -> None: ...
 
     def command(
-        self, argv: Sequence[str], *, timeout: float | None = None, env: dict[str, str] | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        input: bytes | None = None,
     ) -> Command:
-        """A handle on argv; nothing runs until its `lines()` are read."""
+        """A handle on argv; nothing runs until its `lines()` are read. `input` is written to the command's
+        standard input, which is then closed (a value that must not appear on a command line, where `ps`
+        shows it: a download URL with its token); without it the command reads an empty input."""
         ...
 
     async def run(
-        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = False
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float | None = None,
+        check: bool = False,
+        input: bytes | None = None,
     ) -> CommandResult:
         """Run argv to completion and collect its output (for short commands)."""
         ...
@@ -263,13 +275,19 @@ def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
 
 
 async def run_to_end(
-    transport: Transport, argv: Sequence[str], *, timeout: float | None, check: bool, where: str = ""
+    transport: Transport,
+    argv: Sequence[str],
+    *,
+    timeout: float | None,
+    check: bool,
+    where: str = "",
+    input: bytes | None = None,
 ) -> CommandResult:
     """`Transport.run` for every transport: stream argv to its end, collect the lines, check the status.
 
     `where` (" on HOST") makes the failure message say which node it was.
     """
-    command = transport.command(argv, timeout=timeout)
+    command = transport.command(argv, timeout=timeout, input=input)
     lines = [line async for line in command.lines()]
     result = command.result
     result.lines = lines
