@@ -12,11 +12,14 @@ optional SHA-256 check, `mv DEST.part DEST`, and the model is registered from it
 a usable model fails the job with the reason and registers nothing.
 
 Job params: {"url" (shown: its query hidden), "url_secret" (the real URL, encrypted), "dest", "sha256" (may be
-""), "name", "progress_every" (seconds, optional)}. The real URL is decrypted here and passed to curl only;
-logs and pages show `fetch_policy.redact_url`. Redirects are capped (RAMDECK_DOWNLOAD_MAX_REDIRECTS). On the
-console's own host (a Local-transport node) the destination must lie in a model folder and every hop of
-the redirect chain is resolved, checked (no loopback, link-local or private address unless an admin allows
-the network) and fetched pinned to the checked address (deployments/fetch_policy.py).
+""), "name", "progress_every" (seconds, optional)}. The real URL is decrypted here and passed to curl only,
+on its standard input (`curl --config -`: a command line is visible to every user of the node through
+`ps`); logs and pages show `fetch_policy.redact_url`. A download writes at most RAMDECK_DOWNLOAD_MAX_BYTES
+and starts only when the destination has room for what the server announces. Redirects are capped
+(RAMDECK_DOWNLOAD_MAX_REDIRECTS). On the console's own host (a Local-transport node) the destination must lie
+in a model folder and every hop of the redirect chain is resolved, checked (no loopback, link-local or
+private address unless an admin allows the network) and fetched pinned to the checked address
+(deployments/fetch_policy.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ PROGRESS_EVERY_S = 5
 # curl's exit statuses that mean "the server cannot resume": start over without the part file.
 CURL_CANNOT_RESUME = 33
 CURL_HTTP_ERROR = 22
+# curl's "larger than --max-filesize", and the download script's own "the part file passed the cap".
+CURL_TOO_LARGE = 63
+PASSED_THE_CAP = 90
 
 # One line per path: its size in bytes, or "missing", "other" (not a regular file), "unreadable".
 # Constant text; the paths arrive as positional arguments. `wc -c <` on a regular file asks the file
@@ -58,9 +64,12 @@ _SIZES_SCRIPT = (
 )
 
 # curl in the background, the size of the part file every `every` seconds while it runs, curl's status.
-# $1 part file, $2 interval, $3 expected total bytes (or empty), then curl's argument list.
+# $1 part file, $2 interval, $3 expected total bytes (or empty), $4 the most the part file may hold, then
+# curl's argument list. curl reads its URL from the script's standard input (`--config -`): a background
+# command's input is /dev/null unless redirected, hence fd 3. Past the cap (a server that did not announce
+# its size, or lied about it) curl is stopped, checked every second, and the script exits 90.
 _DOWNLOAD_SCRIPT = r"""
-part=$1; every=$2; total=$3; shift 3
+part=$1; every=$2; total=$3; cap=$4; shift 4
 mib() { echo "$(($1 / 1048576)).$(($1 % 1048576 * 10 / 1048576))"; }
 size() { if [ -f "$part" ]; then s=$(wc -c < "$part") && echo $s || echo 0; else echo 0; fi; }
 report() {
@@ -72,22 +81,29 @@ report() {
   fi
   echo "$line$1"
 }
+passed() { report " (stopped: more than the $(mib "$cap") MiB a download may write)"; exit 90; }
 start=$(size)
-"$@" &
+exec 3<&0
+"$@" <&3 3<&- &
 pid=$!
+exec 3<&-
 n=0; last=$start
 while kill -0 "$pid" 2>/dev/null; do
   sleep 1; n=$((n + 1))
+  if [ "$(size)" -gt "$cap" ]; then kill "$pid" 2>/dev/null; wait "$pid"; passed; fi
   if [ $((n % every)) -eq 0 ]; then
     now=$(size); report ", $(mib $(((now - last) / every))) MiB/s"; last=$now
   fi
 done
 wait "$pid"; status=$?
+if [ "$(size)" -gt "$cap" ]; then passed; fi
 report " (curl exit status $status)"
 exit $status
 """
 
 _SHA_RE = re.compile(r"^([0-9a-fA-F]{64})\b")
+# `df -Pk`'s figures: 1024-blocks, used, available, capacity%.
+_DF_RE = re.compile(r"\s(\d+)\s+(\d+)\s+(\d+)\s+\d+%\s")
 _CONTENT_LENGTH_RE = re.compile(r"^content-length:\s*(\d+)\s*$", re.I | re.M)
 
 
@@ -194,6 +210,10 @@ def mib(size: int) -> str:
     return f"{size // 2**20}.{size % 2**20 * 10 // 2**20}"
 
 
+def _size(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{mib(size)} MiB"
+
+
 def parse_sha256(text: str) -> str | None:
     """The hash from `sha256sum` / `shasum -a 256` output (its first line)."""
     match = _SHA_RE.match(text.strip())
@@ -206,9 +226,22 @@ def content_length(headers: str) -> int | None:
     return int(found[-1]) if found and int(found[-1]) > 0 else None
 
 
-def curl_argv(url: str, part: str, *, pin: str | None = None, max_redirects: int | None = None) -> list[str]:
-    """curl's arguments for the download. With `pin` (host:port:address, the console's own host) it follows no
-    redirect: the chain was resolved and checked beforehand and `url` is its end."""
+def curl_config(url: str) -> bytes:
+    """`url = "..."` for `curl --config -`: the URL reaches curl on its standard input, never on its command
+    line, where `ps` shows it (with the token of a signed link) to every user of the node. Quoted and escaped
+    as curl's config parser reads it back, so no URL can end the line and add an option of its own."""
+    escaped = url.replace("\\", "\\\\").replace('"', '\\"')
+    for char, escape in (("\n", "\\n"), ("\r", "\\r"), ("\t", "\\t"), ("\v", "\\v")):
+        escaped = escaped.replace(char, escape)
+    if "\0" in escaped:  # Any other character curl's parser reads back as it is.
+        raise JobFailed("The URL holds a NUL character; give the link exactly as the site shows it.")
+    return f'url = "{escaped}"\n'.encode()
+
+
+def curl_argv(part: str, *, pin: str | None = None, max_redirects: int | None = None) -> list[str]:
+    """curl's arguments for the download; the URL comes on its standard input (`curl_config`). With `pin`
+    (host:port:address, the console's own host) it follows no redirect: the chain was resolved and checked
+    beforehand and the URL is its end."""
     if max_redirects is None:
         max_redirects = settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS
     follow = ["--location", "--max-redirs", str(max_redirects)]
@@ -221,6 +254,8 @@ def curl_argv(url: str, part: str, *, pin: str | None = None, max_redirects: int
         "--no-progress-meter",
         "--continue-at",
         "-",
+        # One URL, as given: brackets and braces are not curl's URL patterns.
+        "--globoff",
         # Only web URLs, also after redirects (never file:// on the node).
         "--proto",
         "=http,https",
@@ -235,17 +270,20 @@ def curl_argv(url: str, part: str, *, pin: str | None = None, max_redirects: int
         "1",
         "--speed-time",
         "120",
+        # A size the server announces above the cap is refused before any byte (the job checked it too);
+        # one it does not announce is watched by the download script.
+        "--max-filesize",
+        str(settings.RAMDECK_DOWNLOAD_MAX_BYTES),
         "--output",
         part,
-        "--url",
-        url,
+        "--config",
+        "-",
     ]
 
 
-def shown_argv(argv: list[str]) -> str:
-    """The command line for the log: every URL with its query hidden."""
-    web = ("http://", "https://")
-    return shell_join([fetch_policy.redact_url(a) if a.startswith(web) else a for a in argv])
+def shown_argv(argv: list[str], url: str) -> str:
+    """The command line for the log, with the URL curl reads on its standard input (its query hidden)."""
+    return f"{shell_join(argv)}  # url on standard input: {fetch_policy.redact_url(url)}"
 
 
 _REDIRECT_CODES = {"301", "302", "303", "307", "308"}
@@ -266,11 +304,11 @@ async def _checked_chain(ctx: JobContext, url: str) -> tuple[str, str, int | Non
         # One byte of the body (a GET, as the download will be: a signed link may refuse HEAD); a server
         # that ignores the range is cut off by --max-filesize after its headers.
         probe = [
-            "curl", "-sS", "--max-redirs", "0", "--proto", "=http,https", "--resolve", pin,
+            "curl", "-sS", "--globoff", "--max-redirs", "0", "--proto", "=http,https", "--resolve", pin,
             "--range", "0-0", "--max-filesize", "1048576", "--max-time", "30", "--output", "/dev/null",
-            "--dump-header", "-", "--write-out", "\n%{http_code} %{redirect_url}", "--url", url,
+            "--dump-header", "-", "--write-out", "\n%{http_code} %{redirect_url}", "--config", "-",
         ]  # fmt: skip
-        result = await ctx.transport.run(probe, timeout=60)
+        result = await ctx.transport.run(probe, timeout=60, input=curl_config(url))
         headers, _, status_line = result.stdout.rpartition("\n")
         code, _, target = status_line.strip().partition(" ")
         if code in _REDIRECT_CODES and target:
@@ -291,10 +329,10 @@ async def _announced_size(ctx: JobContext, url: str) -> int | None:
     """Content-Length from a HEAD request, for the percentages; servers that refuse HEAD just get none."""
     head = [
         "curl", "-sSIL", "--max-redirs", str(settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS),
-        "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30",
+        "--globoff", "--proto", "=http,https", "--proto-redir", "=http,https", "--max-time", "30",
     ]  # fmt: skip
     try:
-        result = await ctx.transport.run([*head, "--url", url], timeout=60)
+        result = await ctx.transport.run([*head, "--config", "-"], timeout=60, input=curl_config(url))
     except TransportError:  # The size is a nicety; the download itself reports real errors.
         return None
     return content_length(result.stdout) if result.ok else None
@@ -303,17 +341,25 @@ async def _announced_size(ctx: JobContext, url: str) -> int | None:
 async def _download(
     ctx: JobContext, url: str, part: str, total: int | None, every: int, pin: str | None = None
 ) -> None:
-    argv = curl_argv(url, part, pin=pin)
+    argv, cap = curl_argv(part, pin=pin), settings.RAMDECK_DOWNLOAD_MAX_BYTES
     for attempt in (1, 2):
-        await ctx.log("$ " + shown_argv(argv))
+        await ctx.log("$ " + shown_argv(argv, url))
         result = await ctx.run(
-            ["sh", "-c", _DOWNLOAD_SCRIPT, "sh", part, str(every), str(total or ""), *argv],
+            ["sh", "-c", _DOWNLOAD_SCRIPT, "sh", part, str(every), str(total or ""), str(cap), *argv],
             check=False,
             echo=False,
+            input=curl_config(url),
         )
         status = result.exit_status
         if status == 0:
             return
+        if status in (PASSED_THE_CAP, CURL_TOO_LARGE):
+            await ctx.run(["rm", "-f", "--", part, part + ".url"], echo=False)
+            raise JobFailed(
+                f"Download stopped: the file is larger than {_size(cap)}, the most a download may write "
+                "(RAMDECK_DOWNLOAD_MAX_BYTES); what was downloaded is removed.",
+                exit_code=status,
+            )
         if status == CURL_CANNOT_RESUME and attempt == 1:
             await ctx.log("The server cannot resume a download; starting over.")
             await ctx.run(["rm", "-f", "--", part])
@@ -348,6 +394,28 @@ async def _claim_part(ctx: JobContext, url: str, part: str) -> None:
         elif isinstance(state, int) and state > 0:
             await ctx.log(f"Resuming after the {mib(state)} MiB already in {posixpath.basename(part)}.")
     await ctx.run(["sh", "-c", 'printf %s "$1" > "$2"', "sh", fingerprint, origin], echo=False)
+
+
+async def _check_free_space(ctx: JobContext, part: str, total: int) -> None:
+    """Refuse to start when the destination's file system cannot hold what is still to come."""
+    folder = posixpath.dirname(part)
+    [kept] = await file_sizes(ctx.transport, [part])
+    needed = total - (kept if isinstance(kept, int) else 0)
+    result = await ctx.transport.run(["df", "-Pk", "--", folder], timeout=30)
+    lines = result.stdout.strip().splitlines()
+    match = _DF_RE.search(lines[-1] + " ") if result.ok and lines else None
+    if match is None:
+        await ctx.log(f"Could not read the free space in {folder} (df exit status {result.exit_status}).")
+        return
+    free = int(match[3]) * 1024
+    if needed > free:
+        if not isinstance(kept, int):  # Nothing to resume later: no record of a part either.
+            await ctx.run(["rm", "-f", "--", part + ".url"], echo=False)
+        raise JobFailed(
+            f"Download refused: it needs {_size(needed)} more in {folder} on {ctx.node.name}, which has "
+            f"{_size(free)} free."
+        )
+    await ctx.log(f"{_size(free)} free in {folder}; the download needs {_size(needed)}.")
 
 
 def _err_text(result) -> str:
@@ -445,9 +513,19 @@ async def download_body(ctx: JobContext) -> str:
         raise JobFailed(f"Download refused: {refusal}")
     if not local:
         total = await _announced_size(ctx, url)
+    cap = settings.RAMDECK_DOWNLOAD_MAX_BYTES
     if total:
         await ctx.log(f"The server announces {total} bytes ({mib(total)} MiB).")
+        if total > cap:
+            raise JobFailed(
+                f"Download refused: the server announces {_size(total)}, more than the {_size(cap)} a "
+                "download may write (RAMDECK_DOWNLOAD_MAX_BYTES)."
+            )
+    else:
+        await ctx.log(f"The server does not announce the size; the download stops if it passes {_size(cap)}.")
     await _claim_part(ctx, url, part)
+    if total:
+        await _check_free_space(ctx, part, total)
     await _download(ctx, url, part, total, every, pin)
     sha256 = await _check_sha256(ctx, part, expected) if expected else ""
     await ctx.run(["mv", "-f", "--", part, dest])

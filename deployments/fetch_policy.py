@@ -109,14 +109,46 @@ def _allowed_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     return networks
 
 
+# IPv6 forms whose packets go to an IPv4 address they carry: the checks apply to that address. NAT64's
+# well-known prefix (RFC 6052; the last 32 bits), 6to4 (2002::/16), IPv4-mapped (::ffff:a.b.c.d) and the
+# deprecated IPv4-compatible form (::a.b.c.d). Python calls most of these "global" whatever they carry.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# RFC 8215's local-use NAT64 prefix: translated by the site's own NAT64 to an address that cannot be read
+# from it (the operator picks where in the address the IPv4 part goes).
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+
+
+def embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (and delivers to), or None."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped:
+        return ip.ipv4_mapped
+    if ip.sixtofour:
+        return ip.sixtofour
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if int(ip) >> 32 == 0 and int(ip) > 1:  # ::a.b.c.d, not :: or ::1
+        return ipaddress.IPv4Address(int(ip))
+    return None
+
+
 def address_refusal(address: str) -> str:
     """Why the console's own host may not fetch from this IP address, or ""."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    if ip.is_global and not ip.is_multicast:
+    allowed = _allowed_networks()
+    if any(ip.version == network.version and ip in network for network in allowed):
         return ""
-    if any(ip in network for network in _allowed_networks()):
+    if (carried := embedded_ipv4(ip)) is not None:
+        reason = address_refusal(str(carried))
+        return f"{address} carries the IPv4 address {carried}: {reason}" if reason else ""
+    if ip in _LOCAL_NAT64:
+        return (
+            f"{address} is local-use NAT64, translated to an address the console cannot check: downloads on "
+            "the console's own host fetch only from public addresses (an admin can allow a network with "
+            "RAMDECK_DOWNLOAD_ALLOW_NETWORKS)."
+        )
+    if ip.is_global and not ip.is_multicast:
         return ""
     kinds = [
         (ip.is_loopback, "loopback"),

@@ -375,6 +375,10 @@ RAMDECK_MODEL_DIRS = [
 # (comma-separated CIDRs, e.g. 192.168.1.0/24 for a NAS on the LAN). Redirects: at most this many.
 RAMDECK_DOWNLOAD_ALLOW_NETWORKS = env_list("RAMDECK_DOWNLOAD_ALLOW_NETWORKS", [])
 RAMDECK_DOWNLOAD_MAX_REDIRECTS = env_int("RAMDECK_DOWNLOAD_MAX_REDIRECTS", 5, minimum=0, maximum=20)
+# The largest file a download may write, on any node. Hugging Face holds at most 50 GB per file (larger models
+# come in shards), so the default leaves room for hosts that do not split, and stops a server that streams
+# without end from filling the node's disk.
+RAMDECK_DOWNLOAD_MAX_BYTES = env_int("RAMDECK_DOWNLOAD_MAX_BYTES", 256 * 2**30, minimum=2**20)
 # The tarball the build form offers first: a file name in RAMDECK_TARBALL_DIR (default: the pinned source).
 RAMDECK_LLAMACPP_TARBALL = env_str("RAMDECK_LLAMACPP_TARBALL", "")
 # When llama.cpp's logged placement differs from the plan: "fail" the deployment or only "warn".

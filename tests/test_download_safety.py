@@ -5,17 +5,24 @@ URL's query (its token) never stored, logged or shown in plain text."""
 from __future__ import annotations
 
 import html
+import re
+import shutil
+import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import psutil
 import pytest
 from django.urls import reverse
 
 from audit.models import AuditEvent
 from deployments import fetch_policy
+from deployments.download_job import curl_config
 from deployments.models import ModelFile
 from deployments.tiny_model import TinyLlama, write_tiny_llama
+from jobs import runner
 from jobs.models import Job, JobState
 from ramdeck_site import crypto
 from tests.job_fixtures import channel_layer, local_node  # noqa: F401 - fixtures
@@ -304,3 +311,260 @@ def test_register_by_path_accepts_only_files_under_the_model_folders(
     )
     assert response.status_code == 302
     assert ModelFile.objects.get().path == str(inside)
+
+
+# --------------------------------------------------------------------------------------------------
+# IPv4 carried inside IPv6
+
+
+@pytest.mark.parametrize(
+    ("address", "carried"),
+    [
+        ("64:ff9b::7f00:1", "127.0.0.1"),  # NAT64, well-known prefix
+        ("64:ff9b::a9fe:a9fe", "169.254.169.254"),
+        ("2002:7f00:1::", "127.0.0.1"),  # 6to4
+        ("2002:c0a8:101::1", "192.168.1.1"),
+        ("::ffff:10.0.0.1", "10.0.0.1"),  # IPv4-mapped
+        ("::127.0.0.1", "127.0.0.1"),  # IPv4-compatible (deprecated)
+        ("::a9fe:a9fe", "169.254.169.254"),
+    ],
+)
+def test_ipv4_carried_inside_ipv6_is_checked_as_the_ipv4_address(settings, address, carried):
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = []
+    reason = fetch_policy.address_refusal(address)
+    assert reason.startswith(f"{address} carries the IPv4 address {carried}: {carried} is "), reason
+    # The same through the form's quick check of an IP literal.
+    assert fetch_policy.literal_refusal(f"http://[{address}]:8080/m.gguf") == reason
+
+
+def test_public_ipv4_carried_inside_ipv6_passes_and_local_use_nat64_does_not(settings):
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = []
+    for address in ("64:ff9b::5db8:d822", "2002:5db8:d822::1", "::ffff:93.184.216.34"):
+        assert fetch_policy.address_refusal(address) == "", address
+    assert "local-use NAT64" in fetch_policy.address_refusal("64:ff9b:1::7f00:1")
+    # An admin's allowance follows the carried address.
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.0/8"]
+    assert fetch_policy.address_refusal("64:ff9b::7f00:1") == ""
+
+
+# --------------------------------------------------------------------------------------------------
+# The size cap and the free space
+
+
+class Streamer:
+    """A server that never announces its size: a one-byte answer to the range probe (`bytes 0-0/*`), then
+    `chunk` bytes every `pause` seconds for as long as the client reads, over HTTP/1.0 without a length."""
+
+    def __init__(self, chunk: int = 256 * 1024, pause: float = 0.05) -> None:
+        self.requests: list[str | None] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+
+            def do_GET(self) -> None:
+                owner.requests.append(self.headers.get("Range"))
+                if self.headers.get("Range") == "bytes=0-0":
+                    self.send_response(206)
+                    self.send_header("Content-Range", "bytes 0-0/*")
+                    self.send_header("Content-Length", "1")
+                    self.end_headers()
+                    self.wfile.write(b"G")
+                    return
+                self.send_response(200)
+                self.end_headers()
+                try:
+                    for _ in range(4000):  # 1 GiB at most, should nobody stop it
+                        self.wfile.write(b"\0" * chunk)
+                        self.wfile.flush()
+                        time.sleep(pause)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Announcer:
+    """Announces `size` bytes (to the one-byte range probe) and sends one."""
+
+    def __init__(self, size: int) -> None:
+        self.requests: list[str] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                owner.requests.append(self.headers.get("Range") or "")
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes 0-0/{size}")
+                self.send_header("Content-Length", "1")
+                self.end_headers()
+                self.wfile.write(b"G")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_download_larger_than_the_cap_is_refused_before_any_byte(local_node, models_dir, settings):  # noqa: F811
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
+    settings.RAMDECK_DOWNLOAD_MAX_BYTES = 2**30
+    big = Announcer(5 * 2**30)
+    try:
+        job = run(download(local_node, big.url("/big.gguf"), models_dir / "big.gguf"))
+    finally:
+        big.close()
+    assert job.state == JobState.FAILED
+    assert job.result == (
+        "Download refused: the server announces 5.0 GiB, more than the 1.0 GiB a download may write "
+        "(RAMDECK_DOWNLOAD_MAX_BYTES)."
+    )
+    assert big.requests == ["bytes=0-0"] and not list(models_dir.iterdir())
+
+
+def test_a_download_the_destination_has_no_room_for_is_refused_before_any_byte(
+    local_node,  # noqa: F811
+    models_dir,
+    settings,
+):
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
+    settings.RAMDECK_DOWNLOAD_MAX_BYTES = 2**62
+    free = shutil.disk_usage(models_dir).free
+    big = Announcer(free + 2**40)
+    try:
+        job = run(download(local_node, big.url("/big.gguf"), models_dir / "big.gguf"))
+    finally:
+        big.close()
+    assert job.state == JobState.FAILED
+    assert re.fullmatch(
+        rf"Download refused: it needs [\d.]+ GiB more in {models_dir} on {local_node.name}, which has "
+        r"[\d.]+ GiB free\.",
+        job.result,
+    ), job.result
+    assert big.requests == ["bytes=0-0"] and list(models_dir.iterdir()) == []
+
+
+def test_a_download_of_unannounced_size_is_stopped_past_the_cap_and_removed(
+    local_node,  # noqa: F811
+    models_dir,
+    settings,
+):
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
+    settings.RAMDECK_DOWNLOAD_MAX_BYTES = 2 * 2**20
+    endless = Streamer()
+    started = time.monotonic()
+    try:
+        job = run(download(local_node, endless.url("/endless.gguf"), models_dir / "endless.gguf"))
+    finally:
+        endless.close()
+    assert job.state == JobState.FAILED, log_text(job)
+    assert job.result == (
+        "Download stopped: the file is larger than 2.0 MiB, the most a download may write "
+        "(RAMDECK_DOWNLOAD_MAX_BYTES); what was downloaded is removed."
+    )
+    log = log_text(job)
+    assert "The server does not announce the size; the download stops if it passes 2.0 MiB." in log
+    assert "(stopped: more than the 2.0 MiB a download may write)" in log
+    assert time.monotonic() - started < 30
+    assert list(models_dir.iterdir()) == [] and not ModelFile.objects.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# The URL never on a command line
+
+
+def curl_reads_back(url: str) -> str:
+    """The URL real curl takes from `curl_config(url)` on its standard input (with `--globoff`, as the
+    download's curl). It connects to 127.0.0.1:9 whatever the URL says (nothing listens there), so nothing
+    leaves this machine."""
+    result = subprocess.run(
+        ["curl", "-sS", "--globoff", "--noproxy", "*", "--connect-to", "::127.0.0.1:9", "--max-time", "5",
+         "--output", "/dev/null", "--write-out", "%{url}", "--config", "-"],
+        input=curl_config(url), capture_output=True, timeout=30,
+    )  # fmt: skip
+    return result.stdout.decode()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"https://example.test/m.gguf?token={TOKEN}&x=1",
+        'https://example.test/a"b\\c/m.gguf?sig="\\n"',
+        'https://example.test/quote"\noutput = /tmp/evil\nurl = "https://evil.test/',
+        "https://example.test/tab\there/é/😀.gguf#frag",
+        "https://example.test/\x1b[31m\x7f\x01\r\v.gguf",
+    ],
+    ids=["token", "quotes and backslashes", "a line break adding an option", "tab and unicode", "controls"],
+)
+def test_curl_reads_back_exactly_the_url_from_its_config_line(url):
+    config = curl_config(url).decode()
+    assert config.startswith('url = "') and config.endswith('"\n') and config.count("\n") == 1
+    assert curl_reads_back(url) == url
+
+
+def test_a_url_with_a_nul_is_refused():
+    from jobs.context import JobFailed
+
+    with pytest.raises(JobFailed, match="The URL holds a NUL character"):
+        curl_config("https://example.test/a\x00b")
+
+
+def test_curls_command_line_never_shows_the_url(local_node, models_dir, model_bytes, settings):  # noqa: F811
+    """`ps` on the console's host, read from /proc/PID/cmdline while the download runs."""
+    settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
+    slow = RangeServer({"/tiny.gguf": model_bytes}, pause=0.1)  # about 4 s for the 9 MiB
+    url = slow.url(f"/tiny.gguf?token={TOKEN}")
+    job = download(local_node, url, models_dir / "tiny.gguf")
+    seen: dict[int, str] = {}
+    thread = threading.Thread(target=runner.run_job, args=(job.pk,), daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while thread.is_alive() and time.monotonic() < deadline:
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    cmdline = Path(f"/proc/{child.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if "curl" in cmdline:
+                    seen[child.pid] = cmdline
+            time.sleep(0.05)
+        thread.join(timeout=60)
+    finally:
+        slow.close()
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED, log_text(job)
+    assert (models_dir / "tiny.gguf").read_bytes() == model_bytes
+    assert slow.requests[-1][1] == f"/tiny.gguf?token={TOKEN}"  # curl did get the URL, with its token
+    downloads = [c for c in seen.values() if "--output" in c and "--continue-at" in c]
+    assert downloads, seen  # the download's own curl was seen running
+    for cmdline in seen.values():
+        assert TOKEN not in cmdline and "127.0.0.1:" + str(slow.server.server_address[1]) + "/" not in cmdline
+        assert "http://" not in cmdline, cmdline

@@ -34,6 +34,7 @@ from nodes.command_views import CommandForm
 from nodes.forms import NodeForm
 from nodes.models import CredentialKind, Transport
 from tests.factories import CredentialFactory, NodeFactory
+from tests.test_download_safety import curl_reads_back
 
 pytestmark = [pytest.mark.security, pytest.mark.lab, pytest.mark.timeout(300)]
 
@@ -203,9 +204,14 @@ def test_download_url_and_destination(forms_world, node_shell, url_tail, dest):
             assert form.errors and all(str(e).strip() for errs in form.errors.values() for e in errs)
             continue
         params = form.params()
-        argv = curl_argv(params["url"], params["dest"] + ".part")
+        argv = curl_argv(params["dest"] + ".part")
         assert node_shell.deliver(argv) == argv
-        assert argv[-1] == params["url"] and argv[argv.index("--output") + 1] == params["dest"] + ".part"
+        assert argv[argv.index("--output") + 1] == params["dest"] + ".part"
+        # The URL reaches curl on its standard input, as one quoted config line, never in its argv.
+        real = form.cleaned_data["url"]
+        assert real not in argv and argv[-2:] == ["--config", "-"]
+        if url.startswith("https://example.test/"):
+            assert curl_reads_back(real) == real
 
 
 @given(git_url=HOSTILE, git_ref=HOSTILE)
