@@ -6,9 +6,12 @@ have no request, audit with the user who started the job.
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import re
 from typing import Any
 
+from django.conf import settings
 from django.db import models
 
 from ramdeck_site.printable import printable, printable_json
@@ -38,9 +41,49 @@ def redact(value: Any) -> Any:
 
 
 def client_ip(request) -> str | None:
+    """The address of the person behind `request`: the peer's, or behind a trusted reverse proxy
+    (RAMDECK_TRUSTED_PROXIES) the one the proxies name in X-Forwarded-For.
+
+    The header is read from the right: each proxy appends the address it got the request from, so the
+    rightmost entry that is not one of our proxies is the client; whatever a client wrote into the header
+    itself stands further left and is never reached. From a peer that is not a trusted proxy the header is
+    ignored (anyone can send one). The login lockout (AXES_CLIENT_IP_CALLABLE) asks the same question, so a
+    lockout behind the proxy locks the client, not the proxy and everyone behind it.
+    """
     if request is None:
         return None
-    return request.META.get("REMOTE_ADDR") or None
+    peer = _address(request.META.get("REMOTE_ADDR"))
+    trusted = _networks(tuple(getattr(settings, "RAMDECK_TRUSTED_PROXIES", ())))
+    if peer is None or not trusted or not _is_in(peer, trusted):
+        return str(peer) if peer is not None else None
+    client = peer
+    for entry in reversed(request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")):
+        hop = _address(entry)
+        if hop is None:
+            break  # a malformed entry: nothing left of it can be trusted; the last good hop is the client
+        client = hop
+        if not _is_in(hop, trusted):
+            break
+    return str(client)
+
+
+def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address((text or "").strip())
+    except ValueError:
+        return None
+    # An IPv4 client seen through an IPv6 socket (::ffff:192.0.2.7) is that IPv4 client.
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+@functools.cache
+def _networks(items: tuple[str, ...]) -> tuple:
+    return tuple(ipaddress.ip_network(item, strict=False) for item in items)
+
+
+def _is_in(address, networks: tuple) -> bool:
+    return any(address.version == net.version and address in net for net in networks)
 
 
 def record(

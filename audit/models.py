@@ -69,3 +69,15 @@ class AuditEvent(models.Model):
 
     def delete(self, *args, **kwargs):
         raise PermissionError("Audit events are append-only.")
+
+
+class UnrecordedLoginFailures(models.Model):
+    """How many failed logins with an unknown username were left out of the history since the last one that
+    was written (ramdeck_site/login_audit.py writes at most one such entry per address per minute, and a
+    few per minute in all, so a script guessing names cannot flood the history). One row; the next entry
+    written carries the count, and it starts again from nought. A counter, not history: it changes."""
+
+    count = models.PositiveBigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.count} failed logins not recorded one by one"

@@ -305,10 +305,25 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
 
+# Two limits on failed logins within the cool-off (ramdeck_site/lockout.py): this many from one address lock
+# that address, whatever usernames it tries; RAMDECK_LOGIN_ACCOUNT_FAILURE_LIMIT against one account, from
+# any addresses, lock that account. A locked address adds no more failures to anyone's count, so with the
+# defaults it takes four addresses to lock an account. An admin unlocks an account on the Users page, or on
+# the console's host with `manage.py axes_reset_username NAME` (`axes_reset_ip ADDRESS` for an address).
 AXES_FAILURE_LIMIT = env_int("RAMDECK_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+RAMDECK_LOGIN_ACCOUNT_FAILURE_LIMIT = env_int("RAMDECK_LOGIN_ACCOUNT_FAILURE_LIMIT", 20, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("RAMDECK_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_LOCKOUT_PARAMETERS = ["ip_address", "username"]
+AXES_HANDLER = "ramdeck_site.lockout.LockoutHandler"
+# Failures while locked out are refused without being counted: a lock ends one cool-off after the failures
+# that caused it, and a locked address cannot go on adding to an account's count.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
 AXES_RESET_ON_SUCCESS = True
+# The client's address as the audit history sees it (behind RAMDECK_TRUSTED_PROXIES, from X-Forwarded-For).
+AXES_CLIENT_IP_CALLABLE = "audit.history.client_ip"
+# What axes stores as the username: an unknown one (perhaps a password typed into the wrong box) as a keyed
+# hash, never as typed.
+AXES_USERNAME_CALLABLE = "ramdeck_site.lockout.username_for_lockout"
 AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
 AXES_VERBOSE = False
 
@@ -458,8 +473,33 @@ SECURE_SSL_REDIRECT = RAMDECK_HTTPS and env_bool("RAMDECK_SSL_REDIRECT", default
 SECURE_HSTS_SECONDS = env_int("RAMDECK_HSTS_SECONDS", 31536000 if RAMDECK_HTTPS else 0, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = RAMDECK_HTTPS
 SECURE_HSTS_PRELOAD = False
-if env_bool("RAMDECK_TRUST_PROXY_HEADER", default=False):
+RAMDECK_TRUST_PROXY_HEADER = env_bool("RAMDECK_TRUST_PROXY_HEADER", default=False)
+if RAMDECK_TRUST_PROXY_HEADER:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+
+def env_networks(name: str, default: list[str]) -> list[str]:
+    """Comma-separated addresses or CIDRs, each checked: a typo must not silently trust nobody, or all."""
+    import ipaddress
+
+    networks = []
+    for item in env_list(name, default):
+        try:
+            networks.append(str(ipaddress.ip_network(item, strict=False)))
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name}: {item!r} is not an IP address or network ({exc}).") from exc
+    return networks
+
+
+# The reverse proxies in front of the console (addresses or CIDRs). Only a request that comes from one of them
+# has its client's address read from X-Forwarded-For (audit/history.py `client_ip`, which the login lockout
+# uses too); from anyone else the header is ignored. Behind the README's proxy (RAMDECK_TRUST_PROXY_HEADER=1,
+# the console on loopback, the proxy its only way in) that proxy is this machine, so loopback is the default;
+# without it nobody is trusted. Otherwise every login would come from the proxy's address, and one
+# guesser's lockout would lock everybody out.
+RAMDECK_TRUSTED_PROXIES = env_networks(
+    "RAMDECK_TRUSTED_PROXIES", ["127.0.0.1", "::1"] if RAMDECK_TRUST_PROXY_HEADER else []
+)
 SILENCED_SYSTEM_CHECKS = [
     # HSTS preload is a public-internet commitment that a LAN console must not make for its owner.
     "security.W021",

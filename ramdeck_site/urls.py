@@ -13,6 +13,7 @@ user_urls = (
         path("", user_views.user_list, name="list"),
         path("new/", user_views.user_create, name="create"),
         path("<int:pk>/", user_views.user_edit, name="edit"),
+        path("<int:pk>/unlock/", user_views.user_unlock, name="unlock"),
     ],
     "users",
 )

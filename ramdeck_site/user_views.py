@@ -16,9 +16,11 @@ from django.contrib.auth.models import Group
 from django.db import transaction
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
 
 from audit import history
 
+from . import lockout
 from .roles import ADMIN, OPERATOR, ROLES, VIEWER, role_of, role_required
 
 User = get_user_model()
@@ -85,8 +87,33 @@ class UserEditForm(forms.Form):
 @role_required(ADMIN)
 def user_list(request):
     users = User.objects.order_by("username").prefetch_related("groups")
-    rows = [{"user": user, "role": role_of(user) if user.is_active else _stored_role(user)} for user in users]
+    locked = lockout.locked_usernames()
+    rows = [
+        {
+            "user": user,
+            "role": role_of(user) if user.is_active else _stored_role(user),
+            "locked": user.get_username() in locked,
+        }
+        for user in users
+    ]
     return render(request, "ramdeck_site/users/user_list.html", {"rows": rows})
+
+
+@require_POST
+@role_required(ADMIN)
+def user_unlock(request, pk: int):
+    """End an account's login lockout at once (ramdeck_site/lockout.py): its failed logins are forgotten.
+    The way back for a user someone locked out by guessing; audited. For the last admin, locked out with
+    nobody to press this, `manage.py axes_reset_username NAME` on the console's host does the same."""
+    target = get_object_or_404(User, pk=pk)
+    name = target.get_username()
+    forgotten = lockout.unlock(name)
+    if forgotten:
+        history.record(request, "user.unlock", target, changes={"failure_records": forgotten})
+        messages.success(request, f"{name} may log in again: their failed logins are forgotten.")
+    else:
+        messages.info(request, f"{name} was not locked out.")
+    return redirect("users:list")
 
 
 def _stored_role(user) -> str | None:

@@ -21,6 +21,7 @@ from nodes.models import Device, Node
 
 from . import dashboard_live
 from .first_run import first_run_context
+from .login_audit import AuditedLoginMixin
 from .roles import VIEWER, can_view, role_required
 
 
@@ -60,26 +61,11 @@ def dashboard_live_regions(request):
     return HttpResponse(html)
 
 
-class RamdeckLoginView(auth_views.LoginView):
-    """Django's login, with the audit entries the console promises: success and failure."""
+class RamdeckLoginView(AuditedLoginMixin, auth_views.LoginView):
+    """Django's login, with the audit entries the console promises: success and failure
+    (ramdeck_site/login_audit.py, which Django admin's login uses too)."""
 
     redirect_authenticated_user = True
-
-    def form_valid(self, form):
-        response = super().form_valid(form)
-        history.record(self.request, "login", self.request.user)
-        return response
-
-    def form_invalid(self, form):
-        attempted = (self.request.POST.get("username") or "")[:150]
-        history.record(
-            self.request,
-            "login.failed",
-            object_type="user",
-            object_repr=attempted,
-            changes={"username": attempted},
-        )
-        return super().form_invalid(form)
 
 
 @require_POST

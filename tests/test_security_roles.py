@@ -63,6 +63,7 @@ RULES: dict[str, dict[str, object]] = {
     "users:list": _rule(LOGIN, 403, 403, 200),
     "users:create": _rule(LOGIN, 403, 403, 200),
     "users:edit": _rule(LOGIN, 403, 403, 200),
+    "users:unlock": _rule(LOGIN, 403, 403, 302),  # POST; ends an account's login lockout
     # Nodes: viewers look, admins change the inventory, operators start probes and calibrations.
     "nodes:list": _rule(LOGIN, 200, 200, 200),
     "nodes:create": _rule(LOGIN, 403, 403, 200),
@@ -286,7 +287,7 @@ def _pk_of(key: str, data: dict) -> int:
         return data["stale"].pk
     if key.startswith("deployments:"):
         return data["deployment"].pk
-    if key == "users:edit":
+    if key in ("users:edit", "users:unlock"):
         return data["users"]["viewer"].pk
     raise AssertionError(f"{key}: say in _pk_of which object its <pk> is")
 
