@@ -41,6 +41,15 @@ def _get_deployment(pk: int) -> Deployment:
     )
 
 
+def refuse_on_console_host(request, deployment: Deployment, what: str) -> None:
+    """403 (LocalNodeRefused, audited) when the deployment uses the console's own host and the user is no
+    admin. Not only starting and stopping: its API key opens a llama-server running as the console's user,
+    direct RPC mode opens an unauthenticated rpc-server on the console's host to the LAN, and self-healing
+    starts processes there on its own; each is the admins' to decide."""
+    for node in lifecycle.deployment_nodes(deployment):
+        refuse_local_node(request.user, node, what, request=request)
+
+
 def _steps(deployment: Deployment) -> list[dict]:
     steps = list(deployment.steps.select_related("job").order_by("order", "pk"))
     tails = log_tails([step.job for step in steps], 6)
@@ -93,6 +102,8 @@ def run_context(user, deployment: Deployment) -> dict:
             DeploymentState.STOPPING,
         ),
         "can_operate": can_operate(user),
+        # The API key, the RPC mode and self-healing of a deployment on the console's own host: admins only.
+        "may_control": can_operate(user) and not lifecycle.local_refusal(deployment, user),
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
@@ -159,8 +170,9 @@ def deployment_processes(request, pk: int):
 
 @role_required(OPERATOR)
 def deployment_api_key(request, pk: int):
-    """The API key, for operators only; every reveal is audited."""
+    """The API key, for operators only (admins only on the console's own host); every reveal is audited."""
     deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "API keys of deployments")
     key = deployment.api_key() if deployment.api_key_encrypted else ""
     history.record(request, "deployment.api_key_viewed", deployment)
     context = {
@@ -223,6 +235,7 @@ def deployment_rpc_mode(request, pk: int):
     """Choose how the coordinator reaches the rpc-servers (deployments/rpc_guard.py) before a deploy or a
     redeploy; audited. A running deployment keeps its mode until it is stopped."""
     deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "RPC modes of deployments")
     wanted = request.POST.get("mode", "")
     if wanted not in RpcMode.values:
         messages.error(request, "Choose auto, tunnel or direct.")
@@ -241,6 +254,7 @@ def deployment_rpc_mode(request, pk: int):
 def deployment_self_heal(request, pk: int):
     """Turn self-healing on or off (deployments/healing.py); audited."""
     deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "Self-healing switches of deployments")
     wanted = request.POST.get("on") == "1"
     if deployment.self_heal != wanted:
         deployment.record(self_heal=wanted)

@@ -20,7 +20,7 @@ from django.utils.safestring import mark_safe
 from ramdeck_site.roles import can_operate, can_view
 
 from .broadcast import LIST_GROUP, group_name, log_line_html, rows_of
-from .models import TERMINAL_STATES, Job, JobLogLine
+from .models import TERMINAL_STATES, Job, JobLogLine, may_read_log
 from .watchers import FORBIDDEN, UserBoundConsumer
 
 BACKLOG_CHUNK = 2000
@@ -28,6 +28,14 @@ BACKLOG_CHUNK = 2000
 
 def _may_view(user) -> bool:
     return bool(user is not None and user.is_authenticated and can_view(user))
+
+
+def _may_read(user, job_id: int) -> bool:
+    """Whether the job exists and `user` may read its log (admins only for the console's own host)."""
+    if user is None or not user.is_authenticated:
+        return False
+    job = Job.objects.select_related("node").filter(pk=job_id).first()
+    return job is not None and may_read_log(user, job)
 
 
 def _parse_after(scope) -> int:
@@ -41,9 +49,7 @@ def _parse_after(scope) -> int:
 class JobLogConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
     async def connect(self) -> None:
         self.job_id = int(self.scope["url_route"]["kwargs"]["pk"])
-        user = self.scope.get("user")
-        allowed = await database_sync_to_async(_may_view)(user)
-        if not allowed or not await database_sync_to_async(Job.objects.filter(pk=self.job_id).exists)():
+        if not await database_sync_to_async(_may_read)(self.scope.get("user"), self.job_id):
             await self.close(code=FORBIDDEN)
             return
         self.group = group_name(self.job_id)
@@ -62,6 +68,10 @@ class JobLogConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
 
     async def receive(self, text_data=None, bytes_data=None) -> None:
         """Clients only listen; whatever they send is ignored."""
+
+    async def may_stay(self, user) -> bool:
+        # An admin who stops being one while watching a log of the console's own host stops watching it.
+        return await database_sync_to_async(_may_read)(user, self.job_id)
 
     async def job_lines(self, event: dict) -> None:
         # Data from the channel layer, rendered (escaped) here: never markup passed through.

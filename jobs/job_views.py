@@ -21,7 +21,7 @@ from ramdeck_site.roles import OPERATOR, VIEWER, role_required
 from . import broadcast
 from .broadcast import log_line_html, plain_text
 from .forms import JobFilterForm
-from .models import Job, JobLogLine, JobState
+from .models import Job, JobLogLine, JobState, refuse_log
 
 # How many lines a job page shows at first, and per "load earlier lines".
 TAIL_LINES = 500
@@ -32,6 +32,13 @@ DOWNLOAD_CHUNK = 5000
 
 def _get_job(pk: int) -> Job:
     return get_object_or_404(Job.objects.select_related("node", "created_by"), pk=pk)
+
+
+def _get_job_with_log(request: HttpRequest, pk: int) -> Job:
+    """The job, when the user may read its log (jobs/models.py `may_read_log`), else a 403 that says why."""
+    job = _get_job(pk)
+    refuse_log(request, job)
+    return job
 
 
 def _int_param(request: HttpRequest, name: str) -> int | None:
@@ -81,7 +88,7 @@ def job_list(request: HttpRequest) -> HttpResponse:
 
 @role_required(VIEWER)
 def job_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    job = _get_job(pk)
+    job = _get_job_with_log(request, pk)
     after, before = _int_param(request, "after"), _int_param(request, "before")
     if request.htmx and after is not None:
         return _poll(request, job, after)
@@ -115,7 +122,7 @@ def _poll(request: HttpRequest, job: Job, after: int) -> HttpResponse:
 @role_required(VIEWER)
 def job_log_download(request: HttpRequest, pk: int) -> StreamingHttpResponse:
     """The whole log as plain text (ANSI codes stripped), streamed in chunks, never all in memory."""
-    job = _get_job(pk)
+    job = _get_job_with_log(request, pk)
     # Under ASGI (daphne) an async iterator streams; a sync one would be read whole into memory first.
     chunks = _log_chunks_async(job.pk) if isinstance(request, ASGIRequest) else _log_chunks(job.pk)
     response = StreamingHttpResponse(chunks, content_type="text/plain; charset=utf-8")

@@ -93,6 +93,45 @@ def refuse_local_node(user, node, what: str = "Jobs", *, request=None) -> None:
     )
 
 
+def may_read_log(user, job: Job) -> bool:
+    """Whether `user` may read `job`'s log (its page, its live socket, its download).
+
+    What a job on the console's own host printed ran as the console's user and may show its secrets (a
+    command's output, a build's environment), so only admins read those logs. A job whose node was deleted
+    can no longer tell where it ran, and counts as one of them. Viewers read every other log.
+    """
+    from ramdeck_site.roles import can_administer, can_view
+
+    if not can_view(user):
+        return False
+    if job.node_id is not None and not job.node.is_local:
+        return True
+    return can_administer(user)
+
+
+def refuse_log(request, job: Job) -> None:
+    """Raise LocalNodeRefused (after an audit entry) when the request's user may not read `job`'s log."""
+    if may_read_log(request.user, job):
+        return
+    from audit import history
+
+    history.record(
+        request,
+        "permission_denied",
+        job,
+        changes={"path": request.path, "method": request.method, "needed": "admin", "local_node": True},
+    )
+    where = (
+        f"{job.node.name}, the console's own host"
+        if job.node_id is not None
+        else "a node since deleted, perhaps the console's own host"
+    )
+    raise LocalNodeRefused(
+        f"This job ran on {where}: its log needs the admin role, since whatever ran there ran as the "
+        "console's user and may have printed its secrets."
+    )
+
+
 class JobQuerySet(models.QuerySet):
     def active(self):
         return self.filter(state__in=ACTIVE_STATES)

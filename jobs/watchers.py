@@ -1,6 +1,7 @@
 """Websockets end with what let them open: logging out closes the sockets of that session, and losing the
-viewer role (or the account being disabled) closes every socket of that user, at once rather than at the
-next reconnect. Consumers mix in `UserBoundConsumer`; the signal receivers below feed a group per user.
+viewer role (or the account being disabled) or a new password closes every socket of that user, at once
+rather than at the next reconnect. Consumers mix in `UserBoundConsumer`; the signal receivers below feed a
+group per user.
 
 Signals, not explicit calls: roles change in Django admin, where the console has no view of its own.
 """
@@ -13,7 +14,8 @@ import contextlib
 from channels.db import database_sync_to_async
 from django.contrib.auth import get_user_model
 from django.contrib.auth.signals import user_logged_out
-from django.db.models.signals import m2m_changed, post_save
+from django.db import transaction
+from django.db.models.signals import m2m_changed, post_save, pre_save
 
 from ramdeck_site.roles import can_view
 
@@ -53,10 +55,15 @@ class UserBoundConsumer:
 
     async def user_roles_changed(self, event: dict) -> None:
         fresh, allowed = await database_sync_to_async(_fresh_user)(event["user_id"])
-        if not allowed:
+        if not allowed or not await self.may_stay(fresh):
             await self.close(code=FORBIDDEN)
             return
         self.scope["user"] = fresh  # what it may do now (an operator's buttons) follows the new role
+
+    async def may_stay(self, user) -> bool:
+        """Whether `user`, who may still view, may still watch this socket (a consumer that needs more than
+        the viewer role says what)."""
+        return True
 
 
 class CoalescedRenderConsumer:
@@ -119,9 +126,26 @@ def _groups_changed(sender, instance, action, reverse, pk_set, **kwargs) -> None
         _tell(user_id, {"type": "user.roles_changed", "user_id": user_id})
 
 
+def _password_before_save(sender, instance, update_fields=None, **kwargs) -> None:
+    """Note whether this save changes the stored password hash. Read back from the database: a password
+    changes through the console's form, Django admin, `manage.py changepassword` or a plain assignment, and
+    only the stored hash tells them all apart from any other save."""
+    if instance.pk is None or (update_fields is not None and "password" not in update_fields):
+        return
+    stored = sender._default_manager.filter(pk=instance.pk).values_list("password", flat=True).first()
+    instance._ramdeck_password_changed = stored is not None and stored != instance.password
+
+
 def _user_saved(sender, instance, created, update_fields=None, **kwargs) -> None:
     if not created and (update_fields is None or {"is_active", "is_superuser"} & set(update_fields)):
         _tell(instance.pk, {"type": "user.roles_changed", "user_id": instance.pk})
+    if getattr(instance, "_ramdeck_password_changed", False):
+        instance._ramdeck_password_changed = False
+        # A new password ends every session of the user (Django checks each session's password hash; the
+        # session that changed it gets a new key), so every socket ends too, as at a logout. Once the
+        # change is committed: a rolled-back one changed nothing.
+        user_id = instance.pk
+        transaction.on_commit(lambda: _tell(user_id, {"type": "user.logged_out", "session_key": None}))
 
 
 def connect_signals() -> None:
@@ -130,4 +154,5 @@ def connect_signals() -> None:
     m2m_changed.connect(
         _groups_changed, sender=user_model.groups.through, dispatch_uid="ramdeck-watchers-groups"
     )
+    pre_save.connect(_password_before_save, sender=user_model, dispatch_uid="ramdeck-watchers-password")
     post_save.connect(_user_saved, sender=user_model, dispatch_uid="ramdeck-watchers-user")

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 import pytest
+from django.test import Client
 from django.urls import reverse
 
 from audit.models import AuditEvent
@@ -241,3 +242,155 @@ def test_the_model_forms_offer_the_console_host_to_admins_only(
     client.force_login(admin_user)
     page = client.get(reverse("deployments:models")).content.decode()
     assert f'<option value="{console_host.pk}">' in page
+
+
+# --------------------------------------------------------------------------------------------------
+# A deployment that uses the console's host: its API key, RPC mode and self-healing are the admins'
+
+
+def test_the_api_key_rpc_mode_and_self_healing_of_a_console_host_deployment_need_an_admin(
+    console_host, remote, operator_user, admin_user
+):
+    operator_client, admin_client = Client(), Client()
+    operator_client.force_login(operator_user)
+    admin_client.force_login(admin_user)
+    deployment = _deployment(console_host, remote, created_by=admin_user)
+    deployment.set_api_key("sk-console-host-123")
+    deployment.save()
+    key = reverse("deployments:api_key", args=[deployment.pk])
+    mode = reverse("deployments:rpc_mode", args=[deployment.pk])
+    heal = reverse("deployments:self_heal", args=[deployment.pk])
+
+    response = operator_client.get(key)
+    assert "sk-console-host-123" not in response.content.decode()
+    _refused(response, console_host)
+    _refused(operator_client.post(mode, {"mode": "direct"}), console_host)
+    _refused(operator_client.post(heal, {"on": "1"}), console_host)
+    deployment.refresh_from_db()
+    assert deployment.rpc_mode != "direct" and not deployment.self_heal
+    assert not AuditEvent.objects.filter(action="deployment.api_key_viewed").exists()
+    # The run page offers the operator none of the three, and an admin all of them.
+    run = reverse("deployments:run", args=[deployment.pk])
+    assert 'id="rpc-mode-form"' not in operator_client.get(run).content.decode()
+    assert 'id="rpc-mode-form"' in admin_client.get(run).content.decode()
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.RUNNING)
+    page = operator_client.get(run).content.decode()
+    assert 'id="self-heal-button"' not in page and key not in page
+    assert "Admins can show the API key: this deployment uses the console's own host." in page
+    page = admin_client.get(run).content.decode()
+    assert 'id="self-heal-button"' in page and key in page
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.CONFIRMED)
+
+    assert "sk-console-host-123" in admin_client.get(key).content.decode()
+    assert admin_client.post(mode, {"mode": "direct"}).status_code == 302
+    deployment.refresh_from_db()
+    assert deployment.rpc_mode == "direct"
+
+
+def test_an_operator_keeps_the_api_key_rpc_mode_and_self_healing_on_remote_nodes(
+    remote, operator_client, operator_user
+):
+    coordinator = NodeFactory(name="desk", may_coordinate=True)
+    deployment = _deployment(coordinator, remote, created_by=operator_user)
+    deployment.set_api_key("sk-remote-123")
+    deployment.save()
+    assert (
+        "sk-remote-123"
+        in operator_client.get(reverse("deployments:api_key", args=[deployment.pk])).content.decode()
+    )
+    assert (
+        operator_client.post(
+            reverse("deployments:rpc_mode", args=[deployment.pk]), {"mode": "direct"}
+        ).status_code
+        == 302
+    )
+    assert (
+        operator_client.post(reverse("deployments:self_heal", args=[deployment.pk]), {"on": "1"}).status_code
+        == 302
+    )
+    deployment.refresh_from_db()
+    assert deployment.rpc_mode == "direct" and deployment.self_heal
+
+
+# --------------------------------------------------------------------------------------------------
+# Logs of jobs on the console's host: admins only (page, polling, download, live socket)
+
+
+def _job_with_secret(node, created_by) -> Job:
+    job = Job.objects.create(kind="command", node=node, title="cat var/encryption_key", created_by=created_by)
+    job.append_lines([("out", "fernet-key-printed-by-the-command")])
+    return job
+
+
+def test_logs_of_jobs_on_the_console_host_are_for_admins_only(
+    console_host, remote, client, viewer_user, operator_user, admin_user
+):
+    local_job = _job_with_secret(console_host, admin_user)
+    remote_job = _job_with_secret(remote, operator_user)
+    for user in (viewer_user, operator_user):
+        client.force_login(user)
+        for url in (
+            reverse("jobs:detail", args=[local_job.pk]),
+            reverse("jobs:detail", args=[local_job.pk]) + "?after=-1",  # the polling fallback
+            reverse("jobs:log_download", args=[local_job.pk]),
+        ):
+            response = client.get(url, headers={"HX-Request": "true"} if "after" in url else {})
+            assert response.status_code == 403, url
+            assert "fernet-key-printed" not in response.content.decode()
+            assert "the console&#x27;s own host" in response.content.decode()
+        # Every other node's log stays readable to every role.
+        assert client.get(reverse("jobs:detail", args=[remote_job.pk])).status_code == 200
+        assert b"fernet-key-printed" in b"".join(
+            client.get(reverse("jobs:log_download", args=[remote_job.pk])).streaming_content
+        )
+    event = AuditEvent.objects.filter(action="permission_denied").latest("pk")
+    assert event.changes["local_node"] is True and event.object_id == str(local_job.pk)
+
+    client.force_login(admin_user)
+    assert b"fernet-key-printed" in client.get(reverse("jobs:detail", args=[local_job.pk])).content
+    assert b"fernet-key-printed" in b"".join(
+        client.get(reverse("jobs:log_download", args=[local_job.pk])).streaming_content
+    )
+
+
+def test_a_job_whose_node_was_deleted_counts_as_one_on_the_console_host(
+    console_host, viewer_client, admin_user
+):
+    job = _job_with_secret(console_host, admin_user)
+    console_host.delete()  # its jobs stay, without a node: where they ran can no longer be told
+    job.refresh_from_db()
+    assert job.node is None and job.node_name == "console-host"
+    response = viewer_client.get(reverse("jobs:detail", args=[job.pk]))
+    assert response.status_code == 403 and "a node since deleted" in response.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_the_live_log_socket_of_a_console_host_job_is_for_admins_only(channel_layer):
+    from channels.db import database_sync_to_async
+
+    from tests.factories import UserFactory
+    from tests.test_consumers import connect
+
+    def world():
+        console = NodeFactory(name="console-host", address="127.0.0.1", transport=Transport.LOCAL)
+        remote_node = NodeFactory(name="old-pc", address="10.77.1.2")
+        admin = UserFactory(username="alice", role="admin")
+        users = {role: UserFactory(username=f"u-{role}", role=role) for role in ("viewer", "operator")}
+        return _job_with_secret(console, admin), _job_with_secret(remote_node, None), admin, users
+
+    local_job, remote_job, admin, users = await database_sync_to_async(world)()
+    for user in users.values():
+        communicator, connected, code = await connect(f"/ws/jobs/{local_job.pk}/", user)
+        assert not connected and code == 4403
+        await communicator.disconnect()
+        communicator, connected, _ = await connect(f"/ws/jobs/{remote_job.pk}/", user)
+        assert connected
+        await communicator.disconnect()
+    communicator, connected, _ = await connect(f"/ws/jobs/{local_job.pk}/?after=-1", admin)
+    assert connected and "fernet-key-printed" in await communicator.receive_from(timeout=15)
+
+    # An admin who stops being one stops watching at once.
+    await database_sync_to_async(admin.groups.clear)()
+    while (event := await communicator.receive_output(timeout=15))["type"] != "websocket.close":
+        pass
+    assert event["code"] == 4403

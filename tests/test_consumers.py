@@ -64,6 +64,13 @@ def viewer():
 
 
 @database_sync_to_async
+def watcher():
+    """Who watches the logs here: the jobs run on the console's own host (local_node), whose logs are the
+    admins' (jobs/models.py `may_read_log`)."""
+    return UserFactory(username="alice-watcher", role="admin")
+
+
+@database_sync_to_async
 def running_job_with_lines(node, count: int) -> Job:
     job = make_command_job(node, ["true"])
     job.mark_running("w1")
@@ -80,7 +87,7 @@ async def save_then_send(job: Job, texts: list[str]) -> list:
 async def test_a_watcher_gets_the_backlog_then_live_lines_of_a_real_job_each_once(
     local_node, channel_layer, tmp_path
 ):
-    user = await viewer()
+    user = await watcher()
     go = tmp_path / "go"
     code = (
         "import os, time\n"
@@ -120,7 +127,7 @@ async def _wait_for_lines(job: Job, count: int) -> None:
 
 
 async def test_a_reconnect_with_after_resumes_without_gaps_or_repeats(local_node, channel_layer):
-    user = await viewer()
+    user = await watcher()
     job = await running_job_with_lines(local_node, 10)
     communicator, connected, _ = await connect(f"/ws/jobs/{job.pk}/?after=4", user)
     assert connected
@@ -136,7 +143,7 @@ async def test_a_reconnect_with_after_resumes_without_gaps_or_repeats(local_node
 
 
 async def test_a_lost_group_message_is_filled_in_from_the_database(local_node, channel_layer):
-    user = await viewer()
+    user = await watcher()
     job = await running_job_with_lines(local_node, 3)
     communicator, connected, _ = await connect(f"/ws/jobs/{job.pk}/?after=2", user)
     assert connected
@@ -153,7 +160,7 @@ async def test_a_lost_group_message_is_filled_in_from_the_database(local_node, c
 
 
 async def test_a_finished_job_sends_its_log_and_summary_then_closes(local_node, channel_layer):
-    user = await viewer()
+    user = await watcher()
     job = await running_job_with_lines(local_node, 2)
     await database_sync_to_async(job.finish)(
         JobState.FAILED, exit_code=2, result="make exited with status 2."
@@ -190,7 +197,7 @@ async def test_a_missing_job_is_refused(channel_layer):
 
 
 async def test_another_site_cannot_open_the_socket(local_node, channel_layer):
-    user = await viewer()
+    user = await watcher()
     job = await running_job_with_lines(local_node, 1)
     cookie = await database_sync_to_async(session_cookie)(user)
     headers = [(b"origin", b"http://evil.example"), (b"cookie", f"sessionid={cookie}".encode())]
@@ -221,7 +228,7 @@ async def test_the_job_list_socket_sends_badges_as_states_change(local_node, cha
 async def test_markup_arriving_through_the_channel_layer_is_never_forwarded(local_node, channel_layer):
     """Anyone who can write to the channel layer (a shared Redis) can put anything in a group message: the
     consumer renders lines itself from (seq, stream, text), so markup in it reaches the page as text."""
-    user = await viewer()
+    user = await watcher()
     job = await running_job_with_lines(local_node, 1)
     communicator, connected, _ = await connect(f"/ws/jobs/{job.pk}/?after=0", user)
     assert connected

@@ -23,7 +23,7 @@ from ramdeck_site import services
 from tests.deploy_fixtures import lab_node, log_text, run
 from tests.job_fixtures import CeleryWorker, python_job, wait_for
 from tests.llamacpp_build import TARBALL, use_cached_llamacpp
-from tests.test_consumers import connect, viewer
+from tests.test_consumers import connect, watcher
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
@@ -115,7 +115,7 @@ async def test_redis_restarted_during_a_log_stream_loses_no_line(local_node, pri
         local_node,
         "import time\nfor i in range(800):\n    print('line', i, flush=True)\n    time.sleep(0.01)",
     )
-    user = await viewer()
+    user = await watcher()
     thread = threading.Thread(target=runner.run_job, args=(job.pk,), daemon=True)
     first, connected, _ = await connect(f"/ws/jobs/{job.pk}/", user)
     assert connected

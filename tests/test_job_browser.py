@@ -39,10 +39,11 @@ def _run_in_background(job):
 def test_a_watcher_sees_the_log_arrive_live_and_the_badge_turn_to_succeeded(
     channel_layer, local_node, live_server_url, page, tmp_path
 ):
-    UserFactory(username="vera-viewer", role="viewer")
+    # The job runs on the console's own host, whose logs are the admins'.
+    UserFactory(username="alice-admin", role="admin")
     go = tmp_path / "go"
     job = _job_waiting_for(local_node, go)
-    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    log_in(page, live_server_url, "alice-admin", PASSWORD)
     page.goto(f"{live_server_url}/jobs/{job.pk}/")
     expect(page.locator(f'[data-job-socket="{job.pk}"]')).to_have_attribute("data-ws-open", "1")
     page.evaluate("window.__notReloaded = true")
@@ -116,13 +117,14 @@ def test_without_a_websocket_the_page_polls_until_the_job_ends(
     channel_layer, local_node, live_server_url, page, tmp_path
 ):
     """A proxy that refuses websockets: the log and the badge still arrive, by polling, which then stops."""
-    UserFactory(username="vera-viewer", role="viewer")
+    # The job runs on the console's own host, whose logs are the admins'.
+    UserFactory(username="alice-admin", role="admin")
     go = tmp_path / "go"
     job = _job_waiting_for(local_node, go)
     page.route_web_socket("**/ws/**", lambda ws: ws.close(code=1008))
     polls: list[str] = []
     page.on("request", lambda request: polls.append(request.url) if "after=" in request.url else None)
-    log_in(page, live_server_url, "vera-viewer", PASSWORD)
+    log_in(page, live_server_url, "alice-admin", PASSWORD)
     page.goto(f"{live_server_url}/jobs/{job.pk}/")
     page.evaluate("window.__notReloaded = true")
     thread = _run_in_background(job)

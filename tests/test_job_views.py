@@ -73,8 +73,8 @@ def test_strangers_and_anonymous_users_see_no_jobs(client, stranger_user, node):
     assert client.get(reverse("jobs:log_download", args=[job.pk])).status_code == 403
 
 
-def test_the_detail_page_shows_the_tail_of_a_long_log_and_connects_live_after_it(viewer_client, node):
-    job = make_command_job(node, ["seq", "1", "2000"])
+def test_the_detail_page_shows_the_tail_of_a_long_log_and_connects_live_after_it(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["seq", "1", "2000"])
     job.mark_running("w1")
     add_lines(job, 2000)
     html = viewer_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
@@ -88,8 +88,8 @@ def test_the_detail_page_shows_the_tail_of_a_long_log_and_connects_live_after_it
     assert f'data-after-cursor="{job.pk}"' in html
 
 
-def test_load_earlier_lines_returns_the_previous_window_and_its_own_control(viewer_client, node):
-    job = make_command_job(node, ["true"])
+def test_load_earlier_lines_returns_the_previous_window_and_its_own_control(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["true"])
     add_lines(job, 1200)
     url = reverse("jobs:detail", args=[job.pk])
     html = viewer_client.get(url, {"before": 700}, headers={"HX-Request": "true"}).content.decode()
@@ -103,8 +103,8 @@ def test_load_earlier_lines_returns_the_previous_window_and_its_own_control(view
     assert f'<span id="load-earlier-{job.pk}" hx-swap-oob="delete"></span>' in first
 
 
-def test_a_finished_job_neither_polls_nor_connects(viewer_client, node):
-    job = make_command_job(node, ["true"])
+def test_a_finished_job_neither_polls_nor_connects(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["true"])
     add_lines(job, 3)
     job.finish(JobState.SUCCEEDED, exit_code=0, result="true exited with status 0.")
     html = viewer_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
@@ -112,8 +112,8 @@ def test_a_finished_job_neither_polls_nor_connects(viewer_client, node):
     assert "true exited with status 0." in html
 
 
-def test_the_polling_fallback_returns_the_summary_and_only_new_lines(viewer_client, node):
-    job = make_command_job(node, ["true"])
+def test_the_polling_fallback_returns_the_summary_and_only_new_lines(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["true"])
     job.mark_running("w1")
     add_lines(job, 10)
     url = reverse("jobs:detail", args=[job.pk])
@@ -126,8 +126,8 @@ def test_the_polling_fallback_returns_the_summary_and_only_new_lines(viewer_clie
     assert "every 2s" not in done and "hx-swap-oob" not in done  # Polling stops; nothing new to add.
 
 
-def test_ansi_colour_codes_never_reach_the_page_or_the_download(viewer_client, node):
-    job = make_command_job(node, ["make"])
+def test_ansi_colour_codes_never_reach_the_page_or_the_download(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["make"])
     job.append_lines([("out", "\x1b[1;32m[ 50%]\x1b[0m Building <llama.cpp>"), ("err", "50%\r100%\x1b[K")])
     job.finish(JobState.SUCCEEDED)
     html = viewer_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
@@ -139,8 +139,8 @@ def test_ansi_colour_codes_never_reach_the_page_or_the_download(viewer_client, n
     assert body.splitlines()[-2:] == ["[ 50%] Building <llama.cpp>", "100%"]
 
 
-def test_the_download_is_the_whole_log_as_text_in_order(viewer_client, node):
-    job = make_command_job(node, ["seq", "12000"])
+def test_the_download_is_the_whole_log_as_text_in_order(viewer_client, ssh_node):
+    job = make_command_job(ssh_node, ["seq", "12000"])
     add_lines(job, 12_000, text="{i}")
     response = viewer_client.get(reverse("jobs:log_download", args=[job.pk]))
     assert response.status_code == 200
@@ -184,8 +184,8 @@ def test_cancel_needs_post(operator_client, node):
     assert operator_client.get(reverse("jobs:cancel", args=[job.pk])).status_code == 405
 
 
-def test_operators_see_the_cancel_button_on_an_active_job(operator_client, node):
-    job = make_command_job(node, ["sleep", "100"])
+def test_operators_see_the_cancel_button_on_an_active_job(operator_client, ssh_node):
+    job = make_command_job(ssh_node, ["sleep", "100"])
     assert 'id="cancel-job"' in operator_client.get(reverse("jobs:detail", args=[job.pk])).content.decode()
 
 

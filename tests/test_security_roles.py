@@ -84,8 +84,10 @@ RULES: dict[str, dict[str, object]] = {
     # Jobs: viewers read logs, operators run commands and cancel.
     "run_command": _rule(LOGIN, 403, 200, 200),
     "jobs:list": _rule(LOGIN, 200, 200, 200),
-    "jobs:detail": _rule(LOGIN, 200, 200, 200),
-    "jobs:log_download": _rule(LOGIN, 200, 200, 200),
+    # The matrix's job ran on the console's own host (desk): its log is the admins'. Other nodes' logs are
+    # for viewers (tests/test_job_views.py).
+    "jobs:detail": _rule(LOGIN, 403, 403, 200),
+    "jobs:log_download": _rule(LOGIN, 403, 403, 200),
     "jobs:cancel": _rule(LOGIN, 403, 302, 302),
     # Models, plans, deployments, builds, stale processes.
     "deployments:models": _rule(LOGIN, 200, 200, 200),
@@ -97,14 +99,16 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:detail": _rule(LOGIN, 200, 200, 200),
     "deployments:run": _rule(LOGIN, 200, 200, 200),
     "deployments:processes": _rule(LOGIN, 200, 200, 200),
-    "deployments:api_key": _rule(LOGIN, 403, 200, 200),
+    # The matrix's deployment uses the console's own host (desk): its API key, RPC mode and self-healing are
+    # the admins'; on other nodes, the operators' (tests/test_console_host_safety.py).
+    "deployments:api_key": _rule(LOGIN, 403, 403, 200),
     "deployments:deploy": _rule(LOGIN, 403, 302, 302),
     "deployments:stop": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm stops
     "deployments:chat": _rule(LOGIN, 403, 409, 409),  # POST; the matrix's deployment is not running
-    "deployments:rpc_mode": _rule(LOGIN, 403, 302, 302),  # POST; back to the run page with a message
+    "deployments:rpc_mode": _rule(LOGIN, 403, 403, 302),  # POST; back to the run page with a message
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
-    "deployments:self_heal": _rule(LOGIN, 403, 302, 302),
+    "deployments:self_heal": _rule(LOGIN, 403, 403, 302),
     "deployments:node_builds": _rule(LOGIN, 200, 200, 200),
     "deployments:node_build_start": _rule(LOGIN, 403, 400, 400),  # the form again, with errors
     "deployments:stale": _rule(LOGIN, 200, 200, 200),
@@ -159,9 +163,10 @@ RULES: dict[str, dict[str, object]] = {
     "admin:audit_auditevent_delete": _rule(LOGIN, LOGIN, LOGIN, 403),
     "admin:audit_auditevent_change": _ADMIN_ONLY_PAGE,  # a read-only view of the entry
     "admin/audit/auditevent/<path:object_id>/": _rule(LOGIN, LOGIN, LOGIN, 302),
-    # Websockets: anonymous is refused, every role may watch.
+    # Websockets: anonymous is refused, every role may watch; a job's log on the console's own host (the
+    # job of the websocket world below) is the admins'.
     "ws/jobs/": _rule("refused", "accepted", "accepted", "accepted"),
-    "ws/jobs/<int:pk>/": _rule("refused", "accepted", "accepted", "accepted"),
+    "ws/jobs/<int:pk>/": _rule("refused", "refused", "refused", "accepted"),
     "ws/deployments/<int:pk>/": _rule("refused", "accepted", "accepted", "accepted"),
     "ws/dashboard/": _rule("refused", "accepted", "accepted", "accepted"),
 }

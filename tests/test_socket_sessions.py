@@ -11,7 +11,7 @@ from django.test import Client
 from django.urls import reverse
 
 from ramdeck_site.asgi import application
-from tests.factories import UserFactory
+from tests.factories import PASSWORD, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -80,3 +80,55 @@ async def test_losing_the_role_closes_every_socket_of_the_user(channel_layer):
 
     assert await closed_with(page) == 4403
     assert await closed_with(jobs) == 4403
+
+
+@pytest.mark.security
+async def test_a_new_password_closes_every_socket_of_the_user_and_no_one_elses(channel_layer):
+    """Changed on the console's password page (that session goes on with a new key) or by an admin: every
+    session of the user ends, and so does every socket they had open."""
+    from django.contrib.auth import get_user_model
+
+    user = await database_sync_to_async(UserFactory)(username="vera", role="viewer")
+    other = await database_sync_to_async(UserFactory)(username="oscar", role="operator")
+    here, elsewhere, theirs = [await database_sync_to_async(logged_in)(who) for who in (user, user, other)]
+    mine = await open_socket("/ws/jobs/", here)
+    my_other = await open_socket("/ws/dashboard/", elsewhere)
+    not_mine = await open_socket("/ws/jobs/", theirs)
+
+    new = "a-new-long-passphrase-9"
+    response = await database_sync_to_async(here.post)(
+        reverse("password_change"), {"old_password": PASSWORD, "new_password1": new, "new_password2": new}
+    )
+    assert response.status_code == 302
+
+    assert await closed_with(mine) == 4401
+    assert await closed_with(my_other) == 4401
+    assert await not_mine.receive_nothing(timeout=1.0)
+
+    # The same from an admin's side (Django admin, `manage.py changepassword`: set_password and save).
+    again = await database_sync_to_async(logged_in)(other)
+    second = await open_socket("/ws/jobs/", again)
+
+    def reset_by_admin():
+        target = get_user_model().objects.get(pk=other.pk)
+        target.set_password("another-long-passphrase-7")
+        target.save()
+
+    await database_sync_to_async(reset_by_admin)()
+    assert await closed_with(not_mine) == 4401
+    assert await closed_with(second) == 4401
+
+
+@pytest.mark.security
+async def test_saving_a_user_without_a_new_password_closes_nothing(channel_layer):
+    user = await database_sync_to_async(UserFactory)(username="vera", role="viewer")
+    client = await database_sync_to_async(logged_in)(user)
+    socket = await open_socket("/ws/jobs/", client)
+
+    def save_unchanged():
+        user.email = "vera@example.test"
+        user.save()
+
+    await database_sync_to_async(save_unchanged)()
+    assert await socket.receive_nothing(timeout=1.0)
+    await socket.disconnect()
