@@ -38,13 +38,26 @@ def set_role(user, role: str) -> None:
     user.__dict__.pop("_ramdeck_role", None)
 
 
+def _active_admins():
+    return User.objects.filter(is_active=True).filter(Q(is_superuser=True) | Q(groups__name=ADMIN))
+
+
 def active_admin_count() -> int:
-    return (
-        User.objects.filter(is_active=True)
-        .filter(Q(is_superuser=True) | Q(groups__name=ADMIN))
-        .distinct()
-        .count()
-    )
+    return _active_admins().distinct().count()
+
+
+def lock_admins() -> None:
+    """Inside a transaction: wait for any other transaction that may be taking an admin away, and keep the
+    next one waiting until this one ends. Two admins demoting each other at the same moment would otherwise
+    both count two admins, and both succeed.
+
+    PostgreSQL: the active admins' rows are locked (in primary-key order, so two of these never deadlock);
+    the count that follows is a new statement, which sees what a transaction it waited for committed.
+    SQLite: select_for_update does nothing, but the console's transactions begin IMMEDIATE (settings.py),
+    which takes the database's write lock at once, so they run one after another anyway.
+    """
+    admins = User.objects.filter(pk__in=_active_admins().values("pk")).order_by("pk")
+    list(admins.select_for_update().values_list("pk", flat=True))
 
 
 class UserCreateForm(UserCreationForm):
@@ -72,16 +85,24 @@ class UserEditForm(forms.Form):
         cleaned = super().clean()
         role = ADMIN if self.target.is_superuser else cleaned.get("role")
         active = cleaned.get("is_active")
-        was_admin = role_of(self.target) == ADMIN and self.target.is_active
-        stays_admin = role == ADMIN and active
-        if self.target.pk == self.by.pk and not stays_admin:
+        if self.target.pk == self.by.pk and not (role == ADMIN and active):
             raise forms.ValidationError(
                 "You cannot take away your own admin role or deactivate yourself; ask another admin."
             )
-        if was_admin and not stays_admin and active_admin_count() <= 1:
-            raise forms.ValidationError(f"{self.target.get_username()} is the last active admin.")
         cleaned["role"] = role
         return cleaned
+
+    def last_admin_problem(self) -> str | None:
+        """Why this change may not be saved because it would leave no active admin, or None. Asked inside
+        the saving transaction after `lock_admins()`, never before it: a count taken earlier may be stale by
+        the time the change is written."""
+        stays_admin = self.cleaned_data["role"] == ADMIN and self.cleaned_data["is_active"]
+        self.target.refresh_from_db(fields=["is_active", "is_superuser"])
+        self.target.__dict__.pop("_ramdeck_role", None)
+        was_admin = role_of(self.target) == ADMIN
+        if was_admin and not stays_admin and active_admin_count() <= 1:
+            return f"{self.target.get_username()} is the last active admin."
+        return None
 
 
 @role_required(ADMIN)
@@ -151,20 +172,26 @@ def user_edit(request, pk: int):
         role, active = form.cleaned_data["role"], form.cleaned_data["is_active"]
         changes = {}
         with transaction.atomic():
-            if role != old_role and not target.is_superuser:
-                set_role(target, role)
-                changes["role"] = [old_role, role]
-            if active != old_active:
-                target.is_active = active
-                target.save(update_fields=["is_active"])
-                changes["active"] = [old_active, active]
+            lock_admins()
+            problem = form.last_admin_problem()
+            if problem is None:
+                old_role, old_active = _stored_role(target), target.is_active  # as they are now, locked
+                if role != old_role and not target.is_superuser:
+                    set_role(target, role)
+                    changes["role"] = [old_role, role]
+                if active != old_active:
+                    target.is_active = active
+                    target.save(update_fields=["is_active"])
+                    changes["active"] = [old_active, active]
+                if changes:
+                    history.record(request, "user.update", target, changes=changes)
+        if problem is None:
             if changes:
-                history.record(request, "user.update", target, changes=changes)
-        if changes:
-            messages.success(request, f"User {target.get_username()} saved.")
-        else:
-            messages.info(request, "Nothing changed.")
-        return redirect("users:list")
+                messages.success(request, f"User {target.get_username()} saved.")
+            else:
+                messages.info(request, "Nothing changed.")
+            return redirect("users:list")
+        form.add_error(None, problem)
     status = 400 if form.errors else 200
     context = {"form": form, "target": target}
     return render(request, "ramdeck_site/users/user_form.html", context, status=status)

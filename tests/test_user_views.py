@@ -94,3 +94,55 @@ def test_a_superuser_is_always_an_admin_and_other_admins_may_be_demoted(client):
     # The superuser's role is not offered for change: it is always an admin.
     page = client.get(reverse("users:edit", args=[superuser.pk])).content.decode()
     assert "A superuser is always an admin." in page
+
+
+@pytest.mark.security
+@pytest.mark.django_db(transaction=True)
+def test_two_admins_demoting_each_other_at_once_leave_one_admin(monkeypatch):
+    """The last-admin check and the change are one locked transaction (ramdeck_site/user_views.py
+    `lock_admins`). To make the race certain, each request, once it has counted the admins, waits (up to
+    2 s) for the other to have counted too: checked outside the lock, both would count two admins and both
+    demotions would go through. Run on SQLite and on PostgreSQL (DATABASE_URL)."""
+    import contextlib
+    import threading
+
+    from django.db import connection
+    from django.test import Client
+
+    from ramdeck_site import user_views
+
+    anna = UserFactory(username="anna", role="admin")
+    ben = UserFactory(username="ben", role="admin")
+    clients = {}
+    for admin in (anna, ben):
+        clients[admin.username] = Client()
+        clients[admin.username].force_login(admin)
+
+    both_counted = threading.Barrier(2)
+    count = user_views.active_admin_count
+
+    def count_then_wait_for_the_other() -> int:
+        admins = count()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_counted.wait(timeout=2)
+        return admins
+
+    monkeypatch.setattr(user_views, "active_admin_count", count_then_wait_for_the_other)
+    answers: dict[str, int] = {}
+
+    def demote(by: str, target) -> None:
+        try:
+            url = reverse("users:edit", args=[target.pk])
+            answers[by] = clients[by].post(url, {"role": "viewer", "is_active": "on"}).status_code
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=demote, args=args) for args in (("anna", ben), ("ben", anna))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert sorted(answers.values()) == [302, 400], answers
+    assert count() == 1
+    assert AuditEvent.objects.filter(action="user.update").count() == 1
