@@ -82,6 +82,15 @@ def choices() -> list[tuple[str, str]]:
     return [(kind.name, kind.label) for kind in _KINDS.values()]
 
 
+def time_limit_for(name: str) -> float:
+    """Seconds a job of this kind may run before the runner stops it: the kind's own limit, else
+    RAMDECK_JOB_TIME_LIMIT_S."""
+    from django.conf import settings
+
+    kind = _KINDS.get(name)
+    return float((kind.time_limit if kind else None) or settings.RAMDECK_JOB_TIME_LIMIT_S)
+
+
 def queue_for(name: str) -> str | None:
     """The Celery queue of a kind's jobs: None for Celery's default queue, else the control queue."""
     from django.conf import settings

@@ -27,7 +27,6 @@ import socket
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from django.conf import settings
 from django.db import DatabaseError, connections
 
 from . import broadcast, kinds
@@ -52,8 +51,7 @@ def _cancel_requested(job_id: int) -> bool:
 
 
 def time_limit_of(job: Job) -> float:
-    kind = kinds.get(job.kind)
-    return float((kind.time_limit if kind else None) or settings.RAMDECK_JOB_TIME_LIMIT_S)
+    return kinds.time_limit_for(job.kind)
 
 
 async def _watch(ctx: JobContext, main_task: asyncio.Task) -> None:

@@ -6,11 +6,13 @@ import shlex
 
 from django import forms
 from django.contrib import messages
+from django.core.validators import MaxValueValidator
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 
 from audit import history
+from jobs import kinds
 from jobs.models import Job
 from ramdeck_site.roles import ADMIN, OPERATOR, can_administer, require_role, role_required
 
@@ -29,13 +31,30 @@ class CommandForm(forms.Form):
     )
     timeout = forms.IntegerField(
         min_value=1,
-        max_value=86400,
         required=False,
         help_text="Seconds before the command is ended. Empty: the console's default.",
     )
 
     def __init__(self, *args, user=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # The runner stops every command job at the job time limit: a longer timeout would promise a run
+        # the console never gives, so the form refuses it and says what the most is.
+        limit = int(kinds.time_limit_for("command"))
+        timeout = self.fields["timeout"]
+        timeout.max_value = limit
+        timeout.widget.attrs["max"] = limit
+        timeout.validators.append(
+            MaxValueValidator(
+                limit,
+                message=(
+                    f"At most {limit} seconds: a command job is stopped at the job time limit "
+                    f"({limit} s, RAMDECK_JOB_SOFT_TIME_LIMIT) whatever its own timeout says."
+                ),
+            )
+        )
+        timeout.help_text = (
+            f"Seconds before the command is ended, at most {limit}. Empty: the console's default."
+        )
         # A command on the console's own host runs as the console's user and can read its secrets
         # (the encryption key, the database): only admins get those nodes. The view checks it too.
         if not can_administer(user):

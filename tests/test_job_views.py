@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from django.urls import reverse
 
@@ -205,6 +207,37 @@ def test_an_operator_runs_a_command_line_split_like_a_shell(
     assert sent == [job.pk]
     event = AuditEvent.objects.get(action="job.create")
     assert event.changes["argv"] == ["ls", "-la", "/var/log/my dir"] and event.changes["node"] == "cellar"
+
+
+@pytest.mark.security
+def test_the_command_timeout_cannot_exceed_the_job_time_limit(
+    operator_client, ssh_node, settings, monkeypatch
+):
+    """The runner stops a command job at the job time limit whatever its own timeout: the form refuses a
+    longer one and names the most it takes; nothing is created or enqueued."""
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: pytest.fail("nothing should be enqueued"))
+    settings.RAMDECK_JOB_TIME_LIMIT_S = 3600
+    url = reverse("run_command")
+    assert 'max="3600"' in operator_client.get(url).content.decode()
+    response = operator_client.post(url, {"node": "cellar", "command": "sleep 5000", "timeout": "3601"})
+    assert response.status_code == 200
+    errors = response.context["form"].errors["timeout"]
+    assert errors == [
+        "At most 3600 seconds: a command job is stopped at the job time limit "
+        "(3600 s, RAMDECK_JOB_SOFT_TIME_LIMIT) whatever its own timeout says."
+    ]
+    assert "At most 3600 seconds" in response.content.decode()
+    assert not Job.objects.exists() and not AuditEvent.objects.filter(action="job.create").exists()
+    # A kind with a shorter limit of its own (jobs/kinds.py) lowers the most the form takes.
+    from jobs import kinds
+
+    command = kinds.get("command")
+    monkeypatch.setitem(kinds._KINDS, "command", dataclasses.replace(command, time_limit=600))
+    response = operator_client.post(url, {"node": "cellar", "command": "sleep 5000", "timeout": "601"})
+    assert "At most 600 seconds" in response.context["form"].errors["timeout"][0]
+    monkeypatch.setattr(Job, "send_to_worker", lambda job: True)
+    response = operator_client.post(url, {"node": "cellar", "command": "sleep 500", "timeout": "600"})
+    assert response.status_code == 302 and Job.objects.get().params["timeout"] == 600
 
 
 def test_an_operator_cannot_run_a_command_on_the_consoles_own_host(
