@@ -76,13 +76,13 @@ def var_dir() -> Path:
     return Path(os.environ.get("RAMDECK_VAR_DIR") or Path(__file__).resolve().parent.parent / "var")
 
 
-def redis_password(folder: Path | None = None) -> str:
-    """The private Redis's password: generated on first use into `folder/redis_password` (mode 0600)."""
-    folder = folder or var_dir()
-    path = folder / "redis_password"
+def generated_secret(path: Path) -> str:
+    """The random secret in `path`, generated on first use (mode 0600). Processes starting together on one
+    fresh folder agree: each writes a private temporary file and links it into place, which fails for all
+    but the first, so every one reads the value that won and none reads half a file."""
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=folder, prefix=".redis_password-")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
         try:
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_urlsafe(32) + "\n")
@@ -91,6 +91,11 @@ def redis_password(folder: Path | None = None) -> str:
         finally:
             os.unlink(temporary)
     return path.read_text().strip()
+
+
+def redis_password(folder: Path | None = None) -> str:
+    """The private Redis's password: generated on first use into `folder/redis_password` (mode 0600)."""
+    return generated_secret((folder or var_dir()) / "redis_password")
 
 
 def redis_url(port: int, password: str | None = None, db: int = 0) -> str:

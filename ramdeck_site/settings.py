@@ -13,6 +13,7 @@ import secrets
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -138,6 +139,33 @@ def env_secret(name: str) -> str | None:
     return os.environ.get(name, "").strip() or None
 
 
+def env_secret_file(name: str) -> str | None:
+    """The secret in the file that `name` names (docker-compose.yml's generated passwords), or None when
+    `name` is unset or empty. A file that cannot be read or is empty stops the start, naming both."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = Path(raw).read_text().strip()
+    except OSError as exc:
+        raise ImproperlyConfigured(f"{name} names {raw}, which cannot be read: {exc.strerror}.") from exc
+    if not value:
+        raise ImproperlyConfigured(f"{name} names {raw}, which is empty.")
+    return value
+
+
+def url_with_password(url: str, password: str, *, url_name: str, file_name: str) -> str:
+    """`url` with `password` put into it (quoted), refusing a URL that already carries one: two sources for
+    one password would leave it unclear which one is in use."""
+    parsed = urlsplit(url)
+    if parsed.password is not None:
+        raise ImproperlyConfigured(
+            f"{url_name} carries a password and {file_name} names a file with another: use one of them."
+        )
+    user, _, host = parsed.netloc.rpartition("@")
+    return urlunsplit(parsed._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Core
 # ---------------------------------------------------------------------------------------------------
@@ -223,6 +251,14 @@ DATABASES = {
         conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 0, minimum=0),
     )
 }
+# The password from a file instead of the URL: docker-compose.yml generates it on first start.
+if _database_password := env_secret_file("DATABASE_PASSWORD_FILE"):
+    if DATABASES["default"].get("PASSWORD"):
+        raise ImproperlyConfigured(
+            "DATABASE_URL carries a password and DATABASE_PASSWORD_FILE names a file with another: "
+            "use one of them."
+        )
+    DATABASES["default"]["PASSWORD"] = _database_password
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # WAL and a busy timeout let the web server, the Celery worker and beat share one file.
     DATABASES["default"]["OPTIONS"] = {
@@ -240,6 +276,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # ---------------------------------------------------------------------------------------------------
 
 REDIS_URL = env_str("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The password from a file instead of the URL: docker-compose.yml generates it on first start.
+if _redis_password := env_secret_file("REDIS_PASSWORD_FILE"):
+    REDIS_URL = url_with_password(
+        REDIS_URL, _redis_password, url_name="REDIS_URL", file_name="REDIS_PASSWORD_FILE"
+    )
 
 CHANNEL_LAYERS = {
     "default": {
