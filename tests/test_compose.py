@@ -1,15 +1,18 @@
 """The docker compose trial, really run: the real docker-compose.yml (base images swapped for local
 stand-ins by tests/compose/override.yml, because no registry is reachable here) is built and started; an
 admin logs in with the password the web service printed, approves a demo node's host key after comparing
-it with the node's own, and the real Celery worker in its container probes the node. Then `down -v` must
-leave no container, volume or network of the project behind.
+it with the node's own, and the real Celery worker in its container probes the node. A demo node, where
+operators run commands as root, reaches neither PostgreSQL nor Redis, and both want the passwords generated
+on the first start. Then `down -v` must leave no container, volume or network of the project behind.
 """
 
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
+import subprocess
 import time
 
 import httpx
@@ -23,6 +26,38 @@ pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
 
 NODE, OTHER_NODE = "demo-node-1", "demo-node-2"
 GIB = 1024**3
+SECRETS = "/run/ramdeck-secrets"
+# redis-cli with the generated password, which REDISCLI_AUTH keeps off its command line.
+REDIS_CLI = f'REDISCLI_AUTH="$(cat {SECRETS}/redis_password)" redis-cli "$@"'
+# Run in the web container: logins to PostgreSQL and Redis without the generated passwords, with the old
+# fixed one, and with the generated ones; and the generated ones, to look for them elsewhere.
+PASSWORD_PROBE = """
+import json, psycopg, socket
+
+def pg(password):
+    try:
+        psycopg.connect(
+            host="postgres", user="ramdeck", dbname="ramdeck", password=password, connect_timeout=5
+        ).close()
+        return "connected"
+    except psycopg.OperationalError as exc:
+        return str(exc)
+
+def rd(password):
+    # Redis's own protocol, so no client library's retries or handshakes stand between us and its answer.
+    with socket.create_connection(("redis", 6379), timeout=5) as connection:
+        if password:
+            connection.sendall(f"AUTH {password}\\r\\n".encode())
+            connection.recv(64)
+        connection.sendall(b"PING\\r\\n")
+        return connection.recv(64).decode().strip()
+
+pw = {n: open(f"/run/ramdeck-secrets/{n}").read().strip() for n in ("postgres_password", "redis_password")}
+print(json.dumps({
+    "pg_none": pg(""), "pg_old": pg("ramdeck"), "pg_generated": pg(pw["postgres_password"]),
+    "redis_none": rd(None), "redis_generated": rd(pw["redis_password"]), "passwords": pw,
+}))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +114,101 @@ def _wait_for_probe(stack: compose.ComposeStack, name: str, timeout: float = 180
         time.sleep(2)
 
 
+def _redis_cli(stack: compose.ComposeStack, *argv: str) -> str:
+    return stack.exec("redis", "sh", "-c", REDIS_CLI, "redis-cli", *argv)
+
+
+# Run on a demo node with host:port arguments: a TCP connection to each, all at once, 5 s at most each, with
+# bash's /dev/tcp (no tool an operator could not use). One line per target: target, exit code, bash's words.
+CONNECT = """
+for target in "$@"; do
+  (out=$(timeout 5 bash -c "exec 3<>/dev/tcp/${target%:*}/${target##*:}" 2>&1); code=$?
+   printf '%s %s %s\\n' "$target" "$code" "$(printf '%s' "$out" | tr '\\n' ' ')") &
+done
+wait
+"""
+
+
+def _connections_from(
+    stack: compose.ComposeStack, service: str, targets: list[str]
+) -> dict[str, tuple[int, str]]:
+    """From `service`'s container, the exit code (0: connected, 124: timed out) and the error of a TCP
+    connection to each host:port target: a name that does not resolve, a refusal or a timeout."""
+    output = stack.exec(service, "bash", "-c", CONNECT, "connect", *targets, timeout=60)
+    results = {}
+    for line in output.splitlines():
+        target, code, *words = line.split(" ")
+        results[target] = (int(code), " ".join(words).strip())
+    assert sorted(results) == sorted(targets), output
+    return results
+
+
+def _addresses(stack: compose.ComposeStack, service: str) -> list[str]:
+    """The service container's addresses on every network it is on."""
+    container = stack.compose("ps", "-q", service).stdout.strip()
+    inspect = subprocess.run(
+        ["docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}", container],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return inspect.stdout.split()
+
+
+def _assert_the_demo_nodes_reach_neither_the_database_nor_the_broker(stack: compose.ComposeStack) -> None:
+    servers = {"postgres": 5432, "redis": 6379}
+    by_address = [
+        f"{address}:{port}" for name, port in servers.items() for address in _addresses(stack, name)
+    ]
+    assert len(by_address) >= 2, by_address
+    # The same addresses answer the console's worker: a refusal below is the network's, not a wrong address.
+    from_worker = _connections_from(stack, "worker", by_address)
+    assert all(code == 0 for code, _ in from_worker.values()), from_worker
+    for node, other in ((NODE, OTHER_NODE), (OTHER_NODE, NODE)):
+        by_name = [f"{name}:{port}" for name, port in servers.items()]
+        # The probe itself works: the node reaches the console and the other node's SSH on its network.
+        reachable = ["web:8000", f"{other}:22"]
+        seen = _connections_from(stack, node, by_name + by_address + reachable)
+        for target in reachable:
+            assert seen[target][0] == 0, f"{node} should reach {target}: {seen[target]}"
+        for target in by_name:
+            # Not by name: the node is on no network with the server, so Docker's DNS does not know it ...
+            code, error = seen[target]
+            assert code != 0 and "Name or service not known" in error, f"{node} → {target}: {seen[target]}"
+        for target in by_address:
+            # ... nor by address, which an operator could learn elsewhere: Docker drops what crosses networks.
+            assert seen[target][0] != 0, f"{node} reached {target}: {seen[target]}"
+        # Nor the passwords: their volume is mounted on the servers and the console only.
+        assert stack.compose("exec", "-T", node, "test", "-e", SECRETS, check=False).returncode == 1
+
+
+def _assert_the_database_and_the_broker_want_the_generated_passwords(stack: compose.ComposeStack) -> None:
+    """From the console (which does reach both): no login without the generated password, the old fixed
+    one included, and none of the generated passwords in the compose configuration or a container's."""
+    seen = json.loads(stack.exec("web", "python", "-c", PASSWORD_PROBE).strip().splitlines()[-1])
+    assert seen["pg_generated"] == "connected" and seen["redis_generated"] == "+PONG", seen
+    assert "password authentication failed" in seen["pg_old"], seen
+    assert "password" in seen["pg_none"] and seen["pg_none"] != "connected", seen
+    assert seen["redis_none"].startswith("-NOAUTH"), seen
+    passwords = list(seen["passwords"].values())
+    assert all(len(password) >= 40 for password in passwords)
+    configuration = stack.compose("config").stdout
+    containers = stack.compose("ps", "-q").stdout.split()
+    inspected = subprocess.run(
+        ["docker", "inspect", *containers], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    for password in passwords:
+        assert password not in configuration and password not in inspected
+
+
 def _meminfo_total_bytes(stack: compose.ComposeStack, service: str) -> int:
     meminfo = stack.exec(service, "cat", "/proc/meminfo")
     return int(re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M).group(1)) * 1024
 
 
-def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_leaves_nothing(
+@pytest.mark.security
+def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_broker_then_leaves_nothing(
     built_images, figure
 ):
     stack = compose.ComposeStack(f"{compose.PROJECT_PREFIX}{os.getpid()}", free_port())
@@ -136,16 +260,38 @@ def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_
             other = _node_state(stack, OTHER_NODE)
             assert other["reachability"] == "host_key_pending" and not other["devices"] and not other["jobs"]
 
+        # Operators run commands on the demo nodes as root: from there, no way to the database or broker.
+        started = time.monotonic()
+        _assert_the_demo_nodes_reach_neither_the_database_nor_the_broker(stack)
+        _assert_the_database_and_the_broker_want_the_generated_passwords(stack)
+        figure("compose_isolation_and_password_checks_s", round(time.monotonic() - started, 1))
+
         # Redis keeps its data across a restart (append-only file in its volume): queued jobs survive.
-        stack.exec("redis", "redis-cli", "SET", "ramdeck-compose-test", "kept")
+        _redis_cli(stack, "SET", "ramdeck-compose-test", "kept")
         stack.compose("restart", "redis", timeout=120)
-        kept = _eventually(lambda: stack.exec("redis", "redis-cli", "GET", "ramdeck-compose-test"))
+        kept = _eventually(lambda: _redis_cli(stack, "GET", "ramdeck-compose-test"))
         assert kept.strip() == "kept"
+
+        # A database made by an older compose file still has the published password it set: the console's
+        # next start gives it the generated one (PostgreSQL reads POSTGRES_PASSWORD_FILE on its first start
+        # only). Inside the postgres container, its Unix socket needs no password.
+        stack.exec(
+            "postgres",
+            "psql",
+            "-U",
+            "ramdeck",
+            "-d",
+            "ramdeck",
+            "-c",
+            "ALTER ROLE ramdeck PASSWORD 'ramdeck'",
+        )
 
         # A restart of the console seeds nothing twice and keeps the approval and the password.
         stack.compose("restart", "web", timeout=120)
         stack.wait_until_served()
         web_log = stack.logs("web")
+        assert web_log.count("it now has the one generated on first start") == 1
+        _assert_the_database_and_the_broker_want_the_generated_passwords(stack)
         assert web_log.count("Created admin account") == 1
         assert f"{NODE}: host key {offered} is approved." in web_log
         counts = stack.console_query(
@@ -161,8 +307,10 @@ def test_compose_trial_serves_the_console_and_probes_an_approved_demo_node_then_
         down = stack.down()
     assert down.returncode == 0, down.stdout + down.stderr
     # The label lookup finds the project's things while they exist (so its empty answer below means gone):
-    # web, worker, control, beat, postgres, redis and the two demo nodes.
-    assert len(existed["container"]) == 8 and len(existed["volume"]) == 8 and existed["network"], existed
+    # secrets (exited), web, worker, control, beat, postgres, redis and the two demo nodes; the backend and
+    # nodes networks.
+    assert len(existed["container"]) == 9 and len(existed["volume"]) == 9, existed
+    assert len(existed["network"]) == 2, existed
     assert stack.leftovers() == {"container": [], "volume": [], "network": []}
 
 

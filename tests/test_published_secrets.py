@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -98,3 +99,38 @@ def test_the_compose_file_fixes_no_secret_and_publishes_the_console_on_loopback(
         assert services[name]["build"] == services["web"]["build"] == "."
         assert services[name]["environment"] == env
     assert "ARG PYTHON_IMAGE=python:3.12-slim-bookworm" in (ROOT / "Dockerfile").read_text()
+
+
+@pytest.mark.security
+def test_the_compose_file_fixes_no_service_password_and_keeps_the_demo_nodes_off_the_backend_network():
+    text = (ROOT / "docker-compose.yml").read_text()
+    services = yaml.safe_load(text)["services"]
+    assert "ramdeck:ramdeck@" not in text and "--requirepass" not in text
+    # The console reads both passwords from the files the `secrets` service generates: no URL carries one.
+    for name, service in services.items():
+        for variable in ("DATABASE_URL", "REDIS_URL"):
+            if variable in service.get("environment", {}):
+                assert urlsplit(service["environment"][variable]).password is None, (name, variable)
+    env = services["web"]["environment"]
+    assert env["DATABASE_PASSWORD_FILE"] == "/run/ramdeck-secrets/postgres_password"
+    assert env["REDIS_PASSWORD_FILE"] == "/run/ramdeck-secrets/redis_password"
+    postgres, redis = services["postgres"], services["redis"]
+    assert "POSTGRES_PASSWORD" not in postgres["environment"]
+    assert postgres["environment"]["POSTGRES_PASSWORD_FILE"] == "/run/ramdeck-secrets/postgres_password"
+    assert redis["command"][:2] == ["redis-server", "/run/ramdeck-secrets/redis.conf"]
+    # Generated before either server starts, into a volume no demo node mounts.
+    secrets = services["secrets"]
+    assert secrets["command"][-2:] == ["ramdeck_site.compose_secrets", "/run/ramdeck-secrets"]
+    assert secrets["network_mode"] == "none" and secrets["volumes"] == [
+        "service-secrets:/run/ramdeck-secrets"
+    ]
+    for name in ("postgres", "redis", "web"):
+        assert services[name]["depends_on"]["secrets"] == {"condition": "service_completed_successfully"}
+    # Two networks: the demo nodes (where operators run commands as root) share none with PostgreSQL or Redis.
+    networks = {name: sorted(service.get("networks", [])) for name, service in services.items()}
+    assert networks["postgres"] == networks["redis"] == networks["beat"] == ["backend"]
+    assert networks["demo-node-1"] == networks["demo-node-2"] == ["nodes"]
+    assert networks["web"] == networks["worker"] == networks["control"] == ["backend", "nodes"]
+    for node in ("demo-node-1", "demo-node-2"):
+        mounted = {volume.split(":")[0] for volume in services[node]["volumes"]}
+        assert not mounted & {"service-secrets", "ramdeck", "pgdata", "redisdata"}, node

@@ -3,17 +3,21 @@
 # package archive and PyPI but no image registry (the test machines):
 #   local/debian:bookworm              debootstrap minbase of bookworm (for debian:bookworm-slim)
 #   local/python:3.12-slim-bookworm    that + a CPython 3.12+ of this machine (scripts on PATH, host CA for pip)
-#   local/postgres:16                  Debian's PostgreSQL 15, honouring POSTGRES_USER/PASSWORD/DB like the official image
-#   local/redis:7                      Debian's Redis 7.0, protected mode off and /data as in the official image
+#   local/postgres:16                  Debian's PostgreSQL 15, honouring POSTGRES_USER, POSTGRES_PASSWORD (or
+#                                      POSTGRES_PASSWORD_FILE, read as root) and POSTGRES_DB like the official image
+#   local/redis:7                      Debian's Redis 7.0 run as user redis (uid 999), a config file first,
+#                                      protected mode off and /data, as in the official image
 # tests/compose/override.yml points the compose services and build arguments at them.
-# Needs root, a running dockerd and debootstrap. Idempotent: an image that exists is kept (FORCE=1 rebuilds).
+# Needs root, a running dockerd and debootstrap. Idempotent: an image that exists is kept (FORCE=1 rebuilds),
+# unless its recipe's revision (the label ramdeck.standin.revision, bumped with each change) is older.
 #
 # The CPython copied in: STANDIN_PYTHON (an install prefix), else the base installation of the project's
 # virtualenv (sys.base_prefix: under pyenv, $PYENV_ROOT/versions/3.12.x), else PYENV_ROOT's newest 3.12+.
 # Never $HOME: under CI the home folder is a fresh, empty one.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-have() { [ -z "${FORCE:-}" ] && docker image inspect "$1" >/dev/null 2>&1; }
+revision() { docker image inspect -f '{{with .Config.Labels}}{{index . "ramdeck.standin.revision"}}{{end}}' "$1"; }
+have() { [ -z "${FORCE:-}" ] && docker image inspect "$1" >/dev/null 2>&1 && [ "$(revision "$1")" = "${2:-}" ]; }
 fail() { echo "standin-images: $*" >&2; exit 1; }
 
 self_contained_python() {
@@ -78,12 +82,18 @@ DOCKER
   docker build -q -t local/python:3.12-slim-bookworm "$W/py" >/dev/null
 fi
 
-if ! have local/postgres:16; then
+PG_REVISION=2  # 2: POSTGRES_PASSWORD_FILE
+if ! have local/postgres:16 "$PG_REVISION"; then
   mkdir -p "$W/pg"
   cat > "$W/pg/entrypoint.sh" <<'SH'
 #!/bin/sh
 set -e
 PGBIN=/usr/lib/postgresql/15/bin D=${PGDATA:-/var/lib/postgresql/data} U=${POSTGRES_USER:-postgres}
+# As the official image: the password from a file, read while still root, exclusive with the variable.
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then
+  [ -z "${POSTGRES_PASSWORD:-}" ] || { echo "error: both POSTGRES_PASSWORD and POSTGRES_PASSWORD_FILE are set" >&2; exit 1; }
+  POSTGRES_PASSWORD=$(cat "$POSTGRES_PASSWORD_FILE")
+fi
 mkdir -p "$D" /run/postgresql && chown -R postgres:postgres "$D" /run/postgresql && chmod 700 "$D"
 if [ ! -s "$D/PG_VERSION" ]; then
   printf '%s\n' "$POSTGRES_PASSWORD" > /tmp/pw && chown postgres /tmp/pw
@@ -101,10 +111,11 @@ exec setpriv --reuid=postgres --regid=postgres --init-groups "$PGBIN/postgres" -
 
 SH
   chmod +x "$W/pg/entrypoint.sh"
-  cat > "$W/pg/Dockerfile" <<'DOCKER'
+  cat > "$W/pg/Dockerfile" <<DOCKER
 FROM local/debian:bookworm
+LABEL ramdeck.standin.revision=$PG_REVISION
 RUN apt-get update && apt-get install -y --no-install-recommends postgresql-15 && rm -rf /var/lib/apt/lists/*
-ENV PATH=/usr/lib/postgresql/15/bin:$PATH PGDATA=/var/lib/postgresql/data
+ENV PATH=/usr/lib/postgresql/15/bin:\$PATH PGDATA=/var/lib/postgresql/data
 COPY entrypoint.sh /entrypoint.sh
 STOPSIGNAL SIGINT
 ENTRYPOINT ["/entrypoint.sh"]
@@ -112,11 +123,38 @@ DOCKER
   docker build -q -t local/postgres:16 "$W/pg" >/dev/null
 fi
 
-if ! have local/redis:7; then
+REDIS_REVISION=2  # 2: user redis (uid 999), a config file as the first argument
+if ! have local/redis:7 "$REDIS_REVISION"; then
   mkdir -p "$W/redis"
-  printf '#!/bin/sh\nif [ "$1" = redis-server ]; then shift; exec /usr/bin/redis-server --protected-mode no "$@"; fi\nexec "$@"\n' > "$W/redis/entrypoint.sh"
+  cat > "$W/redis/entrypoint.sh" <<'SH'
+#!/bin/sh
+# As the official image: redis-server runs as the redis user, owning /data; a config file stays the
+# first argument (redis-server reads it only there).
+set -e
+if [ "$1" = redis-server ]; then
+  shift
+  case "${1:-}" in
+    *.conf) conf=$1; shift; set -- "$conf" --protected-mode no "$@" ;;
+    *) set -- --protected-mode no "$@" ;;
+  esac
+  find /data \! -user redis -exec chown redis '{}' +
+  exec setpriv --reuid=redis --regid=redis --init-groups /usr/bin/redis-server "$@"
+fi
+exec "$@"
+SH
   chmod +x "$W/redis/entrypoint.sh"
-  printf 'FROM local/debian:bookworm\nRUN apt-get update && apt-get install -y --no-install-recommends redis-server redis-tools && rm -rf /var/lib/apt/lists/* && mkdir -p /data\nWORKDIR /data\nCOPY entrypoint.sh /entrypoint.sh\nENTRYPOINT ["/entrypoint.sh"]\nCMD ["redis-server"]\n' > "$W/redis/Dockerfile"
+  cat > "$W/redis/Dockerfile" <<DOCKER
+FROM local/debian:bookworm
+LABEL ramdeck.standin.revision=$REDIS_REVISION
+# The official image's redis user and group (999), made before the package would make its own.
+RUN groupadd -r -g 999 redis && useradd -r -g redis -u 999 -d /data -s /usr/sbin/nologin redis \\
+    && apt-get update && apt-get install -y --no-install-recommends redis-server redis-tools \\
+    && rm -rf /var/lib/apt/lists/* && mkdir -p /data && chown redis:redis /data
+WORKDIR /data
+COPY entrypoint.sh /entrypoint.sh
+ENTRYPOINT ["/entrypoint.sh"]
+CMD ["redis-server"]
+DOCKER
   docker build -q -t local/redis:7 "$W/redis" >/dev/null
 fi
 docker images --format '{{.Repository}}:{{.Tag}}' | grep '^local/' | sort
