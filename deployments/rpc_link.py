@@ -20,7 +20,9 @@ import socket
 import statistics
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 PROTOCOL_MAJOR = 7
 CMD_ALLOC_BUFFER = 0
@@ -94,12 +96,18 @@ async def measure_link(
     pings: int = DEFAULT_PINGS,
     transfer_bytes: int = DEFAULT_TRANSFER_BYTES,
     timeout: float = 30.0,
+    connect: Callable[[], Awaitable[tuple[Any, Any]]] | None = None,
 ) -> LinkFigures:
     """Connect to the RPC server at host:port and time it. The server serves one client at a time and frees
-    everything when the client leaves, so nothing is left behind on the node."""
+    everything when the client leaves, so nothing is left behind on the node.
+
+    `connect` opens the connection another way (a stream pair like asyncio's, e.g. through an SSH tunnel to
+    a server that listens on the node's loopback only; it raises OSError when it cannot); host and port
+    then only name it in messages."""
     start = time.perf_counter()
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        opening = connect() if connect is not None else asyncio.open_connection(host, port)
+        reader, writer = await asyncio.wait_for(opening, timeout)
     except (OSError, TimeoutError) as exc:
         raise LinkError(f"cannot connect to the RPC server at {host}:{port}: {exc or 'timed out'}") from exc
     connect_ms = (time.perf_counter() - start) * 1000

@@ -304,6 +304,23 @@ class SSHTransport:
             "dropped. The command's outcome on the node is unknown."
         )
 
+    # -- a port of the node's loopback -----------------------------------------------------------------
+
+    async def open_tunnel(self, port: int) -> tuple[asyncssh.SSHReader, asyncssh.SSHWriter]:
+        """A TCP connection to 127.0.0.1:PORT made by the node's sshd and carried inside this SSH connection
+        (what `ssh -L` forwards, with no listener on this side): a server that listens on the node's
+        loopback only is reached without opening it to the network. sshd turns Nagle's algorithm off on
+        the connection with its first command, and asyncssh on this side, so small answers travel at once,
+        as through a deployment's `ssh -tt` tunnel (deployments/rpc_guard.py)."""
+        conn = self._require_conn()
+        try:
+            return await conn.open_connection("127.0.0.1", int(port))
+        except (asyncssh.Error, OSError) as exc:
+            reason = exc.reason if isinstance(exc, asyncssh.Error) else str(exc)
+            raise TransportError(
+                f"{self.target.host}: sshd did not open a connection to its 127.0.0.1:{port}: {reason}"
+            ) from exc
+
     # -- commands ----------------------------------------------------------------------------------------
 
     def _command_line(self, argv: Sequence[str], env: dict[str, str] | None) -> str:
