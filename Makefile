@@ -59,12 +59,13 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 
 # System packages the tests use: Chromium (browser tests), OpenSSH server and iproute2 (network-namespace
 # lab), and what the nodes need for real work (curl for downloads; cmake, ninja, a C++ compiler and git to
-# build llama.cpp; procps for ps; iptables for direct mode's firewall rule), and PostgreSQL's server programs
+# build llama.cpp; procps for ps; iptables for direct mode's firewall rule, and sudo to check the sudoers line
+# that allows only its commands), and PostgreSQL's server programs
 # (the restart fault test runs a server of its own). Installed when missing and the machine allows it (root with apt-get); otherwise the tests that
 # need them say why.
 SYSTEM_DEPS := chromium:chromium /usr/sbin/sshd:openssh-server ip:iproute2 ss:iproute2 curl:curl \
 	cmake:cmake ninja:ninja-build g++:g++ git:git ps:procps stdbuf:coreutils pg_ctlcluster:postgresql \
-	iptables:iptables
+	iptables:iptables sudo:sudo
 # The compose trial's test (-m compose): Debian's Docker engine and Compose v1, and debootstrap for its local
 # stand-in base images. `make test` starts dockerd when none answers and stops it afterwards (--docker above).
 DOCKER_DEPS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap

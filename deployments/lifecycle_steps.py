@@ -231,63 +231,89 @@ async def rpc_server_body(ctx) -> str:
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "
             f"set for {ctx.node.name}. It has no authentication: anyone who reaches port {port} can use it."
         )
-    pid = await ctx.start_daemon(argv, log_path=log_path)
-    await db(deployment.add_process)(
-        f"rpc-server@{ctx.node.name}",
-        {
-            "node": ctx.node.name,
-            "role": "rpc-server",
-            "pid": pid,
-            "port": port,
-            "log": log_path,
-            "started_at": timezone.now().isoformat(),
-        },
-    )
-    await wait_listening(ctx, pid, port, log_path, timeout=float(params.get("listen_timeout", 30)))
-    banner_text = "\n".join(await tail_lines(ctx, log_path, 40))
-    for line in banner_text.splitlines():
-        await ctx.log(f"[rpc-server] {line}")
-    problems = placement.banner_shortfalls(banner_text, params.get("needs", {}))
-    if problems:
-        raise JobFailed(f"{ctx.node.name}: the plan no longer fits: " + "; ".join(problems))
-    fenced = ""
+    # Direct mode: the rule goes in before the server listens, so the port is never open to the LAN.
+    fenced, guard = "", None
     if params.get("firewall"):
-        fenced = await install_firewall(ctx, deployment, port, params["firewall"])
+        fenced, guard = await install_firewall(ctx, deployment, port, params["firewall"])
+    pid = None
+    try:
+        pid = await ctx.start_daemon(argv, log_path=log_path)
+        await db(deployment.add_process)(
+            f"rpc-server@{ctx.node.name}",
+            {
+                "node": ctx.node.name,
+                "role": "rpc-server",
+                "pid": pid,
+                "port": port,
+                "log": log_path,
+                "started_at": timezone.now().isoformat(),
+            },
+        )
+        await wait_listening(ctx, pid, port, log_path, timeout=float(params.get("listen_timeout", 30)))
+        banner_text = "\n".join(await tail_lines(ctx, log_path, 40))
+        for line in banner_text.splitlines():
+            await ctx.log(f"[rpc-server] {line}")
+        problems = placement.banner_shortfalls(banner_text, params.get("needs", {}))
+        if problems:
+            raise JobFailed(f"{ctx.node.name}: the plan no longer fits: " + "; ".join(problems))
+    except BaseException:
+        if guard is not None:
+            await _unfence_after_failure(ctx, pid, guard)
+        raise
     return f"{build.rpc_binary} PID {pid} listening on {params['bind']}:{port}{fenced}"
 
 
-async def may_administer(ctx) -> bool | None:
-    """How the SSH user may change the firewall: False as root, True through `sudo -n`, None: it may not."""
+async def _unfence_after_failure(ctx, pid: int | None, guard: dict) -> None:
+    """The step failed after its firewall rule went in: end the server it started, then take the rule out
+    (not the other way round: a live server behind no rule is what the rule is for). A server that does not
+    end keeps its rule; the rollback's stop step tries both again (the guard stays recorded)."""
+    with contextlib.suppress(Exception):
+        if pid is not None and not await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S):
+            await ctx.log(f"rpc-server PID {pid} did not end; its firewall rule stays for the rollback")
+            return
+        await ctx.log(f"the step failed: {await remove_guard(ctx, guard)}")
+
+
+async def may_administer(ctx, rule: list[str]) -> bool | None:
+    """How the SSH user may insert and delete the firewall rule `rule`: False as root, True through
+    `sudo -n`, None: it may not. With sudo, exactly those two iptables commands are checked (`sudo -n -l`,
+    which runs nothing), so a sudoers line that allows only them (rpc_guard.SUDOERS_LINE) is enough."""
     if (await ctx.transport.run(["id", "-u"], timeout=30)).stdout.strip() == "0":
         return False
-    if (await ctx.transport.run(["sudo", "-n", "true"], timeout=30)).ok:
-        return True
-    return None
+    # A node without sudo at all answers no (the transport reports a missing program as an error).
+    if not (await ctx.transport.run(["sh", "-c", "command -v sudo"], timeout=30)).ok:
+        return None
+    for action in ("-I", "-D"):
+        if not (await ctx.transport.run(rpc_guard.sudo_allows_argv(action, rule), timeout=30)).ok:
+            return None
+    return True
 
 
-async def install_firewall(ctx, deployment, port: int, firewall: dict) -> str:
+async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[str, dict | None]:
     """Direct mode: an iptables rule that refuses every source but the coordinator on the RPC port, where
-    the SSH user may add one. Recorded as a guard first, so the stop steps remove it."""
+    the SSH user may add one. Recorded as a guard first, so the stop steps remove it. Returns the note for
+    the step's result and the guard (None when no rule went in)."""
     coordinator = firewall.get("coordinator")
     if node_platform(ctx.node) != "linux" or not coordinator:
         why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
-        return await unfenced(ctx, deployment, port, why)
-    sudo = await may_administer(ctx)
-    if sudo is None:
-        return await unfenced(ctx, deployment, port, "the SSH user may not use sudo")
+        return await unfenced(ctx, deployment, port, why), None
     rule = rpc_guard.firewall_rule(port, coordinator, firewall["tag"])
-    await db(deployment.add_guard)(
-        f"firewall@{ctx.node.name}:{port}",
-        {"node": ctx.node.name, "kind": "firewall", "rule": rule, "sudo": sudo, "tag": firewall["tag"]},
-    )
+    sudo = await may_administer(ctx, rule)
+    if sudo is None:
+        why = "the SSH user may not run these iptables commands through sudo -n"
+        return await unfenced(ctx, deployment, port, why), None
+    guard = {"node": ctx.node.name, "kind": "firewall", "rule": rule, "sudo": sudo, "tag": firewall["tag"]}
+    await db(deployment.add_guard)(f"firewall@{ctx.node.name}:{port}", guard)
     result = await ctx.transport.run(rpc_guard.iptables_argv("-I", rule, sudo=sudo), timeout=60)
     if not result.ok:
         # No iptables, or no right to change it here (a container without NET_ADMIN): said loudly, as
         # when there is no sudo; tunnel mode is the way to keep the port to the coordinator there.
         why = result.stderr.strip()[:300] or "no iptables"
-        return await unfenced(ctx, deployment, port, f"iptables refused the rule: {why}")
-    await ctx.log(f"firewall: port {port} admits only {coordinator} ({firewall['tag']})")
-    return f", admitting only {coordinator}"
+        return await unfenced(ctx, deployment, port, f"iptables refused the rule: {why}"), None
+    await ctx.log(
+        f"firewall: port {port} admits only {coordinator} ({firewall['tag']}), before ggml-rpc-server starts"
+    )
+    return f", admitting only {coordinator}", guard
 
 
 async def unfenced(ctx, deployment, port: int, why: str) -> str:

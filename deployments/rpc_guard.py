@@ -228,3 +228,32 @@ def firewall_rule(port: int, coordinator: str, tag: str) -> list[str]:
 
 def iptables_argv(action: str, rule: list[str], *, sudo: bool) -> list[str]:
     return [*(["sudo", "-n"] if sudo else []), "iptables", "-w", action, "INPUT", *rule]
+
+
+def sudo_allows_argv(action: str, rule: list[str]) -> list[str]:
+    """Whether sudo lets this user run exactly `iptables -w ACTION INPUT RULE` without a password: `sudo -l`
+    with a command checks that one command line against the sudoers rules and runs nothing (exit 0: allowed).
+    Asking `sudo -n true` instead would refuse a user whose sudoers line allows only these commands
+    (SUDOERS_LINE) and accept one who may not run iptables at all."""
+    return ["sudo", "-n", "-l", "iptables", "-w", action, "INPUT", *rule]
+
+
+# The sudoers line that lets the SSH user run the console's iptables commands and nothing else: inserting and
+# deleting its REJECT rule on the node's RPC port, for one IPv4 address and a tag of ours (sudo 1.9.10 or
+# newer reads an argument list between ^ and $ as a regular expression). `!` is escaped as sudoers requires.
+SUDOERS_LINE = (
+    "{user} ALL=(root) NOPASSWD: {iptables} "
+    "^-w -[ID] INPUT -p tcp --dport {port} \\! -s [0-9.]+/32 -m comment --comment ramdeck-[A-Za-z0-9_-]+ "
+    "-j REJECT --reject-with tcp-reset$"
+)
+
+
+def sudoers_line(user: str, port: int, iptables: str = "/usr/sbin/iptables") -> str:
+    """SUDOERS_LINE for one SSH user and RPC port (the node's iptables path, as `command -v iptables`
+    prints it for root)."""
+    return SUDOERS_LINE.format(user=user, port=int(port), iptables=iptables)
+
+
+def calibration_tag(job_pk: int, node_name: str) -> str:
+    """The comment on the firewall rule a calibration puts in front of its link measurement."""
+    return f"ramdeck-c{int(job_pk)}-{re.sub(r'[^A-Za-z0-9_-]', '_', node_name)}"

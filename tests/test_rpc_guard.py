@@ -4,10 +4,13 @@ and the reaper's view of a tunnel."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from deployments import rpc_guard
 from deployments.reaper import classify
@@ -112,6 +115,40 @@ def test_the_firewall_rule_admits_only_the_coordinator():
     text = " ".join(rule)
     assert "--dport 50052 ! -s 10.0.0.2/32" in text and "--comment ramdeck-d7-old-pc" in text
     assert text.endswith("-j REJECT --reject-with tcp-reset")
+
+
+def test_the_sudo_check_asks_about_exactly_the_commands_the_console_runs():
+    rule = rpc_guard.firewall_rule(50052, "10.0.0.2", "ramdeck-d7-old-pc")
+    for action in ("-I", "-D"):
+        check = rpc_guard.sudo_allows_argv(action, rule)
+        assert check[:3] == ["sudo", "-n", "-l"]  # -l with a command: is it allowed? (runs nothing)
+        assert ["sudo", "-n", *check[3:]] == rpc_guard.iptables_argv(action, rule, sudo=True)
+
+
+def _sudoers_pattern(line: str) -> re.Pattern:
+    """The argument pattern of a sudoers line (sudo unescapes `\\!` before it compiles the expression)."""
+    return re.compile(line.split(" ^", 1)[1].rstrip("$").replace("\\!", "!"))
+
+
+@pytest.mark.parametrize("action", ["-I", "-D"])
+@pytest.mark.parametrize(
+    "tag", [rpc_guard.tag_for(7, "old-pc"), rpc_guard.calibration_tag(12, "old pc.lan"), "ramdeck-x_Y-9"]
+)
+def test_the_documented_sudoers_line_matches_every_rule_the_console_makes(action, tag):
+    line = rpc_guard.sudoers_line("ramdeck", 50052)
+    assert line.startswith("ramdeck ALL=(root) NOPASSWD: /usr/sbin/iptables ^-w -[ID] INPUT ")
+    for document in ("README.md", "SECURITY.md"):
+        assert "sudoers" in (Path(settings.BASE_DIR) / document).read_text()
+    assert line in (Path(settings.BASE_DIR) / "README.md").read_text()
+    pattern = _sudoers_pattern(line)
+    rule = rpc_guard.firewall_rule(50052, "192.168.1.20", tag)
+    assert pattern.fullmatch(" ".join(rpc_guard.iptables_argv(action, rule, sudo=False)[1:]))
+    other_port = rpc_guard.firewall_rule(22, "192.168.1.20", tag)
+    assert not pattern.fullmatch(" ".join(rpc_guard.iptables_argv(action, other_port, sudo=False)[1:]))
+
+
+def test_a_calibrations_rule_is_tagged_with_its_job_and_node():
+    assert rpc_guard.calibration_tag(12, "old pc.lan") == "ramdeck-c12-old_pc_lan"
 
 
 @pytest.mark.lab

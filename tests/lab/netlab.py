@@ -50,6 +50,8 @@ SSHD = "/usr/sbin/sshd"
 # A system user for the tests that need password authentication (namespaces share /etc/passwd).
 PASSWORD_USER = "ramdeck-lab"
 PASSWORD_USER_PASSWORD = "lab-only password 7f3e"
+# That user's uid inside a host given a login that is not root (Lab.add_plain_login): no user of this machine.
+PLAIN_UID = 47110
 
 _serial = itertools.count()
 
@@ -435,6 +437,59 @@ class Lab:
         _run(["tc", "qdisc", "del", "dev", host.veth_host, "root"], check=False)
         _run(host.exec_argv(["tc", "qdisc", "del", "dev", host.veth_ns, "root"]), check=False)
         host.link_mbit = None
+
+    # -- a login that is not root -------------------------------------------------------------------------
+
+    def add_plain_login(self, host: LabHost, *, sudoers: str = "") -> Path:
+        """Give `host` a login that is not root: PASSWORD_USER (the one the lab's sshd allows besides root)
+        as uid PLAIN_UID, with a home of its own and the lab's key; `sudoers` becomes the host's
+        /etc/sudoers. `ip netns exec` bind-mounts the files of /etc/netns/<host>/ over /etc, so the user,
+        its group, its shadow entry (sudo's PAM account check needs one) and the sudo rules exist inside
+        this host only. The host's sshd is started again (it sees only the files there when it starts).
+        Returns the home folder."""
+        # The user reads its home and the lab's authorized_keys file under the lab's folders.
+        self.workdir.chmod(0o711)
+        host.workdir.chmod(0o755)
+        home = host.workdir / "home"
+        home.mkdir(exist_ok=True)
+        os.chown(home, PLAIN_UID, PLAIN_UID)
+        directory = NETNS_ETC / host.netns
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, line, mode in (
+            ("group", f"{PASSWORD_USER}:x:{PLAIN_UID}:", 0o644),
+            ("shadow", f"{PASSWORD_USER}:*:19000:0:99999:7:::", 0o640),
+        ):
+            kept = [
+                x
+                for x in Path("/etc", name).read_text().splitlines()
+                if not x.startswith(f"{PASSWORD_USER}:")
+            ]
+            (directory / name).write_text("\n".join([*kept, line]) + "\n")
+            (directory / name).chmod(mode)
+        self.set_sudoers(host, sudoers)
+        self.start_sshd(host, password_auth=host.password_auth)
+        (host.workdir / "authorized_keys").chmod(0o644)
+        # After the start, which writes the host's passwd: rewritten in place (the same file), so the
+        # bind mount the sshd holds shows the user.
+        passwd = directory / "passwd"
+        kept = [x for x in passwd.read_text().splitlines() if not x.startswith(f"{PASSWORD_USER}:")]
+        passwd.write_text(
+            "\n".join([*kept, f"{PASSWORD_USER}:x:{PLAIN_UID}:{PLAIN_UID}::{home}:/bin/sh"]) + "\n"
+        )
+        return home
+
+    def set_sudoers(self, host: LabHost, rules: str) -> None:
+        """The host's own /etc/sudoers (see add_plain_login): sudo's defaults as Debian ships them, root's
+        rule, and `rules`. Written in place, so a running host sees the change at once."""
+        path = NETNS_ETC / host.netns / "sudoers"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = [
+            "Defaults env_reset",
+            'Defaults secure_path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"',
+            "root ALL=(ALL:ALL) ALL",
+        ]
+        path.write_text("\n".join([*header, rules]) + "\n")
+        path.chmod(0o440)
 
     # -- teardown ----------------------------------------------------------------------------------------
 
