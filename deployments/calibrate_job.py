@@ -16,6 +16,10 @@ that may coordinate, the CPU is also measured inside llama-server itself, with l
 the blocks a plan keeps on the coordinator's CPU run. Last, the console speaks the RPC protocol to the node's
 RPC port to time the link (deployments/rpc_link.py).
 
+ggml-rpc-server has no authentication: every server of the device runs binds 127.0.0.1 (llama-server runs on
+the same node), and the one the link is timed on is reached through the protection a deployment would use
+on the node, an SSH tunnel or the direct-mode firewall rule, or not at all (deployments/calibrate_link.py).
+
 On a node whose CPU quota is below its core count (a container's limit, a cgroup), llama-server beside the
 rpc-server spends the same quota, which in a deployment the rpc-server has to itself: there the CPU time both
 use during the samples (/proc/PID/stat) splits each run's time of the CPU device, and only the rpc-servers'
@@ -50,7 +54,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments import rpc_link
+from deployments import calibrate_link
 from deployments.gguf_profile import profile_path
 from deployments.lifecycle_steps import _write_key_file, node_platform, run_dir, tail_lines, wait_listening
 from deployments.reaper import find_holders
@@ -227,15 +231,22 @@ class Processes:
         self.pids.append(pid)
         return pid
 
-    async def end(self, pid: int) -> None:
-        if pid in self.pids:
-            self.pids.remove(pid)
-            await self.ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
+    async def end(self, pid: int) -> bool:
+        """End `pid` if this job started it; whether it is gone."""
+        if pid not in self.pids:
+            return True
+        self.pids.remove(pid)
+        return await self.ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
 
-    async def end_all(self) -> None:
+    async def end_all(self) -> bool:
+        """End every process still running; whether all of them are gone."""
+        gone = True
         for pid in list(reversed(self.pids)):
-            with contextlib.suppress(Exception):
-                await self.end(pid)
+            try:
+                gone = await self.end(pid) and gone
+            except Exception:
+                gone = False
+        return gone
 
 
 def _llama_host(node) -> str:
@@ -468,7 +479,6 @@ async def calibrate_body(ctx) -> str:
     shallow, deep, tiny = models
     procs = Processes(ctx)
     results: dict = {"job": ctx.job.pk, "build": build.version, "devices": {}, "hop": None, "local": None}
-    link = None
 
     # Under a CPU quota llama-server's work, on the node here but on the coordinator in a deployment, spends
     # the rpc-server's quota: the CPU time of both is read to take it out (Run.device_seconds_per_token).
@@ -502,18 +512,17 @@ async def calibrate_body(ctx) -> str:
         )
     try:
         for device in devices:
+            # Loopback only: llama-server, which drives the runs, is on the same node.
             rpc_pid, rpc_log = await _start_rpc_server(
-                ctx, procs, build, node.rpc_bind_host, port, device.name, workdir
+                ctx, procs, build, "127.0.0.1", port, device.name, workdir
             )
-            endpoint = f"{node.rpc_endpoint_host}:{port}"
+            endpoint = f"127.0.0.1:{port}"
             through = ["--rpc", endpoint, "--device", "RPC0", "-ngl", "999"]
             label = f"{device.name} through ggml-rpc-server"
             # The quota holds the CPU's time, not a GPU's: only the CPU device's runs are split.
             cpu_pids = [rpc_pid] if quota_binds and device.name == "CPU" else []
             runs = [await run(model, through, label, cpu_pids) for model in (shallow, deep)]
             line = fit(*runs)
-            if link is None:
-                link = await _measure_link(ctx, node, port)
             if results["hop"] is None:
                 results["hop"] = await _fixed_costs(
                     ctx,
@@ -545,6 +554,17 @@ async def calibrate_body(ctx) -> str:
                 "bandwidth_gbs": _gbs(local.bandwidth_bps),
                 "overhead_ms": _ms(local.fixed_s),
             }
+
+        link_logs = []
+
+        async def link_server(bind: str) -> int:
+            pid, log_path = await _start_rpc_server(ctx, procs, build, bind, port, devices[0].name, workdir)
+            link_logs.append(log_path)
+            return pid
+
+        link, results["link_protection"] = await calibrate_link.measure(ctx, node, procs, link_server)
+        if link_logs:
+            await ctx.transport.run(["rm", "-f", *link_logs], timeout=30)
     finally:
         await procs.end_all()
     results["link"] = asdict(link) if link else None
@@ -552,21 +572,6 @@ async def calibrate_body(ctx) -> str:
     for line in summary:
         await ctx.log(line)
     return "; ".join(summary)
-
-
-async def _measure_link(ctx, node, port: int) -> rpc_link.LinkFigures | None:
-    host = node.rpc_endpoint_host
-    try:
-        figures = await rpc_link.measure_link(host, port)
-    except rpc_link.LinkError as exc:
-        await ctx.log(f"link to {host}:{port} not measured: {exc}")
-        return None
-    await ctx.log(
-        f"link console → {host}:{port}: connect {figures.connect_ms:.2f} ms, RPC round trip "
-        f"{figures.rtt_ms} ms (best {figures.rtt_min_ms}), {figures.throughput_mbs} MB/s "
-        f"(protocol {figures.protocol})"
-    )
-    return figures
 
 
 def store(node, results: dict) -> list[str]:
@@ -624,7 +629,11 @@ def store(node, results: dict) -> list[str]:
             f"split across servers {pipeline or 0:.2f} ms"
         )
     if link.get("rtt_ms") is not None:
-        lines.append(f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s")
+        via = {"tunnel": " (through an SSH tunnel)", "firewall": " (direct, behind a firewall rule)"}
+        lines.append(
+            f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s"
+            f"{via.get(results.get('link_protection') or '', '')}"
+        )
     return lines
 
 

@@ -7,6 +7,9 @@
 - The sudoers line the README documents lets a node's SSH user run exactly the console's two iptables
   commands, and the console's check asks sudo about exactly those (a user who may run `sudo -n true` but
   not iptables is not taken for one who may set the rule).
+- A calibration of a node that allows no tunnels, as a user who may not set the rule, skips the link
+  measurement with a log line saying why and opens nothing; with the documented sudoers line the same
+  user's calibration measures it behind the rule.
 
 The lab's hosts log in as root by default; the other user lives inside its host only (Lab.add_plain_login).
 """
@@ -27,9 +30,10 @@ from deployments.models import Deployment, ModelFile
 from jobs.models import Job, JobState
 from nodes.models import Build, BuildSource, Node
 from nodes.transports import transport_for
-from tests.deploy_fixtures import lab_node, listeners_in, log_text, pid_alive, run
+from tests.deploy_fixtures import lab_node, listeners_in, log_text, pid_alive, route_between, run
 from tests.lab.netlab import PASSWORD_USER, PLAIN_UID
 from tests.llamacpp_build import require_llamacpp
+from tests.test_rpc_isolation import watch_rpc_servers
 from tests.unavailable import unavailable
 
 pytestmark = [
@@ -214,3 +218,70 @@ def test_the_documented_sudoers_line_allows_the_consoles_iptables_commands_and_n
     assert tag not in iptables_rules(lab_host)
     assert not any(outcome["others"].values()), outcome["others"]
     assert outcome["true_now"] and outcome["may_now"] is None, outcome
+
+
+def user_readable_llamacpp(host) -> tuple[Path, Path]:
+    """The cached llama.cpp binaries and their libraries copied where a user who is not root may run them
+    (the cache is under root's home), each behind a script that names the copies' folder for the loader
+    (the binaries look for their libraries in the cache) and becomes the binary (same PID)."""
+    binaries = require_llamacpp()
+    folder = host.workdir / "llama-lib"
+    shutil.copytree(binaries.rpc_server.parent, folder, symlinks=True)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755)
+    scripts = host.workdir / "llama-bin"
+    scripts.mkdir()
+    out = []
+    for binary in (binaries.rpc_server, binaries.llama_server):
+        script = scripts / binary.name
+        script.write_text(f'#!/bin/sh\nLD_LIBRARY_PATH="{folder}" exec "{folder / binary.name}" "$@"\n')
+        script.chmod(0o755)
+        out.append(script)
+    scripts.chmod(0o755)
+    return out[0], out[1]
+
+
+def test_a_calibration_that_can_neither_tunnel_nor_fence_skips_the_link_and_opens_nothing(
+    lab, lab_hosts, settings, tmp_path, monkeypatch
+):
+    """A user with no sudo rights on a node that allows no tunnels: the devices are measured (on 127.0.0.1),
+    the link is not, a third host is refused throughout; with the documented sudoers line the same user's
+    calibration measures the link behind the rule, which is gone afterwards."""
+    require_sudo()
+    settings.VAR_DIR = tmp_path
+    node_host, outsider = lab_hosts(2)
+    route_between([node_host, outsider])
+    lab.add_plain_login(node_host, sudoers="")
+    rpc_server, llama_server = user_readable_llamacpp(node_host)
+    node = lab_node(lab, node_host, name="plain-pc", ssh_user=PASSWORD_USER, rpc_tunnel=False)
+    probe_job = run(Job.objects.create(kind="probe", node=node))
+    assert probe_job.state == JobState.SUCCEEDED, probe_job.result
+    register_build(node, rpc_server, llama_server)
+    seen = watch_rpc_servers(monkeypatch, node_host, outsider)
+
+    job = run(Job.objects.create(kind="calibrate", node=node, title="Calibrate plain-pc"))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    log = log_text(job)
+    assert "link not measured: plain-pc does not allow RPC tunnels" in log, log
+    assert "may not run the firewall rule's iptables commands through sudo -n" in log
+    print("\n" + "\n".join(line for line in log.splitlines() if line.startswith("link")))
+    node.refresh_from_db()
+    assert node.link_rtt_ms is None and node.devices.get(name="CPU").measured_overhead_ms is not None
+    assert seen and all("127.0.0.1:" in s["listening"] for s in seen), seen
+    assert all(node_host.address not in s["listening"] for s in seen), seen
+    assert all("REFUSED" in s["outsider"] for s in seen), seen
+
+    seen.clear()
+    lab.set_sudoers(node_host, rpc_guard.sudoers_line(PASSWORD_USER, RPC_PORT, iptables_path()))
+    job = run(Job.objects.create(kind="calibrate", node=node, title="Calibrate plain-pc"))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    tag = rpc_guard.calibration_tag(job.pk, node.name)
+    log = log_text(job)
+    assert f"firewall rule {tag} admits only the console ({node_host.host_address})" in log, log
+    print("\n".join(line for line in log.splitlines() if line.startswith("link")))
+    node.refresh_from_db()
+    assert node.link_rtt_ms > 0 and node.calibration["link_protection"] == "firewall"
+    exposed = [s for s in seen if node_host.address in s["listening"]]
+    assert len(exposed) == 1 and "REFUSED" in exposed[0]["outsider"], seen
+    assert tag not in iptables_rules(node_host) and listeners_in(node_host, RPC_PORT) == ""

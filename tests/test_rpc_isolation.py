@@ -1,5 +1,6 @@
 """Nobody but the coordinator reaches a worker's ggml-rpc-server (issue 11), proved on the lab with real sshd,
-real llama.cpp and a third machine on the same network.
+real llama.cpp and a third machine on the same network; and nobody but the console reaches the one a
+calibration starts (issue 17).
 
 Three hosts: the coordinator, one worker, and an outsider (a guest's phone on the Wi-Fi). While the
 deployment serves completions, the outsider connects to the worker's RPC port and is refused: in tunnel
@@ -7,10 +8,16 @@ mode (rpc-server listens on 127.0.0.1; the coordinator comes through its SSH for
 that one forward and nothing else) and in direct mode with the firewall rule (rpc-server listens on the
 LAN address; only the coordinator is admitted). Stopping removes the authorized key and the rule. The
 outsider's refusals are printed (run with -s) and kept in the test's figures.
+
+A calibration runs its rpc-servers on the node's loopback and times the link through the protection a
+deployment would use there: the outsider connects to each of them once it listens and is refused, with the
+node allowing tunnels (the link measured through SSH) and not (the link measured directly, behind the
+firewall rule admitting only the console).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import threading
@@ -20,14 +27,16 @@ import httpx
 import pytest
 
 from audit.models import AuditEvent
-from deployments import healing, lifecycle, monitor, planner
+from deployments import calibrate_job, healing, lifecycle, monitor, planner
 from deployments.gguf_profile import profile_path
 from deployments.models import Deployment, DeploymentState, ModelFile
-from deployments.rpc_guard import tag_for
+from deployments.rpc_guard import calibration_tag, tag_for
 from deployments.tiny_model import TinyLlama, write_tiny_llama
+from jobs.models import Job, JobState
 from nodes.models import Device, DeviceKind
-from tests.deploy_fixtures import listeners_in, pid_alive, route_between
+from tests.deploy_fixtures import listeners_in, log_text, pid_alive, route_between, run
 from tests.llamacpp_build import use_cached_llamacpp
+from tests.test_calibrate_lab import ready_node
 from tests.test_e2e_deployment import (
     LLAMA_PORT,
     MIB,
@@ -317,3 +326,66 @@ def test_tunnel_and_direct_mode_both_serve_and_report_their_speed(pair, monkeypa
         cluster.assert_clean(deployment)
     assert figures["tunnel_decode_tps"] > 0 and figures["direct_decode_tps"] > 0
     print("\nRPC-SPEED " + json.dumps(figures))
+
+
+def watch_rpc_servers(monkeypatch, host, outsider) -> list[dict]:
+    """Every rpc-server a calibration starts, once it listens: what listens on its port, and what a third
+    host gets when it connects to the node's address there."""
+    seen: list[dict] = []
+    wait = calibrate_job.wait_listening
+
+    async def watched(ctx, pid, port, log_path, *, timeout):
+        await wait(ctx, pid, port, log_path, timeout=timeout)
+        listening = await asyncio.to_thread(listeners_in, host, port)
+        outcome = await asyncio.to_thread(probe, outsider, host.address, port)
+        seen.append({"port": port, "listening": listening, "outsider": outcome})
+
+    monkeypatch.setattr(calibrate_job, "wait_listening", watched)
+    return seen
+
+
+def test_a_third_host_is_refused_by_every_rpc_server_of_a_calibration(lab, lab_hosts, settings, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    settings.VAR_DIR = tmp_path
+    node_host, outsider = lab_hosts(2)
+    route_between([node_host, outsider])
+    node = ready_node(lab, node_host, "old-pc")
+    seen = watch_rpc_servers(monkeypatch, node_host, outsider)
+    figures = {}
+
+    # The node allows tunnels: every server listens on its loopback, the link is timed through SSH.
+    job = run(Job.objects.create(kind="calibrate", node=node, title="Calibrate old-pc"))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    log = log_text(job)
+    assert "link: measured through an SSH tunnel" in log, log
+    print("\n" + "\n".join(line for line in log.splitlines() if line.startswith("link")))
+    node.refresh_from_db()
+    assert node.link_rtt_ms > 0 and node.calibration["link_protection"] == "tunnel"
+    figures["tunnel_link_rtt_ms"] = node.link_rtt_ms
+    assert len(seen) >= 3, seen  # a server per device, the second of the pipeline run, the link's
+    for server in seen:
+        REFUSALS.append(f"calibration, tunnel: port {server['port']}: {server['outsider']}")
+        assert "127.0.0.1:" in server["listening"] and node_host.address not in server["listening"], server
+        assert "REFUSED" in server["outsider"] and "ConnectionRefusedError" in server["outsider"], server
+
+    # It does not: the link's server listens on the node's address, behind the rule admitting the console.
+    seen.clear()
+    node.rpc_tunnel = False
+    node.save(update_fields=["rpc_tunnel"])
+    job = run(Job.objects.create(kind="calibrate", node=node, title="Calibrate old-pc"))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    tag = calibration_tag(job.pk, node.name)
+    log = log_text(job)
+    assert f"firewall rule {tag} admits only the console ({node_host.host_address})" in log, log
+    print("\n".join(line for line in log.splitlines() if line.startswith("link")))
+    node.refresh_from_db()
+    assert node.link_rtt_ms > 0 and node.calibration["link_protection"] == "firewall"
+    figures["direct_link_rtt_ms"] = node.link_rtt_ms
+    exposed = [server for server in seen if node_host.address in server["listening"]]
+    assert len(exposed) == 1 and exposed[0]["port"] == RPC_PORT, seen
+    for server in seen:
+        REFUSALS.append(f"calibration, direct: {server['listening'].split()[3]}: {server['outsider']}")
+        assert "REFUSED" in server["outsider"] and "ConnectionRefusedError" in server["outsider"], server
+    assert tag not in iptables_rules(node_host)
+    assert listeners_in(node_host, RPC_PORT) == ""
+    print("\nRPC-CALIBRATION " + json.dumps({**figures, "refusals": REFUSALS}))
