@@ -351,7 +351,7 @@ def test_a_third_host_is_refused_by_every_rpc_server_of_a_calibration(lab, lab_h
     route_between([node_host, outsider])
     node = ready_node(lab, node_host, "old-pc")
     seen = watch_rpc_servers(monkeypatch, node_host, outsider)
-    figures = {}
+    figures, refusals = {}, []
 
     # The node allows tunnels: every server listens on its loopback, the link is timed through SSH.
     job = run(Job.objects.create(kind="calibrate", node=node, title="Calibrate old-pc"))
@@ -364,7 +364,7 @@ def test_a_third_host_is_refused_by_every_rpc_server_of_a_calibration(lab, lab_h
     figures["tunnel_link_rtt_ms"] = node.link_rtt_ms
     assert len(seen) >= 3, seen  # a server per device, the second of the pipeline run, the link's
     for server in seen:
-        REFUSALS.append(f"calibration, tunnel: port {server['port']}: {server['outsider']}")
+        refusals.append(f"calibration, tunnel: port {server['port']}: {server['outsider']}")
         assert "127.0.0.1:" in server["listening"] and node_host.address not in server["listening"], server
         assert "REFUSED" in server["outsider"] and "ConnectionRefusedError" in server["outsider"], server
 
@@ -384,8 +384,8 @@ def test_a_third_host_is_refused_by_every_rpc_server_of_a_calibration(lab, lab_h
     exposed = [server for server in seen if node_host.address in server["listening"]]
     assert len(exposed) == 1 and exposed[0]["port"] == RPC_PORT, seen
     for server in seen:
-        REFUSALS.append(f"calibration, direct: {server['listening'].split()[3]}: {server['outsider']}")
+        refusals.append(f"calibration, direct: {server['listening'].split()[3]}: {server['outsider']}")
         assert "REFUSED" in server["outsider"] and "ConnectionRefusedError" in server["outsider"], server
     assert tag not in iptables_rules(node_host)
     assert listeners_in(node_host, RPC_PORT) == ""
-    print("\nRPC-CALIBRATION " + json.dumps({**figures, "refusals": REFUSALS}))
+    print("\nRPC-CALIBRATION " + json.dumps({**figures, "refusals": refusals}))
