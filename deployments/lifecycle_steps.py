@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import posixpath
 import secrets
-import tempfile
 
 import httpx
 from django.conf import settings
@@ -353,17 +351,10 @@ async def remove_guard(ctx, info: dict) -> str:
 
 
 async def _write_key_file(ctx, path: str, key: str) -> None:
-    """The API key reaches the node as a 0600 file, never in a command line (visible in `ps`) or a log."""
-    fd, local = tempfile.mkstemp(prefix="ramdeck-key-")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(key + "\n")
-        await ctx.run(["sh", "-c", 'umask 077 && : > "$1"', "keyfile", path], timeout=30)
-        await ctx.transport.upload(local, path)
-        await ctx.run(["chmod", "600", path], timeout=30)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(local)
+    """A key reaches the node as a file created 0600, never in a command line (visible in `ps`) or a log,
+    and straight from memory: over SFTP to a remote node, by os.open on the console's own host, never
+    through a temporary file on the console's host."""
+    await ctx.transport.write_file(path, (key + "\n").encode(), mode=0o600)
 
 
 def _without_key(text: str) -> str:

@@ -176,6 +176,22 @@ class LocalTransport:
                 f"Copying {local_path} to {remote_path} failed: {exc.strerror or exc}"
             ) from exc
 
+    async def write_file(self, remote_path: str, data: bytes, *, mode: int = 0o600) -> None:
+        """Write `data` (held in memory, e.g. a key) to a new file created with `mode`: no temporary copy
+        anywhere, an old file at the path removed first, and an exclusive create that follows no link."""
+
+        def write() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(remote_path)
+            fd = os.open(remote_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise TransportError(f"Writing {remote_path} failed: {exc.strerror or exc}") from exc
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         def read() -> bytes:
             with open(remote_path, "rb") as handle:

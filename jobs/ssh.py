@@ -499,6 +499,23 @@ class SSHTransport:
         except (asyncssh.Error, OSError) as exc:
             raise TransportError(f"Uploading to {self.target.host}:{remote_path} failed: {exc}") from exc
 
+    async def write_file(self, remote_path: str, data: bytes, *, mode: int = 0o600) -> None:
+        """Write `data` (held in memory, e.g. a key) to a new file on the node over SFTP, created with
+        `mode` (the server's umask can only narrow it): an old file at the path is removed first, so the
+        file never had a wider mode, and the create is exclusive, so a link planted there is not followed."""
+        conn = self._require_conn()
+        try:
+            async with conn.start_sftp_client() as sftp:
+                with contextlib.suppress(asyncssh.SFTPNoSuchFile):
+                    await sftp.remove(remote_path)
+                attrs = asyncssh.SFTPAttrs(permissions=mode)
+                async with sftp.open(remote_path, "xb", attrs) as handle:
+                    await handle.write(data)
+        except asyncssh.SFTPError as exc:
+            raise TransportError(f"Writing {self.target.host}:{remote_path} failed: {exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Writing {self.target.host}:{remote_path} failed: {exc}") from exc
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         conn = self._require_conn()
         try:

@@ -172,6 +172,11 @@ class Transport(Protocol):
 
     async def upload(self, local_path: str, remote_path: str) -> None: ...
 
+    async def write_file(self, remote_path: str, data: bytes, *, mode: int = 0o600) -> None:
+        """Write `data` from memory to a new file on the node, created with `mode` (secrets never pass
+        through a temporary file on the console's host)."""
+        ...
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         """The first nbytes of a file on the node."""
         ...

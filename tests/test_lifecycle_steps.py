@@ -356,3 +356,39 @@ def test_a_pid_check_never_returns_an_api_key_from_the_command_line():
 def test_llama_server_log_lines_never_show_the_key():
     line = "main: api_keys: ****abcd, server is listening on http://127.0.0.1:8080"
     assert "abcd" not in lifecycle_steps._without_key(line)
+
+
+@pytest.mark.security
+def test_a_key_file_is_written_from_memory_0600_and_nothing_passes_through_the_consoles_tempdir(
+    local_node, tmp_path, monkeypatch
+):
+    import os
+    import tempfile
+
+    from jobs.local import LocalTransport
+
+    console_tmp = tmp_path / "console-tmp"
+    console_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(console_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(console_tmp))
+    # What the folder holds while the key is on its way (the old way left nothing behind either: its
+    # temporary copy was deleted after the upload).
+    during = []
+    for name in ("upload", "write_file"):
+        original = getattr(LocalTransport, name)
+
+        async def watched(self, *args, _original=original, **kwargs):
+            during.append(sorted(p.name for p in console_tmp.iterdir()))
+            return await _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LocalTransport, name, watched)
+    path = tmp_path / "d7-llama-server-8080.key"
+    ctx = Ctx({}, node=local_node, transport=LocalTransport())
+    previous = os.umask(0)
+    try:
+        asyncio.run(lifecycle_steps._write_key_file(ctx, str(path), "the-api-key"))
+    finally:
+        os.umask(previous)
+    assert path.read_text() == "the-api-key\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert during == [[]] and list(console_tmp.iterdir()) == []
+    assert ctx.lines == []  # not a word of it in the job log

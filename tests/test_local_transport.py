@@ -228,3 +228,33 @@ def test_open_transport_refuses_an_ssh_node_without_credential():
     node = NodeFactory(credential=None)
     with pytest.raises(TransportError, match="has no credential"):
         open_transport(node)
+
+
+@pytest.mark.security
+async def test_a_secret_is_written_from_memory_with_mode_0600_whatever_the_umask(
+    local, tmp_path, monkeypatch
+):
+    import tempfile
+
+    console_tmp = tmp_path / "console-tmp"
+    console_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(console_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(console_tmp))
+    path = tmp_path / "secret.key"
+    path.write_text("old\n")
+    path.chmod(0o644)
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched\n")
+    link = tmp_path / "planted.key"
+    link.symlink_to(target)
+    previous = os.umask(0)
+    try:
+        await local.write_file(str(path), b"s3cret\n")
+        await local.write_file(str(link), b"s3cret\n")
+    finally:
+        os.umask(previous)
+    assert path.read_bytes() == b"s3cret\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert not link.is_symlink() and target.read_text() == "untouched\n"
+    assert list(console_tmp.iterdir()) == []
+    with pytest.raises(TransportError, match="Writing .*missing/x.key failed"):
+        await local.write_file(str(tmp_path / "missing" / "x.key"), b"k")

@@ -303,3 +303,44 @@ def test_no_code_path_turns_host_key_checking_off():
     sources = [p.read_text() for p in Path(__file__).resolve().parents[1].joinpath("jobs").glob("*.py")]
     assert not any("known_hosts=None" in text for text in sources)
     assert asyncio.iscoroutinefunction(SSHTransport.connect)
+
+
+@pytest.mark.security
+async def test_a_secret_is_written_from_memory_into_a_file_that_is_0600_from_its_creation(
+    lab, lab_host, tmp_path, monkeypatch
+):
+    """write_file creates the file over SFTP with mode 0600 before a byte of the secret is in it (checked at
+    the first write), replaces an older, wider file, follows no planted link, and uses no local file."""
+    import tempfile
+
+    import asyncssh
+
+    console_tmp = tmp_path / "console-tmp"
+    console_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(console_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(console_tmp))
+    seen, writing = [], []
+    original = asyncssh.SFTPClientFile.write
+
+    async def watching(self, data, offset=None):
+        info = writing[-1].lstat()
+        seen.append((oct(info.st_mode & 0o777), info.st_size, sorted(p.name for p in console_tmp.iterdir())))
+        return await original(self, data, offset)
+
+    monkeypatch.setattr(asyncssh.SFTPClientFile, "write", watching)
+    remote = lab_host.workdir / "secret.key"
+    remote.write_text("old\n")
+    remote.chmod(0o644)
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched\n")
+    link = lab_host.workdir / "planted.key"
+    link.symlink_to(target)
+    async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        for path in (remote, link):
+            writing.append(path)
+            await ssh.write_file(str(path), b"s3cret\n")
+    assert seen == [("0o600", 0, []), ("0o600", 0, [])]
+    assert remote.read_bytes() == b"s3cret\n" and oct(remote.stat().st_mode & 0o777) == "0o600"
+    assert not link.is_symlink() and oct(link.stat().st_mode & 0o777) == "0o600"
+    assert target.read_text() == "untouched\n"
+    assert list(console_tmp.iterdir()) == []
