@@ -330,9 +330,22 @@ async def unfenced(ctx, deployment, port: int, why: str) -> str:
 async def remove_guard(ctx, info: dict) -> str:
     """Undo one guard (an authorized key, a firewall rule); removing one already gone is fine."""
     if info["kind"] == "authorized-key":
-        result = await ctx.transport.run(rpc_guard.remove_tagged_argv(info["path"], info["tag"]), timeout=30)
-        if not result.ok:
-            raise JobFailed(f"could not remove the tunnel key {info['tag']} from {info['path']}")
+        # Exactly the lines this deployment wrote (under the file's lock); a guard recorded by an older
+        # console, before the lines were, goes by its tag.
+        lines = info.get("lines")
+        argvs = (
+            [rpc_guard.remove_line_argv(info["path"], line) for line in lines]
+            if lines
+            else [rpc_guard.remove_tagged_argv(info["path"], info["tag"])]
+        )
+        for argv in argvs:
+            result = await ctx.transport.run(argv, timeout=90)
+            if not result.ok:
+                why = "; ".join(line.text for line in result.lines[-3:] if line.text)
+                raise JobFailed(
+                    f"could not remove the tunnel key {info['tag']} from {info['path']}"
+                    + (f": {why}" if why else "")
+                )
         return f"tunnel key {info['tag']} removed from {info['path']}"
     if info["kind"] == "firewall":
         removed = 0

@@ -516,6 +516,26 @@ class SSHTransport:
         except (asyncssh.Error, OSError) as exc:
             raise TransportError(f"Writing {self.target.host}:{remote_path} failed: {exc}") from exc
 
+    async def remote_forward_granted(self, listen: str | tuple[str, int]) -> bool:
+        """Whether the node's sshd grants this login a remote forward: a Unix socket at the path `listen`
+        (`ssh -R /path.sock:...`), or a TCP (host, port). A granted one is closed at once; nothing that
+        connects in between reaches anything (its destination is a socket that does not exist)."""
+        conn = self._require_conn()
+        try:
+            if isinstance(listen, str):
+                listener = await conn.forward_remote_path(listen, "/nonexistent/ramdeck-probe.sock")
+            else:
+                listener = await conn.forward_remote_port(listen[0], listen[1], "127.0.0.1", 9)
+        except asyncssh.ChannelListenError:
+            return False
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Asking {self.target.host} for a remote forward failed: {exc}") from exc
+        if listener is None:
+            return False
+        listener.close()
+        await listener.wait_closed()
+        return True
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         conn = self._require_conn()
         try:

@@ -405,6 +405,19 @@ RAMDECK_SSH_KEEPALIVE_S = env_float("RAMDECK_SSH_KEEPALIVE_S", 15.0, minimum=1, 
 RAMDECK_COMMAND_TIMEOUT_S = env_float("RAMDECK_COMMAND_TIMEOUT_S", 3 * 3600, minimum=1, maximum=86400)
 RAMDECK_KILL_GRACE_S = env_float("RAMDECK_KILL_GRACE_S", 5.0, minimum=0.1, maximum=120)
 RAMDECK_MAX_UPLOAD_BYTES = env_int("RAMDECK_MAX_UPLOAD_BYTES", 64 * 1024, minimum=1024)
+# This console's id in what it leaves on nodes (the comment of a tunnel key in a worker's authorized_keys),
+# so two consoles that manage one node tell their entries apart. Generated once into var/ unless set.
+RAMDECK_CONSOLE_ID = os.environ.get("RAMDECK_CONSOLE_ID", "").strip() or _persisted_dev_secret(
+    "console_id", lambda: secrets.token_hex(4)
+)
+if not (
+    len(RAMDECK_CONSOLE_ID) <= 32
+    and RAMDECK_CONSOLE_ID.isascii()
+    and RAMDECK_CONSOLE_ID.replace("-", "").isalnum()
+):
+    raise ImproperlyConfigured(
+        f"RAMDECK_CONSOLE_ID must be 1 to 32 letters, digits or dashes, not {RAMDECK_CONSOLE_ID!r}."
+    )
 # The share of Apple unified memory a plan may use unless the plan form says otherwise (its default).
 RAMDECK_UNIFIED_MEMORY_CLAMP = env_float(
     "RAMDECK_UNIFIED_MEMORY_CLAMP", DEFAULT_UNIFIED_CLAMP, minimum=0.1, maximum=1.0

@@ -25,6 +25,7 @@ import time
 
 import httpx
 import pytest
+from django.conf import settings
 
 from audit.models import AuditEvent
 from deployments import calibrate_job, healing, lifecycle, monitor, planner
@@ -152,9 +153,12 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     assert tunnel["node"] == cluster.coordinator.name and pid_alive(int(tunnel["pid"]))
     llama = deployment.processes[f"llama-server@{cluster.coordinator.name}"]
     assert llama["local_ends"] == {f"{worker.address}:{RPC_PORT}": tunnel["local_end"]}
-    tag = tag_for(deployment.pk, worker.name)
+    tag = tag_for(deployment.pk, worker.name, settings.RAMDECK_CONSOLE_ID)
     entry = next(line for line in authorized.read_text().splitlines() if line.endswith(tag))
-    assert entry.startswith(f'restrict,port-forwarding,pty,permitopen="127.0.0.1:{RPC_PORT}"')
+    # From the coordinator's address as the worker sees it, and nowhere else.
+    assert entry.startswith(
+        f'restrict,from="{coordinator_host.address}",port-forwarding,pty,permitopen="127.0.0.1:{RPC_PORT}"'
+    )
     assert 'command="sleep 2147483647"' in entry
 
     with Serving(deployment, cluster.coordinator.address):
@@ -183,6 +187,19 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert "SHELL-OK" not in shell.stdout and not marker.exists(), (shell.stdout, shell.stderr)
+        # The key copied to another machine of the LAN is refused there (from=).
+        stolen = subprocess.run(
+            outsider.exec_argv(
+                [
+                    "ssh", "-F", "/dev/null", "-i", tunnel["key_file"], "-o", "BatchMode=yes",
+                    "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                    "-N", "-L", f"127.0.0.1:40999:127.0.0.1:{RPC_PORT}", f"root@{worker_host.address}",
+                ]
+            ),
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert stolen.returncode == 255 and "Permission denied" in stolen.stderr, stolen.stderr
+        REFUSALS.append(f"tunnel mode: the tunnel key from {outsider.address}: Permission denied")
 
     # The tunnel is supervised: when it dies the deployment is degraded, and a heal starts it again.
     subprocess.run(["kill", "-KILL", str(tunnel["pid"])], check=True)

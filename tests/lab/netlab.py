@@ -294,8 +294,17 @@ class Lab:
         _run([*inside, "ip", "link", "set", host.veth_ns, "up"])
         _run([*inside, "ip", "link", "set", "lo", "up"])
 
-    def start_sshd(self, host: LabHost, *, password_auth: bool = False, new_host_key: bool = False) -> None:
-        """(Re)start the host's sshd; `new_host_key` regenerates its host key (a "changed host key")."""
+    def start_sshd(
+        self,
+        host: LabHost,
+        *,
+        password_auth: bool = False,
+        new_host_key: bool = False,
+        extra_config: Sequence[str] = (),
+    ) -> None:
+        """(Re)start the host's sshd; `new_host_key` regenerates its host key (a "changed host key");
+        `extra_config` adds sshd_config lines (a hardened machine's settings, e.g.
+        "AllowStreamLocalForwarding no")."""
         self.stop_sshd(host)
         key = host.workdir / "ssh_host_ed25519_key"
         if new_host_key or not key.exists():
@@ -307,7 +316,7 @@ class Lab:
         authorized = host.workdir / "authorized_keys"
         authorized.write_text(self.client_public_key + "\n")
         config = host.workdir / "sshd_config"
-        config.write_text(_sshd_config(host, key, authorized, password_auth))
+        config.write_text(_sshd_config(host, key, authorized, password_auth, extra_config))
         _write_netns_passwd(host.netns)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory.
         log = host.workdir / "sshd.log"
@@ -576,7 +585,9 @@ def _write_netns_passwd(netns: str) -> None:
     (directory / "passwd").write_text("\n".join(lines) + "\n")
 
 
-def _sshd_config(host: LabHost, key: Path, authorized: Path, password_auth: bool) -> str:
+def _sshd_config(
+    host: LabHost, key: Path, authorized: Path, password_auth: bool, extra: Sequence[str] = ()
+) -> str:
     return "\n".join(
         [
             f"ListenAddress {host.address}:{host.port}",
@@ -595,6 +606,7 @@ def _sshd_config(host: LabHost, key: Path, authorized: Path, password_auth: bool
             "MaxSessions 200",
             "LogLevel VERBOSE",
             "Subsystem sftp internal-sftp",
+            *extra,
             "",
         ]
     )
