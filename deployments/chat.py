@@ -31,6 +31,7 @@ from django.views.decorators.http import require_POST
 
 from ramdeck_site.roles import OPERATOR, role_required
 
+from .bounded_http import IDENTITY, MAX_ERROR_BYTES, AnswerTooLarge, capped_lines, read_prefix
 from .lifecycle_steps import endpoint_url
 from .llamacpp import model_alias
 from .models import Deployment, DeploymentState
@@ -162,7 +163,8 @@ async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) 
     server then stops generating)."""
     answered = False
     try:
-        async for chunk in relay(upstream.aiter_lines()):
+        # Line by line, each at most MAX_LINE_BYTES: an endless line is not held for the whole of it.
+        async for chunk in relay(capped_lines(upstream)):
             yield chunk
             if not answered and chunk.startswith(ANSWER_EVENT):
                 # After the first piece is on its way, so the write never delays it.
@@ -170,6 +172,8 @@ async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) 
                 await sync_to_async(_note_first_answer)(pk)
     except httpx.HTTPError as exc:
         yield event({"error": f"The connection to llama-server broke: {exc or type(exc).__name__}"})
+    except AnswerTooLarge as exc:
+        yield event({"error": f"{exc}; the answer stops here."})
     finally:
         await upstream.aclose()
         await client.aclose()
@@ -197,7 +201,10 @@ async def deployment_chat(request, pk: int):
     }
     client = httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
     request_up = client.build_request(
-        "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        "POST",
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}", **IDENTITY},
     )
     try:
         upstream = await client.send(request_up, stream=True)
@@ -205,9 +212,14 @@ async def deployment_chat(request, pk: int):
         await client.aclose()
         return _refusal(f"llama-server at {url} did not answer: {exc or type(exc).__name__}", 502)
     if upstream.status_code != 200:
-        text = (await upstream.aread()).decode(errors="replace")
-        await upstream.aclose()
-        await client.aclose()
+        try:
+            # Its first bytes only: the reason is a line, whatever size the body claims to be.
+            text = (await read_prefix(upstream, MAX_ERROR_BYTES)).decode(errors="replace")
+        except httpx.HTTPError:
+            text = ""
+        finally:
+            await upstream.aclose()
+            await client.aclose()
         reason = _error_text(_json_or_text(text)) or upstream.reason_phrase
         return _refusal(f"llama-server answered {upstream.status_code}: {reason}", 502)
     answer = _stream(client, upstream, deployment.pk)

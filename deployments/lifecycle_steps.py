@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import posixpath
 import secrets
 
@@ -18,6 +19,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from deployments import llamacpp, placement, rpc_guard
+from deployments.bounded_http import AnswerTooLarge, fetch
 from deployments.reaper import ForeignHolder, PortStillBusy, classify, cmdline_argv, find_holders, reap_port
 from jobs.aio import db
 from jobs.context import JobFailed
@@ -386,9 +388,9 @@ async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeou
             shown += len(fresh)
             for text in fresh:
                 await ctx.log(f"[llama-server] {_without_key(text)}")
-            with contextlib.suppress(httpx.HTTPError):
-                response = await client.get(f"{url}/health")
-                if response.status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, AnswerTooLarge):
+                status, _ = await fetch(client, "GET", f"{url}/health", what="/health answer")
+                if status == 200:
                     return
             if not await ctx.transport.pid_alive(pid):
                 tail = "\n".join(await tail_lines(ctx, log_path))
@@ -509,12 +511,28 @@ async def measure_body(ctx) -> str:
     url = endpoint_url(deployment)
     body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "cache_prompt": False}
     async with httpx.AsyncClient(timeout=600.0) as client:
-        response = await client.post(
-            f"{url}/completion", json=body, headers={"Authorization": f"Bearer {key}"}
-        )
-    if response.status_code != 200:
-        raise JobFailed(f"POST /completion answered {response.status_code}: {response.text[:300]}")
-    timings = response.json().get("timings") or {}
+        try:
+            # Read with a bound: 32 tokens and their timings are a few kB, whatever the node sends.
+            status, raw = await fetch(
+                client,
+                "POST",
+                f"{url}/completion",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                what="/completion answer",
+            )
+        except AnswerTooLarge as exc:
+            raise JobFailed(f"{exc}; cannot measure") from None
+    text = raw.decode("utf-8", "replace")
+    if status != 200:
+        raise JobFailed(f"POST /completion answered {status}: {text[:300]}")
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise JobFailed(f"llama-server's /completion answer is not a JSON object: {text[:200]!r}")
+    timings = answer.get("timings") or {}
     decode = timings.get("predicted_per_second")
     prompt = timings.get("prompt_per_second")
     if not isinstance(decode, int | float) or not isinstance(prompt, int | float):

@@ -25,6 +25,7 @@ from nodes.models import Node
 from ramdeck_site.printable import printable
 
 from . import healing, live
+from .bounded_http import AnswerTooLarge, fetch
 from .models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 
 logger = logging.getLogger(__name__)
@@ -157,19 +158,26 @@ async def _health_and_metrics(client: httpx.AsyncClient, check: Check) -> tuple[
     And its live numbers from /metrics, when it answers them."""
     url = f"{check.url}/health"
     try:
-        response = await client.get(url, timeout=HEALTH_TIMEOUT_S)
-    except httpx.HTTPError as exc:
+        # Every answer read with a bound (deployments/bounded_http.py): the node decides what it sends.
+        status, body = await fetch(client, "GET", url, timeout=HEALTH_TIMEOUT_S, what="/health answer")
+    except (httpx.HTTPError, AnswerTooLarge) as exc:
         return [f"llama-server does not answer {url}: {exc}"], {}
-    if response.status_code != 200:
-        return [f"llama-server answers {url} with {response.status_code}: {response.text[:200]}"], {}
+    if status != 200:
+        text = body.decode("utf-8", "replace")[:200]
+        return [f"llama-server answers {url} with {status}: {text}"], {}
     metrics: dict[str, str] = {}
     try:
-        answer = await client.get(
-            f"{check.url}/metrics", headers={"Authorization": f"Bearer {check.api_key}"}, timeout=5.0
+        status, body = await fetch(
+            client,
+            "GET",
+            f"{check.url}/metrics",
+            headers={"Authorization": f"Bearer {check.api_key}"},
+            timeout=5.0,
+            what="/metrics answer",
         )
-        if answer.status_code == 200:
-            metrics = parse_metrics(answer.text)
-    except httpx.HTTPError:
+        if status == 200:
+            metrics = parse_metrics(body.decode("utf-8", "replace"))
+    except (httpx.HTTPError, AnswerTooLarge):
         pass  # The numbers are a nicety; /health decides the state.
     return [], metrics
 

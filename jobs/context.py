@@ -18,7 +18,7 @@ from django.conf import settings
 
 from .aio import db
 from .models import Job, LogStream
-from .transport import Command, CommandResult, OutputLine, TransportError, shell_join
+from .transport import Command, CommandResult, OutputBudget, OutputLine, TransportError, shell_join
 
 if TYPE_CHECKING:
     from .logwriter import LogWriter
@@ -86,20 +86,34 @@ class JobContext:
             await self.log("$ " + shell_join(argv))
         captured: list[OutputLine] = []
         tail: deque[str] = deque(maxlen=TAIL_LINES)
+        # Past the budget, lines are neither logged nor kept; the last of them are, after a note, since how
+        # a command ended is what a person reads first.
+        budget = OutputBudget()
+        unkept: deque[OutputLine] = deque(maxlen=TAIL_LINES)
         command = self.transport.command(argv, timeout=timeout, env=env, input=input)
         self._command = command
         try:
             async for line in command.lines():
                 if command.pid and command.pid != self._recorded_pid:
                     await self._note_pid(command.pid)
-                await self._writer.write(line.stream, line.text)
                 tail.append(line.text)
+                if not budget.keep(line):
+                    unkept.append(line)
+                    continue
+                await self._writer.write(line.stream, line.text)
                 if capture:
                     captured.append(line)
             status = command.result
         finally:
             self._command = None
             await self._note_pid(None)
+            if budget.truncated:
+                note = budget.note()
+                await self.log(note + (f"; its last {len(unkept)} lines:" if unkept else ""))
+                for line in unkept:
+                    await self._writer.write(line.stream, line.text)
+                if capture:
+                    captured.append(OutputLine("err", note))
         if self.cancelled():
             raise JobCancelled()
         self.last_exit_status = status.exit_status

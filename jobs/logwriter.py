@@ -20,8 +20,10 @@ FLUSH_LINES = 500
 # One insert and one group message never carry more than this (a fast producer overfills the buffer
 # between two wake-ups); the rest goes in the next batch at once.
 MAX_BATCH_LINES = 2000
-# A reader this far ahead of the database waits, so a flood of output cannot exhaust memory.
+# A reader this far ahead of the database waits, so a flood of output cannot exhaust memory: in lines, and
+# in characters (20,000 lines of the longest kind would be 650 million).
 MAX_PENDING_LINES = 20_000
+MAX_PENDING_CHARS = 8 * 2**20
 # Past the per-job cap (settings), the middle of a log is dropped once this many more lines arrived.
 TRIM_SLACK = 2000
 # A single line longer than this (a binary blob, a minified file) is cut; the rest is not worth a page.
@@ -48,6 +50,7 @@ class LogWriter:
     def __init__(self, job: Job) -> None:
         self.job = job
         self._pending: list[tuple[str, str]] = []
+        self._pending_chars = 0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -62,10 +65,12 @@ class LogWriter:
     async def write(self, stream: str, text: str) -> None:
         if self._error is not None:
             raise self._error
-        self._pending.append((stream, clean_text(text)))
-        if len(self._pending) >= FLUSH_LINES:
+        text = clean_text(text)
+        self._pending.append((stream, text))
+        self._pending_chars += len(text)
+        if len(self._pending) >= FLUSH_LINES or self._pending_chars >= MAX_PENDING_CHARS:
             self._wake.set()
-        if len(self._pending) >= MAX_PENDING_LINES:
+        if len(self._pending) >= MAX_PENDING_LINES or self._pending_chars >= MAX_PENDING_CHARS:
             self._room.clear()
             await self._room.wait()
 
@@ -91,8 +96,9 @@ class LogWriter:
                 while self._pending:
                     batch = self._pending[:MAX_BATCH_LINES]
                     del self._pending[:MAX_BATCH_LINES]
+                    self._pending_chars -= sum(len(text) for _, text in batch)
                     await self._flush(batch)
-                    if len(self._pending) < MAX_PENDING_LINES:
+                    if len(self._pending) < MAX_PENDING_LINES and self._pending_chars < MAX_PENDING_CHARS:
                         self._room.set()
                 self._room.set()
                 if self._closing:

@@ -32,6 +32,7 @@ from .transport import (
     LinePump,
     OutputLine,
     TransportError,
+    collect_lines,
     daemon_script,
     run_to_end,
     shell_join,
@@ -459,7 +460,7 @@ class SSHTransport:
     async def _helper(self, argv: Sequence[str], *, timeout: float = 60) -> CommandResult:
         """Run a short helper command to completion (kill, pid_alive, start_daemon)."""
         command = Command(argv, lambda c: self._lines(c, timeout, None))
-        lines = [line async for line in command.lines()]
+        lines = await collect_lines(command)
         result = command.result
         result.lines = lines
         return result

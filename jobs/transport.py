@@ -190,21 +190,98 @@ class CommandFailed(Exception):
         self.result = result
 
 
-class LineSplitter:
-    """Cuts a byte stream into decoded lines; a trailing partial line waits for more data or `flush`."""
+# A line longer than this is cut where it reaches it (the rest of it, up to its newline, is counted and
+# dropped): a node that prints without newlines cannot make the console hold its output as one line.
+MAX_LINE_BYTES = 64 * 1024
+# What one command's output may leave in the console unless settings say otherwise
+# (RAMDECK_COMMAND_OUTPUT_MAX_BYTES): see OutputBudget.
+DEFAULT_OUTPUT_MAX_BYTES = 16 * 2**20
 
-    def __init__(self) -> None:
-        self._pending = b""
+
+def cut_note(dropped: int) -> str:
+    return f" … [{dropped} more bytes of this line cut]"
+
+
+class LineSplitter:
+    """Cuts a byte stream into decoded lines; a trailing partial line waits for more data or `flush`.
+    A line longer than `max_line` bytes keeps its first `max_line` bytes and says how many were cut."""
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self.max_line = max_line
+        self._pending = bytearray()
+        self._dropped = 0
 
     def feed(self, chunk: bytes) -> list[str]:
-        data = self._pending + chunk
-        parts = data.split(b"\n")
-        self._pending = parts.pop()
-        return [decode_line(part) for part in parts]
+        parts = chunk.split(b"\n")
+        self._take(parts[0])
+        if len(parts) == 1:
+            return []
+        lines = [self._line()]
+        for part in parts[1:-1]:  # whole lines within this chunk
+            if len(part) <= self.max_line:
+                lines.append(decode_line(part))
+            else:
+                lines.append(decode_line(part[: self.max_line]) + cut_note(len(part) - self.max_line))
+        self._take(parts[-1])
+        return lines
 
     def flush(self) -> list[str]:
-        rest, self._pending = self._pending, b""
-        return [decode_line(rest)] if rest else []
+        return [self._line()] if self._pending or self._dropped else []
+
+    def _take(self, piece: bytes) -> None:
+        room = max(0, self.max_line - len(self._pending))
+        self._pending += piece[:room]
+        self._dropped += max(0, len(piece) - room)
+
+    def _line(self) -> str:
+        text = decode_line(bytes(self._pending))
+        if self._dropped:
+            text += cut_note(self._dropped)
+        self._pending.clear()
+        self._dropped = 0
+        return text
+
+
+def output_limit() -> int:
+    """RAMDECK_COMMAND_OUTPUT_MAX_BYTES, or the default outside Django (scripts, pure tests)."""
+    try:
+        from django.conf import settings
+
+        return int(settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES)
+    except Exception:
+        return DEFAULT_OUTPUT_MAX_BYTES
+
+
+class OutputBudget:
+    """How much of one command's output the console keeps (collected for parsing, or written to a job's
+    log): lines until `limit` bytes, then none; the rest is counted, and `note` says what was not kept.
+    The command itself runs on to its end (its output is read and dropped, so it never blocks on a pipe)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = output_limit() if limit is None else int(limit)
+        self.kept = 0
+        self.dropped_bytes = 0
+        self.dropped_lines = 0
+
+    def keep(self, line: OutputLine) -> bool:
+        size = len(line.text.encode("utf-8", "replace")) + 1
+        if not self.dropped_lines and self.kept + size <= self.limit:
+            self.kept += size
+            return True
+        self.dropped_lines += 1
+        self.dropped_bytes += size
+        return False
+
+    @property
+    def truncated(self) -> bool:
+        return self.dropped_lines > 0
+
+    def note(self) -> str:
+        return (
+            f"[output truncated after {self.kept} bytes (at most {self.limit} are kept of one command, "
+            f"RAMDECK_COMMAND_OUTPUT_MAX_BYTES): {self.dropped_bytes} more bytes in {self.dropped_lines} "
+            "lines were not kept]"
+        )
 
 
 # Exit status a POSIX shell uses for "command not found"; transports turn it into a TransportError.
@@ -279,6 +356,15 @@ def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
     return "\n".join(lines)
 
 
+async def collect_lines(command: Command) -> list[OutputLine]:
+    """A command's output lines, read to its end, at most the output budget of them (then a note)."""
+    budget = OutputBudget()
+    lines = [line async for line in command.lines() if budget.keep(line)]
+    if budget.truncated:
+        lines.append(OutputLine("err", budget.note()))
+    return lines
+
+
 async def run_to_end(
     transport: Transport,
     argv: Sequence[str],
@@ -293,7 +379,7 @@ async def run_to_end(
     `where` (" on HOST") makes the failure message say which node it was.
     """
     command = transport.command(argv, timeout=timeout, input=input)
-    lines = [line async for line in command.lines()]
+    lines = await collect_lines(command)
     result = command.result
     result.lines = lines
     if check and not result.ok:

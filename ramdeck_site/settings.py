@@ -405,6 +405,9 @@ RAMDECK_SSH_KEEPALIVE_S = env_float("RAMDECK_SSH_KEEPALIVE_S", 15.0, minimum=1, 
 RAMDECK_COMMAND_TIMEOUT_S = env_float("RAMDECK_COMMAND_TIMEOUT_S", 3 * 3600, minimum=1, maximum=86400)
 RAMDECK_KILL_GRACE_S = env_float("RAMDECK_KILL_GRACE_S", 5.0, minimum=0.1, maximum=120)
 RAMDECK_MAX_UPLOAD_BYTES = env_int("RAMDECK_MAX_UPLOAD_BYTES", 64 * 1024, minimum=1024)
+# What one command on a node may leave in the console: bytes of output kept (in its job log, or for parsing)
+# before the rest is dropped with a note; a node that prints without end cannot fill memory or the database.
+RAMDECK_COMMAND_OUTPUT_MAX_BYTES = env_int("RAMDECK_COMMAND_OUTPUT_MAX_BYTES", 16 * 2**20, minimum=65536)
 # This console's id in what it leaves on nodes (the comment of a tunnel key in a worker's authorized_keys),
 # so two consoles that manage one node tell their entries apart. Generated once into var/ unless set.
 RAMDECK_CONSOLE_ID = os.environ.get("RAMDECK_CONSOLE_ID", "").strip() or _persisted_dev_secret(

@@ -258,3 +258,23 @@ async def test_a_secret_is_written_from_memory_with_mode_0600_whatever_the_umask
     assert list(console_tmp.iterdir()) == []
     with pytest.raises(TransportError, match="Writing .*missing/x.key failed"):
         await local.write_file(str(tmp_path / "missing" / "x.key"), b"k")
+
+
+@pytest.mark.security
+async def test_a_process_that_prints_without_end_is_cut_and_memory_stays_bounded(local, settings):
+    import tracemalloc
+
+    settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES = 2**20
+    flood = "head -c 16777216 /dev/zero | tr '\\0' x; echo; yes 'a line of output' | head -c 8388608"
+    tracemalloc.start()
+    try:
+        result = await local.run(["sh", "-c", flood], timeout=120)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.ok
+    assert result.lines[0].text.endswith(f" … [{16 * 2**20 - 65536} more bytes of this line cut]")
+    assert sum(len(line.text) + 1 for line in result.lines[:-1]) <= 2**20
+    assert result.lines[-1].text.startswith("[output truncated after ")
+    assert peak < 24 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+    print(f"\nOUTPUT-BOUND local 24 MiB printed, {len(result.lines)} lines kept, peak {peak / 2**20:.1f} MiB")

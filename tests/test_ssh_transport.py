@@ -344,3 +344,31 @@ async def test_a_secret_is_written_from_memory_into_a_file_that_is_0600_from_its
     assert not link.is_symlink() and oct(link.stat().st_mode & 0o777) == "0o600"
     assert target.read_text() == "untouched\n"
     assert list(console_tmp.iterdir()) == []
+
+
+@pytest.mark.security
+async def test_a_node_that_prints_without_end_is_cut_and_memory_stays_bounded(lab, lab_host, settings):
+    """24 MiB of output, 16 of them one line without a newline: the console keeps the first 1 MiB (the
+    budget set here), each line at most 64 KiB, and says what it cut."""
+    import tracemalloc
+
+    settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES = 2**20
+    flood = "head -c 16777216 /dev/zero | tr '\\0' x; echo; yes 'a line of output' | head -c 8388608"
+    tracemalloc.start()
+    try:
+        async with SSHTransport(target_for(lab, lab_host)) as ssh:
+            result = await ssh.run(["sh", "-c", flood], timeout=120)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.ok
+    first = result.lines[0].text
+    assert first.startswith("x" * 1000) and first.endswith(
+        f" … [{16 * 2**20 - 65536} more bytes of this line cut]"
+    )
+    assert sum(len(line.text) + 1 for line in result.lines[:-1]) <= 2**20
+    note = result.lines[-1]
+    assert note.stream == "err" and note.text.startswith("[output truncated after ")
+    assert "lines were not kept" in note.text
+    assert peak < 24 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+    print(f"\nOUTPUT-BOUND ssh 24 MiB printed, {len(result.lines)} lines kept, peak {peak / 2**20:.1f} MiB")
