@@ -235,11 +235,6 @@ def edit_lines_argv(path: str, *, remove: str = "", add: str = "") -> list[str]:
     return ["sh", "-c", _EDIT_SCRIPT, "ramdeck-authorize", path, remove, add]
 
 
-def append_line_argv(path: str, line: str) -> list[str]:
-    """Append `line` to `path` (created 0600 with its folder 0700 when missing), under the file's lock."""
-    return edit_lines_argv(path, add=line)
-
-
 def remove_line_argv(path: str, line: str) -> list[str]:
     """Remove exactly `line` from `path` under the file's lock, keeping the file (its owner and mode)."""
     return edit_lines_argv(path, remove=line)
