@@ -14,6 +14,7 @@ deployments/rpc_guard.py.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import secrets
 
@@ -177,7 +178,13 @@ async def install_key(ctx, deployment, worker, port: int, tag: str, public: str,
         lines = [*(await db(_recorded_lines)(deployment, key)), first]
         await db(deployment.add_guard)(key, {**guard, "lines": lines})
         await _edit(transport, worker, path, add=first)
-        source = await coordinator_address(ctx, worker, login)
+        try:
+            source = await coordinator_address(ctx, worker, login)
+        except (JobFailed, TransportError):
+            # Gone at once rather than at the rollback (which removes it too: it is in the guard).
+            with contextlib.suppress(JobFailed, TransportError):
+                await _edit(transport, worker, path, remove=first)
+            raise
         line = rpc_guard.authorized_line(public, port, tag, source)
         await db(deployment.add_guard)(key, {**guard, "lines": [*lines, line]})
         await _edit(transport, worker, path, remove=first, add=line)

@@ -215,3 +215,22 @@ def test_concurrent_edits_of_a_real_authorized_keys_file_lose_no_line(lab, lab_h
     assert sorted(authorized.read_text().splitlines()) == sorted([owner, *new])
     assert _console_logs_in(lab, lab_host)
     print(f"\nTUNNEL-KEY-EDITS 30 concurrent edits in {time.monotonic() - started:.2f} s")
+
+
+def test_a_worker_whose_sshd_reads_another_file_fails_the_step_with_the_reason_and_leaves_nothing(lab, pair):
+    """The node setting names a file the worker's sshd does not read: the coordinator's discovery login is
+    refused, the step says so and what to check, and neither the entry nor the key files stay behind."""
+    _, worker_host, coordinator, worker, deployment = pair
+    elsewhere = worker_host.workdir / "not_read_by_sshd"
+    elsewhere.write_text("ssh-ed25519 AAAAowner me@laptop\n")
+    worker.authorized_keys_path = str(elsewhere)
+    worker.save(update_fields=["authorized_keys_path"])
+    job = _tunnel_step(deployment, coordinator, worker)
+    assert job.state == JobState.FAILED, job.result
+    assert job.result.startswith("desk could not log in to old-pc with the tunnel key")
+    assert "Permission denied" in job.result
+    assert "Does the worker's node setting name the authorized_keys file its sshd reads?" in job.result
+    assert elsewhere.read_text() == "ssh-ed25519 AAAAowner me@laptop\n"
+    deployment.refresh_from_db()
+    assert deployment.processes == {}
+    assert not list(Path.home().glob(f".ramdeck/run/d{deployment.pk}-ramdeck-rpc-tunnel-old-pc.*"))
