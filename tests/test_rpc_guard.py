@@ -150,11 +150,26 @@ def _path_without_flock(tmp_path):
     """A PATH with the tools the script uses but no flock(1), as on macOS."""
     folder = tmp_path / "bin"
     folder.mkdir()
-    for tool in ("sh", "mkdir", "dirname", "grep", "awk", "cat", "rm", "tail", "sleep", "printf"):
+    for tool in ("sh", "mkdir", "rmdir", "dirname", "grep", "awk", "cat", "rm", "tail", "sleep"):
         found = shutil.which(tool)
         if found:
             (folder / tool).symlink_to(found)
     return {"PATH": str(folder)}
+
+
+def test_a_lock_folder_left_by_a_process_that_is_gone_is_taken_over(tmp_path):
+    """Where there is no flock(1): an edit killed while it held the lock folder does not block the next."""
+    path = tmp_path / "authorized_keys"
+    path.write_text("ssh-ed25519 AAAA owner\n")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / "authorized_keys.ramdeck-lock"
+    stale.mkdir()
+    (stale / "pid").write_text(f"{gone.pid}\n")
+    result = _edit(path, add="restrict ssh-ed25519 BBBB t", env=_path_without_flock(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert path.read_text() == "ssh-ed25519 AAAA owner\nrestrict ssh-ed25519 BBBB t\n"
+    assert not stale.exists() and not (tmp_path / "authorized_keys.ramdeck-lock.break").exists()
 
 
 @pytest.mark.parametrize("lock", ["flock", "lock folder"])
