@@ -320,7 +320,9 @@ class Job(models.Model):
             Job.objects.using(alias).filter(pk=self.pk).update(next_seq=F("next_seq") + len(lines))
             end = Job.objects.using(alias).filter(pk=self.pk).values_list("next_seq", flat=True).get()
             start = end - len(lines)
-            saved = [(start + i, stream, text) for i, (stream, text) in enumerate(lines)]
+            # PostgreSQL text cannot hold NUL: the transports drop it from command output (decode_line), and
+            # this drops it from whatever else a body logs.
+            saved = [(start + i, stream, text.replace("\x00", "")) for i, (stream, text) in enumerate(lines)]
             now = connection.ops.adapt_datetimefield_value(timezone.now())
             quote = connection.ops.quote_name
             columns = ", ".join(quote(c) for c in ("job_id", "seq", "stream", "text", "created_at"))

@@ -34,6 +34,7 @@ POST_ONLY = {
     "nodes:probe": "starts a probe job",
     "nodes:add_this_machine": "adds the console's host as a node (a button on the dashboard, node list)",
     "nodes:approve_host_key": "approves a host key",
+    "users:unlock": "unlocks a locked-out account (the button is on the users page)",
     "nodes:credential_delete": "deletes at once (the list asks first)",
     "jobs:cancel": "cancels a job",
     "deployments:model_register": "registers a model (the form is on the models page)",
@@ -395,6 +396,7 @@ def _post_only_url(name: str, data: dict) -> str:
     args_by_route = {
         "nodes:probe": [data["attic"].name],
         "nodes:approve_host_key": [data["attic"].name],
+        "users:unlock": [data["admin"].pk],
         "nodes:credential_delete": [data["credential"].pk],
         "jobs:cancel": [data["job"].pk],
         "deployments:confirm": [data["model"].pk],

@@ -69,7 +69,12 @@ def test_processes_starting_together_on_a_fresh_volume_generate_one_set_of_keys(
     assert (tmp_path / "secret_key").read_text().strip() == secret_key and len(secret_key) >= 50
     assert (tmp_path / "encryption_key").read_text().strip() == encryption_key
     assert oct((tmp_path / "secret_key").stat().st_mode & 0o777) == "0o600"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["encryption_key", "secret_key"]
+    # The console's id (tags of what it installs on nodes) is generated beside them; it is no secret.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "console_id",
+        "encryption_key",
+        "secret_key",
+    ]
 
 
 @pytest.mark.django_db
