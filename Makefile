@@ -33,7 +33,7 @@ screenshots: $(STAMP) install-system-deps
 	$(PY) -m tests.prepare_llamacpp
 	mkdir -p $(SCREENSHOTS_DIR)
 	RAMDECK_SCREENSHOTS_DIR=$(abspath $(SCREENSHOTS_DIR)) $(PY) -m ramdeck_site.services -- \
-		$(VENV)/bin/pytest tests/test_first_run_browser.py tests/test_first_run_lab_browser.py -q
+		$(VENV)/bin/pytest tests/console/test_first_run_browser.py tests/console/test_first_run_lab_browser.py -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

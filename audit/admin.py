@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from .models import AuditEvent
+from audit.models import AuditEvent
 
 
 @admin.register(AuditEvent)

@@ -14,9 +14,8 @@ from typing import Any
 from django.conf import settings
 from django.db import models
 
-from ramdeck_site.printable import printable, printable_json
-
-from .models import AuditEvent
+from audit.models import AuditEvent
+from remote.text import printable, printable_json
 
 REDACTED = "•••"
 # A string in a change set is cut to this (a node's notes, a reason: long enough for what people write).
@@ -110,7 +109,7 @@ def record(
         object_type=object_type,
         object_id=str(obj.pk) if obj is not None and obj.pk is not None else "",
         # Names and changes may quote what a node or a model file said (a reason, a model's name): printable
-        # only, as everywhere such text is stored (ramdeck_site/printable.py).
+        # only, as everywhere such text is stored (remote/text.py).
         object_repr=printable(object_repr, 200),
         changes=printable_json(redact(changes or {}), CHANGE_TEXT_LIMIT, lines=True),
         source_ip=client_ip(request),

@@ -46,19 +46,19 @@ class AuditEvent(models.Model):
     # As words for people (audit/sentences.py): "alice changed node box: name from — to box".
     @property
     def what(self) -> str:
-        from .sentences import what
+        from audit.sentences import what
 
         return what(self)
 
     @property
     def details(self) -> str:
-        from .sentences import details
+        from audit.sentences import details
 
         return details(self)
 
     @property
     def sentence(self) -> str:
-        from .sentences import sentence
+        from audit.sentences import sentence
 
         return sentence(self)
 

@@ -1,6 +1,6 @@
 """Phase times of a whole deployment on the lab, and measured vs predicted tokens/s.
 
-Runs the end-to-end test (tests/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop: three
+Runs the end-to-end test (tests/deployments/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop: three
 lab hosts over real sshd, the console's build job from the llama.cpp tarball — cached by source hash —, a
 generated 8-layer GGUF model split over two rpc-servers, deploy, completion, verify, stop) and reads the
 figures it prints. Needs root (the lab) and the cached llama.cpp build.
@@ -19,7 +19,7 @@ import statistics
 
 from figures_of_test import figures_from_test
 
-TEST = "tests/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop"
+TEST = "tests/deployments/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop"
 
 
 def one_round() -> dict:

@@ -30,9 +30,9 @@ import django  # noqa: E402
 
 django.setup()
 
-from deployments.llamacpp import parse_server_version  # noqa: E402
-from jobs.ssh import SSHTarget, SSHTransport  # noqa: E402
-from nodes.probing import collect  # noqa: E402
+from llamacpp.logs import parse_server_version  # noqa: E402
+from nodes.probe.collect import collect  # noqa: E402
+from remote.ssh import SSHTarget, SSHTransport  # noqa: E402
 from tests.lab.netlab import Lab, LabHost, cleanup_leftovers  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     cleanup_leftovers()
     with Lab() as lab:
         hosts = [lab.add_host() for _ in range(args.hosts)]
-        # Routine probes: the node's build is on record, as the probe job passes it (nodes/probe_job.py).
+        # Routine probes: the node's build is on record, as the probe job passes it (nodes/probe/job.py).
         print("routine probes (build on record):", flush=True)
         routine = asyncio.run(measure(lab, hosts, args.rounds, known))
         # First contact: nothing known yet, so the probe also asks llama-server for its version.

@@ -78,8 +78,9 @@ def prepare(workdir: Path, users: int, jobs: int, lines: int, rate: float) -> di
     from django.utils import timezone
 
     from audit.models import AuditEvent
-    from deployments.models import Deployment, DeploymentState, ModelFile
+    from deployments.models import Deployment, DeploymentState
     from jobs.models import Job, JobLogLine, JobState
+    from modelfiles.models import ModelFile
     from nodes.models import Device, DeviceKind, Node, Reachability, Transport
 
     User = get_user_model()
@@ -172,7 +173,7 @@ def prepare(workdir: Path, users: int, jobs: int, lines: int, rate: float) -> di
         reverse("jobs:list"),
         reverse("deployments:list"),
         reverse("audit"),
-        reverse("deployments:models"),
+        reverse("modelfiles:list"),
     ]
     pages += [reverse("nodes:detail", args=[n.name]) for n in nodes[:10]]
     pages += [reverse("deployments:run", args=[d.pk]) for d in deployments]

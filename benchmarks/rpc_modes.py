@@ -1,6 +1,6 @@
 """Tunnel against direct: what the SSH tunnel in front of ggml-rpc-server costs.
 
-Runs tests/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed (two lab
+Runs tests/deployments/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed (two lab
 hosts over real sshd: a coordinator and a worker holding part of a generated 8-layer GGUF model of about
 70 MiB; the console deploys it once in tunnel mode — rpc-server on 127.0.0.1, the coordinator through an
 SSH local forward — and once in direct mode — rpc-server on the worker's LAN address behind its firewall
@@ -23,7 +23,9 @@ import statistics
 
 from figures_of_test import figures_from_test
 
-TEST = "tests/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed"
+TEST = (
+    "tests/deployments/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed"
+)
 KEYS = ("tunnel_decode_tps", "direct_decode_tps", "tunnel_load_s", "direct_load_s")
 
 

@@ -3,7 +3,7 @@
 On the network-namespace lab (tests/lab, needs root): a coordinator with little memory, a fast worker and a
 worker held to --slow-quota percent of one core by the cgroup `cpu` controller. A generated model of about
 --model-mib MiB lives on the coordinator. The console calibrates the three nodes (the calibrate job), plans
-(deployments/planner.py, from the node rows as the plan page does) and deploys through its own pages and
+(planning/planner.py, from the node rows as the plan page does) and deploys through its own pages and
 jobs (confirm and deploy buttons, then the deployment's steps over SSH). Then decode tokens/s is measured,
 the same way for every variant, for
 
@@ -72,12 +72,13 @@ from django.urls import reverse  # noqa: E402
 # Job log lines go to the database; nobody watches them live here.
 settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-from deployments import lifecycle  # noqa: E402
-from deployments.gguf_profile import profile_path  # noqa: E402
-from deployments.models import Deployment, DeploymentState, ModelFile  # noqa: E402
-from deployments.tiny_model import TinyLlama, write_tiny_llama  # noqa: E402
+from deployments.lifecycle import actions as lifecycle  # noqa: E402
+from deployments.models import Deployment, DeploymentState  # noqa: E402
 from jobs.models import Job, JobState  # noqa: E402
 from jobs.runner import run_job  # noqa: E402
+from llamacpp.gguf import profile_path  # noqa: E402
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama  # noqa: E402
+from modelfiles.models import ModelFile  # noqa: E402
 from nodes.models import Node  # noqa: E402
 from tests.deploy_fixtures import lab_node, listeners_in, route_between  # noqa: E402
 from tests.factories import UserFactory  # noqa: E402

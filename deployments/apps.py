@@ -5,16 +5,13 @@ from django.apps import AppConfig
 
 class DeploymentsConfig(AppConfig):
     name = "deployments"
-    verbose_name = "Models and deployments"
+    verbose_name = "Deployments"
 
     def ready(self) -> None:
         from jobs import kinds
 
-        steps = "deployments.lifecycle_steps"
-        runs = "deployments.lifecycle_runs"
-        kinds.register("build", "Build llama.cpp", "deployments.build_job.build_body")
-        kinds.register("download", "Download model", "deployments.download_job.download_body")
-        kinds.register("calibrate", "Calibrate", "deployments.calibrate_job.calibrate_body")
+        steps = "deployments.steps"
+        runs = "deployments.lifecycle.runs"
         # A deployment's runs: their bodies run the steps below as child jobs and open no connection.
         kinds.register(
             "deploy", "Deploy", f"{runs}.deploy_body", needs_transport=False, on_end=f"{runs}.deploy_ended"
@@ -32,15 +29,22 @@ class DeploymentsConfig(AppConfig):
         )
         # The steps. A lost rpc_server or llama_server step leaves its daemon running (adopted): the
         # rollback that follows ends it by the PID the deployment recorded, after checking it is still ours.
-        kinds.register("reap", "Reap stale processes", f"{steps}.reap_body", queue=kinds.CONTROL)
-        kinds.register("rpc_server", "Start ggml-rpc-server", f"{steps}.rpc_server_body", adopt_on_loss=True)
+        kinds.register("reap", "Reap stale processes", f"{steps}.reap.reap_body", queue=kinds.CONTROL)
+        kinds.register(
+            "rpc_server", "Start ggml-rpc-server", f"{steps}.rpc_server.rpc_server_body", adopt_on_loss=True
+        )
         kinds.register(
             "rpc_tunnel",
             "Start RPC tunnel",
-            "deployments.rpc_tunnel_step.rpc_tunnel_body",
+            f"{steps}.rpc_tunnel.rpc_tunnel_body",
             adopt_on_loss=True,
         )
-        kinds.register("llama_server", "Start llama-server", f"{steps}.llama_server_body", adopt_on_loss=True)
-        kinds.register("verify", "Verify placement", f"{steps}.verify_body")
-        kinds.register("measure", "Measure speed", f"{steps}.measure_body")
-        kinds.register("stop", "Stop processes", f"{steps}.stop_body", queue=kinds.CONTROL)
+        kinds.register(
+            "llama_server",
+            "Start llama-server",
+            f"{steps}.llama_server.llama_server_body",
+            adopt_on_loss=True,
+        )
+        kinds.register("verify", "Verify placement", f"{steps}.checks.verify_body")
+        kinds.register("measure", "Measure speed", f"{steps}.checks.measure_body")
+        kinds.register("stop", "Stop processes", f"{steps}.stop.stop_body", queue=kinds.CONTROL)

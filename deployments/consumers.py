@@ -10,11 +10,10 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.template.loader import render_to_string
 
-from jobs.watchers import FORBIDDEN, CoalescedRenderConsumer, UserBoundConsumer
+from deployments import live
+from deployments.models import Deployment
+from jobs.sockets import FORBIDDEN, CoalescedRenderConsumer, UserBoundConsumer
 from ramdeck_site.roles import can_view
-
-from . import live
-from .models import Deployment
 
 
 def _may_view(user) -> bool:
@@ -56,7 +55,7 @@ class DeploymentConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsoc
         self.render_soon()
 
     def render(self) -> str:
-        from .lifecycle_views import run_context
+        from deployments.views.run import run_context
 
         deployment = (
             Deployment.objects.select_related("coordinator", "model_file", "created_by")

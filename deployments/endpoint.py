@@ -10,7 +10,7 @@ key, and what the console itself reaches to verify, measure and chat. So:
   included), or, chosen here, on its network address or every interface.
 
 The choice is stored as `Deployment.host` / `Deployment.port`, and llama-server's `--host` / `--port`
-follow it (deployments/lifecycle_steps.py).
+follow it (deployments/steps/llama_server.py).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def reach_of(node: Node, host: str) -> str:
 
 def _ports_held(node: Node) -> dict[int, str]:
     """Ports of this node that active deployments claim: {port: the deployment holding it}."""
-    from .models import ACTIVE_STATES, ResourceClaim
+    from deployments.models import ACTIVE_STATES, ResourceClaim
 
     held = {}
     claims = ResourceClaim.objects.filter(
@@ -179,3 +179,25 @@ def endpoint_form(data, coordinator: Node) -> EndpointForm:
     if values["reach"] not in {value for value, _, _ in reach_choices(coordinator)}:
         values["reach"] = ""
     return EndpointForm(values, coordinator=coordinator)
+
+
+def bind_host(deployment) -> str:
+    """llama-server's --host. A loopback address on a remote coordinator could not be reached by the
+    console (or anyone else), so it binds to the coordinator's own address instead."""
+    host = deployment.host or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1") and not deployment.coordinator.is_local:
+        return deployment.coordinator.address
+    return host
+
+
+def reach_host(deployment) -> str:
+    """Where clients (and the console) reach llama-server: where it binds, or the coordinator's address
+    when it binds to every interface."""
+    host = bind_host(deployment)
+    return deployment.coordinator.address if host in ("0.0.0.0", "::") else host
+
+
+def endpoint_url(deployment) -> str:
+    host = reach_host(deployment)
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{deployment.port}"

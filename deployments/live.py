@@ -12,7 +12,7 @@ from django.db import transaction
 
 from jobs import broadcast
 
-# The dashboard's watchers (ramdeck_site/consumers.py) hear every deployment's changes too, and the job
+# The dashboard's watchers (console/consumers.py) hear every deployment's changes too, and the job
 # list's group (every job's state).
 DASHBOARD_GROUP = "dashboard"
 

@@ -18,15 +18,18 @@ import httpx
 from django.utils import timezone
 
 from audit.history import record
-from deployments.reaper import Holder, find_holders
+from deployments import live
+from deployments.lifecycle import healing
+from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 from jobs.aio import run_to_completion
-from jobs.transport import TransportError, open_transport
+from llamacpp.reaper import Holder, find_holders
 from nodes.models import Node
-from ramdeck_site.printable import printable
-
-from . import healing, live
-from .bounded_http import AnswerTooLarge, fetch
-from .models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
+from remote.base import TransportError, open_transport
+from remote.bounded_http import AnswerTooLarge, fetch
+from remote.text import printable
+from nodes.transports import transport_for
+from remote.base import TransportError
+from remote.text import printable
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def _transport(node: Node):
     """Made in synchronous code: the factory reads the node's credential from the database, which must not
     happen from inside the short event loop below (a view's thread may be the database thread)."""
     try:
-        return open_transport(node)
+        return transport_for(node)
     except TransportError as exc:
         return exc
 
@@ -110,7 +113,8 @@ class Seen:
 async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[int, str], list[dict]]:
     """({pid: reason} for the processes on `node` that are gone or cannot be checked, a status row per
     process). A PID alive but running another program (reused after ours ended) counts as gone."""
-    from .lifecycle_steps import node_platform, runs_our_program
+    from llamacpp.reaper import runs_our_program
+    from nodes.platform import node_platform
 
     dead: dict[int, str] = {}
     status: dict[int, dict] = {}
@@ -158,7 +162,7 @@ async def _health_and_metrics(client: httpx.AsyncClient, check: Check) -> tuple[
     And its live numbers from /metrics, when it answers them."""
     url = f"{check.url}/health"
     try:
-        # Every answer read with a bound (deployments/bounded_http.py): the node decides what it sends.
+        # Every answer read with a bound (remote/bounded_http.py): the node decides what it sends.
         status, body = await fetch(client, "GET", url, timeout=HEALTH_TIMEOUT_S, what="/health answer")
     except (httpx.HTTPError, AnswerTooLarge) as exc:
         return [f"llama-server does not answer {url}: {exc}"], {}
@@ -202,7 +206,7 @@ async def _observe_all(checks: list[Check]) -> list[Seen | BaseException]:
 
 
 def _prepare(deployment: Deployment) -> Check:
-    from .lifecycle_steps import endpoint_url
+    from deployments.endpoint import endpoint_url
 
     groups = processes_by_node(deployment)
     key = deployment.api_key() if deployment.api_key_encrypted else ""
@@ -305,7 +309,7 @@ async def _holders_on(opened, platform: str, ports: set[int]) -> list[tuple[int,
 
 def scan_stale() -> int:
     """Record every stale process of ours on enabled nodes (and forget those gone). Returns how many."""
-    from .lifecycle_steps import node_platform
+    from nodes.platform import node_platform
 
     nodes = list(Node.objects.filter(enabled=True).select_related("credential"))
     work = {n.name: (n, _transport(n), _ports_to_scan(n)) for n in nodes}
@@ -333,7 +337,7 @@ def scan_stale() -> int:
                 node=node,
                 port=port,
                 pid=holder.pid,
-                # The command line is what the node's ps printed: printable only (ramdeck_site/printable.py).
+                # The command line is what the node's ps printed: printable only (remote/text.py).
                 defaults={
                     "program": printable(holder.kind, 40),
                     "cmdline": printable(holder.cmdline, 2000),

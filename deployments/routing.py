@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from django.urls import path
 
-from .consumers import DeploymentConsumer
+from deployments.consumers import DeploymentConsumer
 
 websocket_urlpatterns = [path("ws/deployments/<int:pk>/", DeploymentConsumer.as_asgi())]

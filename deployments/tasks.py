@@ -1,5 +1,5 @@
 """Celery tasks of deployments: the periodic checks (beat, on the control queue). A deployment's runs are
-jobs (deployments/lifecycle.py) and go through jobs.tasks.run_job like every job."""
+jobs (deployments/lifecycle/actions.py) and go through jobs.tasks.run_job like every job."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from asgiref.sync import ThreadSensitiveContext, sync_to_async
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connections
 
-from . import transport as transport_module
-from .transport import Transport
+from remote.base import Transport, TransportError
+from remote.local import LocalTransport
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,28 @@ def surviving_database_restarts(func: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+# How a job reaches its node's row: set by the nodes app (NodesConfig.ready()), which sits above this one.
+_node_transport: Callable[[Any], Transport] | None = None
+
+
+def register_node_transport(factory: Callable[[Any], Transport]) -> None:
+    global _node_transport
+    _node_transport = factory
+
+
+def open_transport(node) -> Transport:
+    """The transport for a job's node (not yet connected: use it with `async with`); the console's own host
+    when the job has no node. Synchronous: the factory may read the node's credential from the database."""
+    if node is None:
+        return LocalTransport(command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S)
+    if _node_transport is None:
+        raise TransportError(f"No transport can reach {node}: the nodes app is not installed.")
+    return _node_transport(node)
+
+
 async def open_transport_for(node) -> Transport:
-    """The node's transport (the console's own host without a node). The factory reads the node's
-    credential from the database, so it runs in the database thread."""
-    return await db(transport_module.open_transport)(node)
+    """`open_transport` from a coroutine: the factory reads the node's credential in the database thread."""
+    return await db(open_transport)(node)
 
 
 async def with_own_db_thread(awaitable: Awaitable[Any]) -> Any:

@@ -8,7 +8,8 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
-        from . import kinds, watchers
+        from jobs import kinds
+        from jobs import sockets as watchers
 
         kinds.register("command", "Command", "jobs.bodies.run_command")
         watchers.connect_signals()

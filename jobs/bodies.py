@@ -6,7 +6,7 @@ Bodies of other kinds live in the apps that own them and are registered in their
 
 from __future__ import annotations
 
-from .context import JobContext, JobFailed
+from jobs.context import JobContext, JobFailed
 
 
 async def run_command(ctx: JobContext) -> str:

@@ -20,7 +20,7 @@ from html import escape
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-from ramdeck_site.printable import printable
+from remote.text import printable
 
 logger = logging.getLogger(__name__)
 

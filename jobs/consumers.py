@@ -17,11 +17,10 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.template.loader import render_to_string
 from django.utils.safestring import mark_safe
 
+from jobs.broadcast import LIST_GROUP, group_name, log_line_html, rows_of
+from jobs.models import TERMINAL_STATES, Job, JobLogLine, may_read_log
+from jobs.sockets import FORBIDDEN, UserBoundConsumer
 from ramdeck_site.roles import can_operate, can_view
-
-from .broadcast import LIST_GROUP, group_name, log_line_html, rows_of
-from .models import TERMINAL_STATES, Job, JobLogLine, may_read_log
-from .watchers import FORBIDDEN, UserBoundConsumer
 
 BACKLOG_CHUNK = 2000
 

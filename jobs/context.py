@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from .aio import db
-from .models import Job, LogStream
-from .transport import Command, CommandResult, OutputBudget, OutputLine, TransportError, shell_join
+from jobs.aio import db
+from jobs.models import Job, LogStream
+from remote.base import Command, CommandResult, OutputBudget, OutputLine, TransportError, shell_join
 
 if TYPE_CHECKING:
-    from .logwriter import LogWriter
+    from jobs.logwriter import LogWriter
 
 
 class JobFailed(Exception):

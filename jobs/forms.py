@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from django import forms
 
-from . import kinds
-from .models import Job, JobState
+from jobs import kinds
+from jobs.models import Job, JobState
 
 
 def _node_choices() -> list[tuple[str, str]]:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from django.utils.module_loading import import_string
 
 if TYPE_CHECKING:
-    from .context import JobContext
-    from .models import Job
+    from jobs.context import JobContext
+    from jobs.models import Job
 
 Body = Callable[["JobContext"], Awaitable[str]]
 

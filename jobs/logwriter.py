@@ -10,9 +10,9 @@ import contextlib
 from django.conf import settings
 from django.db import DatabaseError
 
-from . import broadcast
-from .aio import db
-from .models import Job
+from jobs import broadcast
+from jobs.aio import db
+from jobs.models import Job
 
 # Output is saved in batches: at most this long after a line arrived, or as soon as this many wait.
 FLUSH_DELAY_S = 0.05

@@ -11,9 +11,8 @@ from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
-from ramdeck_site.printable import printable
-
-from . import kinds
+from jobs import kinds
+from remote.text import printable
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +262,7 @@ class Job(models.Model):
             raise ValueError(f"{state!r} is not a terminal state")
         now = timezone.now()
         # A result often quotes what the node said (an OS name, a version, the last lines of an error):
-        # printable only, as every string a node reports (ramdeck_site/printable.py).
+        # printable only, as every string a node reports (remote/text.py).
         result = printable(result, RESULT_LIMIT, lines=True)
         changed = Job.objects.filter(pk=self.pk, state__in=ACTIVE_STATES).update(
             state=state, finished_at=now, exit_code=exit_code, result=result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from .consumers import JobListConsumer, JobLogConsumer
+from jobs.consumers import JobListConsumer, JobLogConsumer
 
 websocket_urlpatterns = [
     path("ws/jobs/", JobListConsumer.as_asgi()),

@@ -29,12 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from django.db import DatabaseError, connections
 
-from . import broadcast, kinds
-from .aio import db, event_loop_running, open_transport_for, with_own_db_thread
-from .context import JobCancelled, JobContext, JobFailed
-from .logwriter import LogWriter
-from .models import Job, JobState, LogStream
-from .transport import CommandTimeout, HostKeyChanged, HostKeyUnknown, TransportError
+from jobs import broadcast, kinds
+from jobs.aio import db, event_loop_running, open_transport_for, with_own_db_thread
+from jobs.context import JobCancelled, JobContext, JobFailed
+from jobs.logwriter import LogWriter
+from jobs.models import Job, JobState, LogStream
+from remote.base import CommandTimeout, HostKeyChanged, HostKeyUnknown, TransportError
 
 logger = logging.getLogger(__name__)
 

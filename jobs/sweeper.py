@@ -25,10 +25,10 @@ from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
 
-from . import broadcast, kinds
-from .aio import open_transport_for, run_to_completion, with_own_db_thread
-from .models import RUN_TASK, Job, JobState, LogStream
-from .transport import TransportError
+from jobs import broadcast, kinds
+from jobs.aio import open_transport_for, run_to_completion, with_own_db_thread
+from jobs.models import RUN_TASK, Job, JobState, LogStream
+from remote.base import TransportError
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from celery.signals import worker_init, worker_ready
 from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
-from . import runner, sweeper
-from .models import Job, JobState
+from jobs import runner, sweeper
+from jobs.models import Job, JobState
 
 logger = logging.getLogger(__name__)
 

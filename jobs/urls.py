@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from . import job_views
+from jobs import views as job_views
 
 app_name = "jobs"
 urlpatterns = [

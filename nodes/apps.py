@@ -8,9 +8,9 @@ class NodesConfig(AppConfig):
     verbose_name = "Nodes"
 
     def ready(self) -> None:
-        from jobs import kinds, transport
+        from jobs import kinds
+        from jobs.aio import register_node_transport
+        from nodes.transports import transport_for
 
-        from .transports import transport_for
-
-        transport.register_node_transport(transport_for)
-        kinds.register("probe", "Hardware probe", "nodes.probe_job.probe", queue=kinds.CONTROL)
+        register_node_transport(transport_for)
+        kinds.register("probe", "Hardware probe", "nodes.probe.job.probe", queue=kinds.CONTROL)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
@@ -12,10 +13,12 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
 
+from nodes.validators import validate_host
 from ramdeck_site import crypto
-from ramdeck_site.printable import printable
+from remote.text import printable
 
-from .validators import validate_host
+if TYPE_CHECKING:
+    from builds.models import Build
 
 
 class CredentialKind(models.TextChoices):
@@ -96,6 +99,8 @@ class Reachability(models.TextChoices):
 
 
 port_validators = [MinValueValidator(1), MaxValueValidator(65535)]
+
+
 # A node's last error quotes what the node or its SSH server said: cleaned and cut to this when stored.
 LAST_ERROR_LIMIT = 2000
 
@@ -156,7 +161,7 @@ class Node(models.Model):
     facts = models.JSONField(default=dict, blank=True)
     rtt_ms = models.FloatField(null=True, blank=True)
 
-    # What the last calibration measured (deployments/calibrate_job.py); the devices' own figures are on
+    # What the last calibration measured (calibration/job.py); the devices' own figures are on
     # their rows. `calibration` keeps the raw samples for the node page and for later comparison.
     calibrated_at = models.DateTimeField(null=True, blank=True)
     pass_overhead_ms = models.FloatField(
@@ -201,7 +206,7 @@ class Node(models.Model):
     @property
     def rpc_binds_everywhere(self) -> bool:
         """An admin let ggml-rpc-server listen on every interface: it has no authentication, so say so."""
-        from deployments.rpc_guard import binds_everywhere
+        from llamacpp.rpc_guard import binds_everywhere
 
         return binds_everywhere(self.rpc_bind_address)
 
@@ -409,41 +414,3 @@ class Device(models.Model):
         if not self.total_bytes:
             return 0.0
         return max(0.0, min(1.0, 1 - self.free_bytes / self.total_bytes))
-
-
-class BuildSource(models.TextChoices):
-    GIT = "git", "Git URL and ref"
-    TARBALL = "tarball", "Source tarball"
-    EXISTING = "existing", "Existing install"
-
-
-class Build(models.Model):
-    """A llama.cpp build on a node: where it came from and what it can speak.
-
-    The newest build of a node is the one deployments use (`Node.current_build`). Two nodes can serve
-    one deployment only when their builds speak the same RPC protocol version.
-    """
-
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="builds")
-    source_kind = models.CharField(max_length=10, choices=BuildSource.choices)
-    # Git URL and ref, the tarball's file name, or the path of an existing install.
-    source = models.CharField(max_length=1000, blank=True)
-    ref = models.CharField(max_length=200, blank=True)
-    tarball_sha256 = models.CharField(max_length=64, blank=True)
-    backend = models.CharField(max_length=20, default="cpu")
-    flags = models.JSONField(default=list, blank=True)
-    version = models.CharField(max_length=200, blank=True, help_text="What llama-server --version says.")
-    rpc_binary = models.CharField(max_length=40, default="ggml-rpc-server")
-    rpc_protocol = models.CharField(max_length=20, blank=True, help_text="RPC protocol version, e.g. 7.0.0.")
-    build_dir = models.CharField(max_length=1000, blank=True)
-    rpc_server_path = models.CharField(max_length=1000)
-    llama_server_path = models.CharField(max_length=1000)
-    job_id = models.IntegerField(null=True, blank=True, help_text="The build job that produced it.")
-    created_at = models.DateTimeField(default=timezone.now)
-
-    class Meta:
-        ordering = ["-created_at", "-pk"]
-
-    def __str__(self) -> str:
-        what = self.version or self.ref or self.source_kind
-        return f"{self.node.name}: llama.cpp {what} (RPC {self.rpc_protocol})"

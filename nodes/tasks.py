@@ -6,7 +6,7 @@ import logging
 
 from celery import shared_task
 
-from .models import Node
+from nodes.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 def probe_all_nodes() -> list[int]:
     """Beat: one probe job per enabled node, unless one is already active or a host key awaits an admin
     (probing again would only repeat "not approved" until someone looks at the node page)."""
-    from .probe_job import start_probe
+    from nodes.probe.job import start_probe
 
     created = []
     for node in Node.objects.filter(enabled=True, pending_host_key=""):

@@ -1,12 +1,15 @@
 """How the console reaches a Node: the local transport for the console's own host, else SSH bound to the
 node's row (credentials decrypted at connect time, refused host keys and connection failures recorded on
-the node for the node page). Registered with jobs/transport.py in NodesConfig.ready()."""
+the node for the node page). Registered with jobs/aio.py in NodesConfig.ready(): jobs reach their nodes
+without importing this app."""
 
 from __future__ import annotations
 
-from jobs.local import LocalTransport
-from jobs.ssh import SSHTarget, SSHTransport
-from jobs.transport import HostKeyChanged, HostKeyUnknown, Transport, TransportError
+from django.conf import settings
+
+from remote.base import HostKeyChanged, HostKeyUnknown, Transport, TransportError
+from remote.local import LocalTransport
+from remote.ssh import SSHTarget, SSHTransport
 
 
 def transport_for(node) -> Transport:
@@ -15,7 +18,7 @@ def transport_for(node) -> Transport:
     Call from synchronous code (or through sync_to_async): it reads the node's credential from the database.
     """
     if node.is_local:
-        return LocalTransport()
+        return LocalTransport(command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S)
     return NodeSSHTransport(target_for_node(node), node.pk)
 
 
@@ -41,7 +44,7 @@ class NodeSSHTransport(SSHTransport):
 
 
 def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
-    from .models import Node
+    from nodes.models import Node
 
     Node(pk=node_pk).record_offered_host_key(
         exc.offered_key, exc.fingerprint, changed=isinstance(exc, HostKeyChanged), message=str(exc)
@@ -49,7 +52,7 @@ def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> N
 
 
 def _record_unreachable(node_pk: int, message: str) -> None:
-    from .models import Node
+    from nodes.models import Node
 
     Node(pk=node_pk).mark_unreachable(message)
 
@@ -58,7 +61,7 @@ def target_for_node(node) -> SSHTarget:
     """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
     from django.conf import settings
 
-    from .models import CredentialKind
+    from nodes.models import CredentialKind
 
     target = SSHTarget(
         host=node.address,

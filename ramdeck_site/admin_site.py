@@ -12,7 +12,7 @@ from django.utils.decorators import method_decorator
 from django.utils.translation import gettext as _
 from django.views.decorators.cache import never_cache
 
-from .roles import can_administer
+from ramdeck_site.roles import can_administer
 
 
 class RamdeckAdminSite(admin.AdminSite):
@@ -33,7 +33,7 @@ class RamdeckAdminSite(admin.AdminSite):
         from django.contrib.admin.forms import AdminAuthenticationForm
         from django.contrib.auth.views import LoginView
 
-        from .login_audit import AuditedAdminLoginView
+        from ramdeck_site.login_audit import AuditedAdminLoginView
 
         redirect_url = LoginView().get_redirect_url(request) or reverse("admin:index", current_app=self.name)
         if request.method == "GET" and self.has_permission(request):

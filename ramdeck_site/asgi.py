@@ -13,9 +13,9 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
+from console.routing import websocket_urlpatterns as site_routes  # noqa: E402
 from deployments.routing import websocket_urlpatterns as deployment_routes  # noqa: E402
 from jobs.routing import websocket_urlpatterns as job_routes  # noqa: E402
-from ramdeck_site.routing import websocket_urlpatterns as site_routes  # noqa: E402
 
 application = ProtocolTypeRouter(
     {

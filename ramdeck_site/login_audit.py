@@ -19,8 +19,7 @@ from django.utils import timezone
 
 from audit import history
 from audit.models import AuditEvent, UnrecordedLoginFailures
-
-from .lockout import is_known_username
+from ramdeck_site.lockout import is_known_username
 
 UNKNOWN = "an unknown username"
 WINDOW = timedelta(minutes=1)

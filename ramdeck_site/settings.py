@@ -21,7 +21,7 @@ from django.utils.csp import CSP
 
 # The planner's default share of unified memory: a constant of a pure-Python module (no Django, no imports),
 # imported here so the setting and the planner cannot disagree about it.
-from deployments.unified_memory import DEFAULT_UNIFIED_CLAMP
+from planning.unified_memory import DEFAULT_UNIFIED_CLAMP
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RAMDECK_VAR_DIR", BASE_DIR / "var"))
@@ -199,7 +199,12 @@ INSTALLED_APPS = [
     "audit",
     "jobs",
     "nodes",
+    "builds",
+    "calibration",
+    "modelfiles",
     "deployments",
+    "chat",
+    "console",
 ]
 
 MIDDLEWARE = [
@@ -433,7 +438,7 @@ RAMDECK_LLAMACPP_GIT_URL = env_str("RAMDECK_LLAMACPP_GIT_URL", "https://github.c
 RAMDECK_LLAMACPP_GIT_REF = env_str("RAMDECK_LLAMACPP_GIT_REF", "b6800")
 RAMDECK_BUILD_ROOT = env_str("RAMDECK_BUILD_ROOT", "~/.ramdeck/llama.cpp")
 # The only folder on the console host whose tarballs a build may upload to a node (no other file leaves).
-# The pinned llama.cpp source (deployments/llamacpp_source.py) is fetched into it on first use.
+# The pinned llama.cpp source (llamacpp/source.py) is fetched into it on first use.
 RAMDECK_TARBALL_DIR = os.path.expanduser(env_str("RAMDECK_TARBALL_DIR", str(RAMDECK_CACHE_DIR / "tarballs")))
 # Folders of the console's own host where models live: a download onto a Local-transport node goes into the
 # first, and registering a file there by path accepts only files under one of them (os.pathsep-separated).

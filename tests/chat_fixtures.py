@@ -7,12 +7,15 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from deployments import lifecycle, planner
-from deployments.gguf_profile import profile_path
-from deployments.models import Deployment, ModelFile
-from deployments.tiny_model import TinyLlama, write_tiny_llama
+from builds.models import Build
+from deployments.lifecycle import actions as lifecycle
+from deployments.models import Deployment
 from jobs.models import Job
-from nodes.models import Build, Device, DeviceKind, Node, Transport
+from llamacpp.gguf import profile_path
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles.models import ModelFile
+from nodes.models import Device, DeviceKind, Node, Transport
+from planning import planner
 from tests.llamacpp_build import require_llamacpp
 
 MIB = 2**20

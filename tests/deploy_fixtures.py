@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import time
 from pathlib import Path
 
-from jobs.models import Job
-from nodes.models import CredentialKind, Node
-from tests.factories import CredentialFactory, NodeFactory
+from deployments.lifecycle import actions as lifecycle
+from deployments.models import Deployment, ResourceClaim
+from jobs.models import Job, JobState
+from llamacpp.gguf import profile_path
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles.models import ModelFile
+from nodes.models import CredentialKind, Device, DeviceKind, Node
+from planning import planner
+from tests.factories import CredentialFactory, NodeFactory, UserFactory
 from tests.lab.netlab import kill_pid
-from tests.llamacpp_build import require_llamacpp
+from tests.llamacpp_build import TARBALL, require_llamacpp
+
+MIB = 2**20
 
 
 def build_dir() -> Path:
@@ -116,3 +126,182 @@ def route_between(hosts) -> None:
             check=True,
             timeout=30,
         )
+
+
+def record_enqueued(monkeypatch) -> list[tuple[str, int]]:
+    """Jobs sent to a worker, as (kind, deployment pk), and not sent: the test runs them itself."""
+    calls = []
+
+    def send(job) -> bool:
+        calls.append((job.kind, job.params.get("deployment")))
+        return True
+
+    monkeypatch.setattr(Job, "send_to_worker", send)
+    return calls
+
+
+LLAMA_PORT = 8080
+
+
+RPC_PORT = 50052
+
+
+def lab_devices(coordinator, workers) -> None:
+    """Hardware as the probe would record it, with the workers' memory kept small so the planner has to
+    split the model over both of them (all lab hosts really share this machine's RAM)."""
+    Device.objects.create(
+        node=coordinator,
+        name="CPU",
+        kind=DeviceKind.CPU,
+        total_bytes=24000 * MIB,
+        free_bytes=24000 * MIB,
+        bandwidth_gbs=2.0,
+    )
+    for worker in workers:
+        Device.objects.create(
+            node=worker,
+            name="CPU",
+            kind=DeviceKind.CPU,
+            total_bytes=12 * MIB,
+            free_bytes=12 * MIB,
+            bandwidth_gbs=40.0,
+        )
+
+
+def planner_nodes_of(coordinator, workers) -> list[planner.Node]:
+    nodes = []
+    for node in [coordinator, *workers]:
+        devices = tuple(
+            planner.Device(
+                node.name, d.name, d.kind, d.total_bytes, d.free_bytes, d.effective_bandwidth_gbs or 20.0
+            )
+            for d in node.devices.all()
+        )
+        nodes.append(
+            planner.Node(
+                node.name,
+                node.address,
+                devices,
+                coordinator=node == coordinator,
+                rpc_port=node.rpc_port,
+                rtt_ms=0.1,
+            )
+        )
+    return nodes
+
+
+def commands_in(host) -> list[str]:
+    """The command lines of the processes in a lab host's namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True).stdout.split()
+    commands = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            commands.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+    return commands
+
+
+class Cluster:
+    def __init__(self, lab, hosts, tmp_path):
+        self.lab, self.hosts, self.tmp_path = lab, hosts, tmp_path
+        route_between(hosts)
+        self.operator = UserFactory(username="oscar-operator", role="operator")
+        self.coordinator = lab_node(lab, hosts[0], name="desk", may_coordinate=True)
+        self.workers = [lab_node(lab, h, name=f"old-pc-{i}") for i, h in enumerate(hosts[1:], start=1)]
+        self.times: dict[str, float] = {}
+
+    @property
+    def nodes(self):
+        return [self.coordinator, *self.workers]
+
+    def build_all(self) -> None:
+        for node in self.nodes:
+            job = run(
+                Job.objects.create(
+                    kind="build",
+                    node=node,
+                    created_by=self.operator,
+                    params={"source": "tarball", "tarball": str(TARBALL)},
+                )
+            )
+            assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-2000:])
+            self.times[f"build {node.name}"] = (job.finished_at - job.started_at).total_seconds()
+
+    def model(self) -> ModelFile:
+        path = write_tiny_llama(self.tmp_path / "tiny.gguf", TinyLlama(n_layer=8, n_embd=256))
+        profile = profile_path(path)
+        return ModelFile.objects.create(
+            name="tiny",
+            node=self.coordinator,
+            path=str(path),
+            size_bytes=profile["size_bytes"],
+            profile=profile,
+        )
+
+    def confirm(self, model: ModelFile) -> Deployment:
+        lab_devices(self.coordinator, self.workers)
+        plan = planner.plan(
+            model.profile, planner_nodes_of(self.coordinator, self.workers), planner.Settings(ctx=512)
+        )
+        assert plan["fits"], plan
+        return Deployment.objects.create(
+            name="tiny",
+            model_file=model,
+            coordinator=self.coordinator,
+            plan=plan,
+            plan_settings=plan["settings"],
+            port=LLAMA_PORT,
+            created_by=self.operator,
+        )
+
+    def deploy(self, deployment: Deployment, monkeypatch) -> Deployment:
+        enqueued = record_enqueued(monkeypatch)
+        started, message = lifecycle.start_deploy(deployment, self.operator)
+        assert started, message
+        assert enqueued == [("deploy", deployment.pk)]
+        again, _ = lifecycle.start_deploy(Deployment.objects.get(pk=deployment.pk), self.operator)
+        assert not again  # pressing deploy twice starts one deployment
+        lifecycle.run_deployment(deployment.pk)
+        deployment.refresh_from_db()
+        for step in deployment.steps.select_related("job").order_by("order"):
+            job = step.job
+            if job.started_at and job.finished_at:
+                key = f"{step.order:02d} {step.name} {job.node_name}"
+                self.times[key] = (job.finished_at - job.started_at).total_seconds()
+        return deployment
+
+    def stop(self, deployment: Deployment, monkeypatch) -> Deployment:
+        record_enqueued(monkeypatch)
+        stopped, message = lifecycle.stop_deployment(deployment, self.operator)
+        assert stopped, message
+        lifecycle.run_stop(deployment.pk)
+        deployment.refresh_from_db()
+        return deployment
+
+    def assert_clean(self, deployment: Deployment) -> None:
+        """No rpc-server or llama-server of this deployment runs, and every port it used is free."""
+        for info in deployment.processes.values():
+            assert not pid_alive(int(info["pid"])), info
+        for host in self.hosts:
+            for port in (RPC_PORT, LLAMA_PORT):
+                assert listeners_in(host, port) == "", (host.address, port)
+            for cmd in commands_in(host):
+                assert "rpc-server" not in cmd and "llama-server" not in cmd, cmd
+            # A tunnel's forced command on a worker ends when its sshd sees the connection close (soon after
+            # the coordinator's ssh was ended, not at once).
+            deadline = time.monotonic() + 15
+            while any("sleep 2147483647" in cmd for cmd in commands_in(host)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not [cmd for cmd in commands_in(host) if "sleep 2147483647" in cmd], host.address
+        assert not ResourceClaim.objects.filter(deployment=deployment).exists()
+        for host in self.hosts:  # no tunnel key of a deployment is left on a worker
+            assert "ramdeck-d" not in (host.workdir / "authorized_keys").read_text()
+
+    def report(self, deployment: Deployment) -> None:
+        figures = {
+            "phase_seconds": {k: round(v, 2) for k, v in self.times.items()},
+            "measured_decode_tps": deployment.measured_decode_tps,
+            "measured_prompt_tps": deployment.measured_prompt_tps,
+            "predicted_tps": deployment.plan.get("predicted_tokens_per_s"),
+        }
+        print("\nE2E " + json.dumps(figures))

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from audit.models import AuditEvent
-from deployments import lifecycle
+from deployments.lifecycle import actions as lifecycle
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, ResourceClaim
 from jobs import sweeper
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job
+from tests.deploy_fixtures import Cluster
 from tests.job_fixtures import CeleryWorker, wait_for
 from tests.llamacpp_build import use_cached_llamacpp
-from tests.test_e2e_deployment import Cluster
 
 TERMINAL = (DeploymentState.STOPPED, DeploymentState.FAILED)
 

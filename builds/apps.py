@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class BuildsConfig(AppConfig):
+    name = "builds"
+    verbose_name = "llama.cpp builds"
+
+    def ready(self) -> None:
+        from jobs import kinds
+
+        kinds.register("build", "Build llama.cpp", "builds.job.build_body")

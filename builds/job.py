@@ -1,0 +1,325 @@
+"""The `build` job: llama.cpp with RPC on a node, from git, an uploaded tarball, or an existing install.
+
+Layout on the node (RAMDECK_BUILD_ROOT, default ~/.ramdeck/llama.cpp):
+
+    <root>/dl/<tarball name>                         uploaded source tarballs
+    <root>/src-<first 16 hex of sha256>/llama.cpp/   the source tree of a tarball (cached by source hash)
+    <root>/git/llama.cpp/                            the git checkout
+    <tree>/build-<backend>/bin/                      ggml-rpc-server (or legacy rpc-server) and llama-server
+
+A build directory is reused: when its binaries exist and its CMake cache already holds the requested flags,
+nothing is compiled (the cache); otherwise cmake reconfigures and ninja rebuilds incrementally. Every step
+that writes into a shared directory runs under `flock`, so nodes that share a file system do not clash.
+
+Job params: {"source": "tarball"|"git"|"existing", "tarball": console-local path, "tarball_sha256",
+"git_url", "git_ref", "backend": "auto"|"cpu"|"cuda"|"metal"|"vulkan", "rebuild": bool, "path": bin dir}."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import secrets
+from dataclasses import dataclass
+
+from django.conf import settings
+
+from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
+from jobs.aio import db
+from jobs.context import JobFailed
+from llamacpp.args import RPC_SERVER_BINARIES as RPC_BINARIES
+from llamacpp.logs import parse_rpc_banner_version, parse_server_version
+from llamacpp.source import file_sha256
+from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
+from remote.text import printable
+
+COMMON_FLAGS = [
+    "-DGGML_RPC=ON",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    # Recent trees download llama-server's web UI from Hugging Face at build time; nodes on an offline LAN
+    # cannot, and the console talks to the server's API only.
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DCMAKE_BUILD_TYPE=Release",
+]
+
+
+BACKEND_FLAGS = {"cpu": [], "metal": [], "cuda": ["-DGGML_CUDA=ON"], "vulkan": ["-DGGML_VULKAN=ON"]}
+
+
+# Prints "name=path" per tool ("name=" when missing). Constant text: no input is formatted into it.
+_PREREQ_SCRIPT = (
+    "for t in cmake ninja make c++ g++ clang++ cc tar git nvcc flock nproc; do "
+    'printf "%s=%s\\n" "$t" "$(command -v $t 2>/dev/null)"; done; '
+    'printf "os=%s\\n" "$(uname -s)"; printf "arch=%s\\n" "$(uname -m)"; '
+    'printf "home=%s\\n" "$HOME"; '
+    'if xcode-select -p >/dev/null 2>&1; then echo "xcode=yes"; else echo "xcode="; fi'
+)
+
+
+def parse_prerequisites(text: str) -> dict[str, str]:
+    found = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            found[key.strip()] = value.strip()
+    return found
+
+
+def missing_prerequisites(found: dict[str, str], *, source: str, backend: str) -> list[str]:
+    """What the node lacks for this build, each named as a person would install it."""
+    missing = []
+    if source == "existing":
+        return missing
+    if not found.get("cmake"):
+        missing.append("cmake")
+    if not (found.get("ninja") or found.get("make")):
+        missing.append("ninja or make")
+    if not any(found.get(c) for c in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler (g++ or clang++)")
+    if source == "tarball" and not found.get("tar"):
+        missing.append("tar")
+    if source == "git" and not found.get("git"):
+        missing.append("git")
+    if backend == "cuda" and not found.get("nvcc"):
+        missing.append("nvcc (the CUDA toolkit) for the NVIDIA GPU")
+    if found.get("os") == "Darwin" and not found.get("xcode"):
+        missing.append("Xcode command line tools (xcode-select --install)")
+    return missing
+
+
+def choose_backend(requested: str, found: dict[str, str], device_kinds: set[str]) -> str:
+    if requested and requested != "auto":
+        return requested
+    if found.get("os") == "Darwin":
+        return "metal"
+    if "cuda" in device_kinds:
+        return "cuda"
+    if "vulkan" in device_kinds:
+        return "vulkan"
+    return "cpu"
+
+
+def cmake_flags(backend: str) -> list[str]:
+    return [*COMMON_FLAGS, *BACKEND_FLAGS.get(backend, [])]
+
+
+def cache_has_flags(cmake_cache: str, flags: list[str]) -> bool:
+    """True when a CMakeCache.txt already holds every -DNAME=VALUE of `flags` (no reconfigure needed)."""
+    values = {}
+    for line in cmake_cache.splitlines():
+        match = re.match(r"^([A-Za-z0-9_]+):[A-Z]+=(.*)$", line)
+        if match:
+            values[match.group(1)] = match.group(2)
+    for flag in flags:
+        name, _, value = flag[2:].partition("=")
+        if values.get(name, "").upper() != value.upper():
+            return False
+    return True
+
+
+@dataclass
+class Layout:
+    root: str
+    tree: str
+    build_dir: str
+
+    @property
+    def bin_dir(self) -> str:
+        return posixpath.join(self.build_dir, "bin")
+
+
+def build_root(home: str) -> str:
+    root = settings.RAMDECK_BUILD_ROOT
+    if root.startswith("~"):
+        root = home.rstrip("/") + root[1:]
+    return root
+
+
+async def _exists(ctx, path: str) -> bool:
+    result = await ctx.transport.run(["test", "-e", path], timeout=30)
+    return result.exit_status == 0
+
+
+async def _read(ctx, path: str, nbytes: int = 1 << 20) -> str:
+    return (await ctx.transport.read_head(path, nbytes)).decode("utf-8", errors="replace")
+
+
+def _locked(found: dict[str, str], lock_path: str, argv: list[str]) -> list[str]:
+    """argv under `flock LOCK` where flock exists (Linux); as is elsewhere."""
+    return ["flock", lock_path, *argv] if found.get("flock") else argv
+
+
+async def _tarball_tree(ctx, found: dict[str, str], root: str, params: dict) -> tuple[str, str, str]:
+    if params.get("tarball") == pinned_tarball_path():
+        await ensure_pinned_tarball(ctx)
+    local = allowed_tarball(params.get("tarball") or "")
+    if local is None:
+        raise JobFailed(
+            f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
+            "the only folder builds may upload from"
+        )
+    sha = params.get("tarball_sha256") or await db(file_sha256)(local)
+    src = posixpath.join(root, src_dir_name(sha))
+    for tree in (posixpath.join(src, "llama.cpp"), src):
+        if await _exists(ctx, posixpath.join(tree, "CMakeLists.txt")):
+            await ctx.log(f"source {src_dir_name(sha)} already unpacked on the node (cached by source hash)")
+            return tree, sha, os.path.basename(local)
+    remote = posixpath.join(root, "dl", os.path.basename(local))
+    part = f"{remote}.{secrets.token_hex(4)}.part"
+    await ctx.run(["mkdir", "-p", posixpath.join(root, "dl")], timeout=60)
+    await ctx.log(f"uploading {os.path.basename(local)} ({os.path.getsize(local) // 2**20} MiB) over SFTP")
+    await ctx.transport.upload(local, part)
+    await ctx.run(["mv", part, remote], timeout=60)
+    tmp = f"{src}.{secrets.token_hex(4)}.tmp"
+    # Unpack beside the final place and move it there, so a half-unpacked tree is never taken for a cache.
+    script = 'mkdir -p "$2" && tar -xzf "$1" -C "$2" --strip-components=1 && { [ -e "$3" ] || mv "$2" "$3"; }'
+    argv = ["sh", "-c", script, "unpack", remote, tmp, src]
+    await ctx.run(_locked(found, f"{src}.lock", argv), timeout=1800)
+    await ctx.run(["rm", "-rf", tmp], timeout=300)
+    tree = posixpath.join(src, "llama.cpp")
+    if not await _exists(ctx, posixpath.join(tree, "CMakeLists.txt")):
+        tree = src
+    return tree, sha, os.path.basename(local)
+
+
+async def _git_tree(ctx, found: dict[str, str], root: str, params: dict) -> tuple[str, str, str]:
+    url = params.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL
+    ref = params.get("git_ref") or settings.RAMDECK_LLAMACPP_GIT_REF
+    tree = posixpath.join(root, "git", "llama.cpp")
+    lock = posixpath.join(root, "git.lock")
+    await ctx.run(["mkdir", "-p", posixpath.join(root, "git")], timeout=60)
+    if not await _exists(ctx, posixpath.join(tree, ".git")):
+        await ctx.run(_locked(found, lock, ["git", "clone", "--", url, tree]), timeout=3600)
+    await ctx.run(_locked(found, lock, ["git", "-C", tree, "fetch", "--tags", "--", url, ref]), timeout=3600)
+    await ctx.run(
+        _locked(found, lock, ["git", "-C", tree, "checkout", "--detach", "FETCH_HEAD"]), timeout=600
+    )
+    return tree, "", ref
+
+
+async def _compile(ctx, found: dict[str, str], layout: Layout, backend: str, rebuild: bool) -> str:
+    flags = cmake_flags(backend)
+    # Current trees keep the RPC server in tools/rpc, older ones in examples/rpc (as `rpc-server`).
+    rpc_target = "ggml-rpc-server"
+    for folder in ("tools", "examples"):
+        cmakelists = posixpath.join(layout.tree, folder, "rpc", "CMakeLists.txt")
+        if await _exists(ctx, cmakelists):
+            rpc_target = rpc_target_of(await _read(ctx, cmakelists))
+            break
+    bins = [posixpath.join(layout.bin_dir, rpc_target), posixpath.join(layout.bin_dir, "llama-server")]
+    cache_path = posixpath.join(layout.build_dir, "CMakeCache.txt")
+    cached = all([await _exists(ctx, b) for b in bins]) and await _exists(ctx, cache_path)
+    if cached and cache_has_flags(await _read(ctx, cache_path), flags) and not rebuild:
+        await ctx.log(
+            f"{layout.build_dir} already holds both binaries built with these flags: nothing to compile"
+        )
+        return rpc_target
+    lock = f"{layout.build_dir}.lock"
+    generator = ["-G", "Ninja"] if found.get("ninja") else []
+    await ctx.log(f"configuring: cmake {' '.join(flags)}")
+    await ctx.run(
+        _locked(found, lock, ["cmake", "-S", layout.tree, "-B", layout.build_dir, *generator, *flags]),
+        timeout=1800,
+    )
+    cores = (
+        await ctx.transport.run(["sh", "-c", "nproc 2>/dev/null || sysctl -n hw.ncpu"], timeout=30)
+    ).stdout
+    jobs = cores.strip() if cores.strip().isdigit() else "2"
+    build = ["cmake", "--build", layout.build_dir, "-j", jobs, "--target", rpc_target, "llama-server"]
+    await ctx.log(f"building {rpc_target} and llama-server with {jobs} cores")
+    await ctx.run(_locked(found, lock, build), timeout=settings.RAMDECK_COMMAND_TIMEOUT_S)
+    return rpc_target
+
+
+async def probe_binaries(ctx, bin_dir: str) -> dict:
+    """Run the binaries in bin_dir: llama-server's version and the RPC server's protocol from its banner."""
+    rpc_binary = ""
+    for name in RPC_BINARIES:
+        if await _exists(ctx, posixpath.join(bin_dir, name)):
+            rpc_binary = name
+            break
+    llama = posixpath.join(bin_dir, "llama-server")
+    if not rpc_binary or not await _exists(ctx, llama):
+        raise JobFailed(f"{bin_dir} holds no ggml-rpc-server/rpc-server and llama-server pair")
+    version_out = await ctx.transport.run([llama, "--version"], timeout=60)
+    version = parse_server_version("\n".join(line.text for line in version_out.lines))
+    if not version:
+        raise JobFailed(f"{llama} --version did not print a version; is it a llama.cpp build?")
+    # The banner is the only place an installed RPC server states its protocol: start it for two seconds
+    # on loopback (a random high port) and read it.
+    port = str(40000 + secrets.randbelow(20000))
+    rpc = posixpath.join(bin_dir, rpc_binary)
+    banner = await ctx.transport.run(
+        ["timeout", "2", "stdbuf", "-oL", rpc, "-H", "127.0.0.1", "-p", port], timeout=30
+    )
+    protocol = parse_rpc_banner_version("\n".join(line.text for line in banner.lines))
+    return {
+        "version": version,
+        "rpc_binary": rpc_binary,
+        "rpc_protocol": protocol,
+        "rpc": rpc,
+        "llama": llama,
+    }
+
+
+async def build_body(ctx) -> str:
+    from builds.models import Build, BuildSource
+
+    params = ctx.job.params or {}
+    source = params.get("source", "tarball")
+    found = parse_prerequisites((await ctx.transport.run(["sh", "-c", _PREREQ_SCRIPT], timeout=60)).stdout)
+    kinds = await db(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
+    backend = choose_backend(params.get("backend", "auto"), found, kinds)
+    missing = missing_prerequisites(found, source=source, backend=backend)
+    if missing:
+        raise JobFailed(f"{ctx.node.name} lacks what the build needs: {', '.join(missing)}")
+    await ctx.log(f"prerequisites present ({found.get('os')} {found.get('arch')}); backend {backend}")
+
+    if source == "existing":
+        probed = await probe_binaries(ctx, params["path"])
+        fields = {"source": params["path"], "build_dir": params["path"]}
+    else:
+        root = build_root(found.get("home", "~"))
+        if source == "tarball":
+            tree, sha, label = await _tarball_tree(ctx, found, root, params)
+            fields = {"source": label, "tarball_sha256": sha}
+        elif source == "git":
+            tree, sha, ref = await _git_tree(ctx, found, root, params)
+            fields = {"source": params.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL, "ref": ref}
+        else:
+            raise JobFailed(f"unknown build source {source!r}")
+        layout = Layout(root, tree, posixpath.join(tree, f"build-{backend}"))
+        await _compile(ctx, found, layout, backend, bool(params.get("rebuild")))
+        probed = await probe_binaries(ctx, layout.bin_dir)
+        header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))
+        probed["rpc_protocol"] = probed["rpc_protocol"] or parse_rpc_protocol_header(header)
+        fields["build_dir"] = layout.build_dir
+    # The version and the protocol are what the binaries printed (an existing install's can be anything):
+    # printable text only, cut to their fields, as every string a node reports.
+    probed["version"] = printable(probed["version"], 200)
+    probed["rpc_protocol"] = printable(probed["rpc_protocol"], 20)
+    if not probed["rpc_protocol"]:
+        raise JobFailed("could not tell the RPC protocol version of this build")
+
+    build = await db(Build.objects.create)(
+        node=ctx.node,
+        source_kind=BuildSource(source),
+        backend=backend,
+        flags=cmake_flags(backend) if source != "existing" else [],
+        version=probed["version"],
+        rpc_binary=probed["rpc_binary"],
+        rpc_protocol=probed["rpc_protocol"],
+        rpc_server_path=probed["rpc"],
+        llama_server_path=probed["llama"],
+        job_id=ctx.job.pk,
+        **fields,
+    )
+    await ctx.log(
+        f"recorded build #{build.pk}: {probed['rpc_binary']} RPC {probed['rpc_protocol']}, "
+        f"{probed['version']}"
+    )
+    return (
+        f"llama.cpp {probed['version']} with {probed['rpc_binary']} (RPC {probed['rpc_protocol']}), {backend}"
+    )

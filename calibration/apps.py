@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class CalibrationConfig(AppConfig):
+    name = "calibration"
+    verbose_name = "Calibration"
+
+    def ready(self) -> None:
+        from jobs import kinds
+
+        kinds.register("calibrate", "Calibrate", "calibration.job.calibrate_body")

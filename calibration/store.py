@@ -1,0 +1,89 @@
+"""Calibration figures into the database: a node's and its devices' measured figures stored in one
+transaction, and a calibration job queued unless one is under way."""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.utils import timezone
+
+from remote.text import printable_json
+
+# The job kind, registered in DeploymentsConfig.ready().
+CALIBRATE = "calibrate"
+
+
+def store(node, results: dict) -> list[str]:
+    """Write the figures to the node and its devices in one transaction; one summary line per figure.
+
+    The fixed costs come from the tiny model's runs (`_fixed_costs`)."""
+    from nodes.models import Node
+
+    lines = []
+    fixed = results.get("hop") or {}
+    hop, overhead, pipeline = fixed.get("hop_ms"), fixed.get("pass_ms"), fixed.get("pipeline_ms")
+    local = results.get("local") or {}
+    link = results.get("link") or {}
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        for device in locked.devices.all():
+            figures = results["devices"].get(device.name)
+            if figures is None:
+                continue
+            bandwidth = figures["bandwidth_gbs"]
+            device.record_measurement(
+                bandwidth_gbs=bandwidth,
+                overhead_ms=figures["overhead_ms"],
+                local_bandwidth_gbs=local.get("bandwidth_gbs") if device.name == "CPU" else None,
+            )
+            table = f" (table {device.bandwidth_gbs:g})" if device.bandwidth_gbs else ""
+            if bandwidth is None:
+                lines.append(f"{device.name}: too fast to tell apart with the calibration models{table}")
+            else:
+                lines.append(f"{device.name}: {bandwidth:.1f} GB/s{table}")
+            if device.name == "CPU" and local.get("bandwidth_gbs"):
+                lines.append(f"CPU inside llama-server: {local['bandwidth_gbs']:.1f} GB/s")
+        locked.calibrated_at = timezone.now()
+        locked.pass_overhead_ms = overhead
+        locked.rpc_hop_ms = hop
+        locked.pipeline_overhead_ms = pipeline
+        locked.link_rtt_ms = link.get("rtt_ms")
+        locked.link_throughput_mbs = link.get("throughput_mbs")
+        # The raw samples carry what the node's servers said (the RPC protocol of the link, ...).
+        locked.calibration = printable_json(results)
+        locked.save(
+            update_fields=[
+                "calibrated_at",
+                "pass_overhead_ms",
+                "rpc_hop_ms",
+                "pipeline_overhead_ms",
+                "link_rtt_ms",
+                "link_throughput_mbs",
+                "calibration",
+            ]
+        )
+    if overhead is not None:
+        lines.append(
+            f"pass {overhead:.2f} ms per token, RPC hop {hop or 0:.2f} ms, "
+            f"split across servers {pipeline or 0:.2f} ms"
+        )
+    if link.get("rtt_ms") is not None:
+        via = {"tunnel": " (through an SSH tunnel)", "firewall": " (direct, behind a firewall rule)"}
+        lines.append(
+            f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s"
+            f"{via.get(results.get('link_protection') or '', '')}"
+        )
+    return lines
+
+
+def start_calibration(node, *, user=None):
+    """Queue a calibration of `node` unless one is already queued or running; the job, or None."""
+    from jobs.models import Job
+    from nodes.models import Node
+
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(pk=node.pk).first()
+        if Job.objects.active().filter(node=node, kind=CALIBRATE).exists():
+            return None
+        job = Job.objects.create(kind=CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user)
+        job.enqueue()
+    return job

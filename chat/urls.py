@@ -1,0 +1,10 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from chat import views
+
+app_name = "chat"
+urlpatterns = [
+    path("deployments/<int:pk>/chat/", views.deployment_chat, name="deployment"),
+]

@@ -1,0 +1,52 @@
+"""The `stop` step: end by PID what the deployment started on a node, after checking each is still ours."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from jobs.context import JobFailed
+from llamacpp.reaper import (
+    ForeignHolder,
+    PortStillBusy,
+    reap_port,
+    runs_our_program,
+)
+from nodes.guards import remove_guard
+from nodes.platform import node_platform
+
+
+async def stop_body(ctx) -> str:
+    """End this deployment's processes on the node by PID, then confirm their ports are free."""
+    processes = ctx.job.params.get("processes", [])
+    platform = node_platform(ctx.node)
+    done = []
+    for info in processes:
+        pid = int(info["pid"])
+        alive = await ctx.transport.pid_alive(pid)
+        if alive:
+            ours, cmdline = await runs_our_program(ctx.transport, platform, pid, info["role"])
+            if not ours:
+                await ctx.log(f"PID {pid} now runs another program ({cmdline or 'gone'}); not touched")
+                alive = False
+        if alive:
+            await ctx.log(f"ending {info['role']} PID {pid}")
+            gone = await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
+            if not gone:
+                raise JobFailed(f"{info['role']} PID {pid} on {ctx.node.name} did not end")
+            done.append(f"{info['role']} PID {pid} ended")
+        else:
+            await ctx.log(f"{info['role']} PID {pid} was not running")
+            done.append(f"{info['role']} PID {pid} already gone")
+        files = [f for f in (info.get("key_file"), *info.get("files", [])) if f]
+        if files:
+            await ctx.transport.run(["rm", "-f", *files], timeout=30)
+        # What else holds the port now? A leftover of ours is reaped; a foreign holder fails the stop.
+        try:
+            await reap_port(ctx.transport, platform, int(info["port"]), log=ctx.log)
+        except (ForeignHolder, PortStillBusy) as exc:
+            raise JobFailed(str(exc)) from exc
+    for guard in ctx.job.params.get("guards", []):
+        note = await remove_guard(ctx, guard)
+        await ctx.log(note)
+        done.append(note)
+    return f"{ctx.node.name}: " + ("; ".join(done) or "nothing to stop")

@@ -1,0 +1,238 @@
+"""Model registry, "what runs on this pool", plan preview and confirmation, deployment list and detail.
+
+The run of a deployment (deploy, stop, its live steps) is deployments/views/run.py."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.contrib import messages
+from django.db import IntegrityError, transaction
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+from django_htmx.http import reswap
+
+from audit import history
+from deployments.charts import bars
+from deployments.endpoint import EndpointForm, bind_host, endpoint_form
+from deployments.forms import PlanForm
+from deployments.models import Deployment, DeploymentState
+from llamacpp.args import model_alias
+from modelfiles.fit import default_coordinator
+from modelfiles.models import ModelFile
+from nodes.models import Node
+from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
+from planning import planner
+from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+from remote.base import shell_join
+
+
+def _get_model(pk: int) -> ModelFile:
+    return get_object_or_404(ModelFile.objects.select_related("node"), pk=pk)
+
+
+def command_lines(model: ModelFile, plan: dict, deployment: Deployment | None = None) -> dict:
+    argv = ["llama-server", "-m", model.path, *plan["llama_server_args"]]
+    if deployment is not None:
+        # What the launch adds for a confirmed deployment (the key travels in a file, never on the line).
+        host = bind_host(deployment)
+        argv += ["--alias", model_alias(model.name), "--host", host, "--port", str(deployment.port)]
+    server = shell_join(argv)
+    rpc = [
+        {"node": s["node"], "command": shell_join(["ggml-rpc-server", *s["args"]])}
+        for s in plan["rpc_servers"]
+    ]
+    return {"llama_server": server, "rpc_servers": rpc}
+
+
+def _plan_form(request, model: ModelFile, data) -> PlanForm:
+    """The plan form bound to the request's values, missing ones taken from the defaults.
+
+    The page's own form sends a `full` marker: then an absent `nodes` means "no node ticked" rather than
+    "not given", which defaults to the whole pool.
+    """
+    nodes_qs = Node.objects.filter(enabled=True).prefetch_related("devices")
+    coordinators = nodes_qs.filter(may_coordinate=True)
+    pool = pool_nodes()
+    coordinator = default_coordinator(model, pool)
+    bound = {
+        "ctx": min(4096, model.profile.get("context_length") or 4096),
+        "parallel": 1,
+        "cache_type": "f16",
+        "clamp": settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
+        "coordinator": coordinator.pk if coordinator else "",
+        "nodes": [n.pk for n in pool],
+        "name": "",
+    }
+    data = data or {}
+    for key in bound:
+        if key == "nodes":
+            if "nodes" in data or "full" in data:
+                bound["nodes"] = data.getlist("nodes") if hasattr(data, "getlist") else data.get("nodes", [])
+        elif key in data:
+            bound[key] = data.get(key)
+    return PlanForm(bound, nodes_qs=nodes_qs, coordinators_qs=coordinators)
+
+
+def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
+    if not form.is_valid():
+        return None, ""
+    coordinator = form.cleaned_data["coordinator"] or default_coordinator(model, pool_nodes())
+    if coordinator is None:
+        return None, "No node may coordinate: mark one as 'may coordinate' on its node page."
+    selected = [n for n in form.cleaned_data["nodes"] if n.pk != coordinator.pk]
+    try:
+        plan = planner.plan(model.profile, planner_nodes(selected, coordinator), form.settings())
+    except planner.ClusterError as exc:
+        return None, str(exc)
+    plan["warnings"] += stale_calibration_warnings([coordinator, *selected])
+    return plan, ""
+
+
+def _confirm_fields(form: PlanForm) -> list[tuple[str, object]]:
+    """The settings the page's plan was computed with, as the Confirm form posts them: what is confirmed is
+    what was shown, whatever the settings form holds by then."""
+    data = form.cleaned_data
+    fields: list[tuple[str, object]] = [("full", 1)]
+    if data.get("coordinator"):
+        fields.append(("coordinator", data["coordinator"].pk))
+    fields += [("nodes", node.pk) for node in data.get("nodes") or []]
+    fields += [(key, data[key]) for key in ("ctx", "parallel", "cache_type", "clamp")]
+    return fields
+
+
+def _stale_reasons(form: PlanForm) -> list[str]:
+    """Why the values on the form cannot be planned: each invalid field's label and error."""
+    reasons = []
+    for name, errors in form.errors.items():
+        field = form.fields.get(name)
+        label = (field.label or name.capitalize()) if field is not None else ""
+        reasons += [f"{label}: {error}" if label else str(error) for error in errors]
+    return reasons
+
+
+def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
+    plan, error = _compute_plan(model, form)
+    fits = bool(plan and plan["fits"])
+    return {
+        "model": model,
+        "form": form,
+        "plan": plan,
+        "error": error,
+        "bars": bars.plan_bars(plan) if fits else None,
+        "commands": command_lines(model, plan) if fits else None,
+        "stale_reasons": _stale_reasons(form),
+        "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
+        "confirmable": fits and not form.errors,
+        "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
+        "endpoint_form": _endpoint_form(request.GET, plan),
+    }
+
+
+@role_required(VIEWER)
+def plan_preview(request, pk: int):
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.GET)
+    context = _preview_context(request, model, form)
+    template = "deployments/plan_preview.html"
+    if not request.htmx:
+        return render(request, template, context)
+    context["oob"] = True
+    if form.errors:
+        context["stale_oob"] = True
+        # The plan on the page stays, marked stale with the reason; the fields show their errors.
+        return reswap(render(request, f"{template}#stale-update", context), "none")
+    return render(request, f"{template}#plan", context)
+
+
+@require_POST
+@role_required(OPERATOR)
+def plan_confirm(request, pk: int):
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.POST)
+    # The plan is computed again here: what is stored is what the planner says now, not what the page showed.
+    plan, error = _compute_plan(model, form)
+    if plan is None or not plan["fits"]:
+        context = _preview_context(request, model, form)
+        context["error"] = error or ("" if form.errors else "This plan does not fit.")
+        return render(request, "deployments/plan_preview.html", context, status=409)
+    coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
+    endpoint = EndpointForm(request.POST, coordinator=coordinator)
+    if not endpoint.is_valid():
+        context = _preview_context(request, model, form)
+        context["confirm_token"] = _confirm_token(request.POST) or context["confirm_token"]
+        context["endpoint_form"] = endpoint
+        context["error"] = "Choose the endpoint again: " + " ".join(
+            str(e) for errors in endpoint.errors.values() for e in errors
+        )
+        return render(request, "deployments/plan_preview.html", context, status=400)
+    token = _confirm_token(request.POST)
+    if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    try:
+        deployment = _confirm(request, model, form, plan, endpoint, token)
+    except IntegrityError:
+        # The same form, posted twice at the same instant: the other request made the deployment.
+        earlier = Deployment.objects.filter(confirm_token=token).first()
+        if token is None or earlier is None:
+            raise
+        messages.info(request, f"This plan was already confirmed as {earlier.name}.")
+        return redirect(earlier.get_absolute_url())
+    messages.success(request, f"Confirmed {deployment.name}.")
+    return redirect(deployment.get_absolute_url())
+
+
+def _confirm_token(data) -> str | None:
+    token = data.get("confirm_token", "")
+    return token if token and len(token) <= 64 and token.isalnum() else None
+
+
+def _endpoint_form(data, plan: dict | None) -> EndpointForm | None:
+    if not plan or not plan.get("fits"):
+        return None
+    coordinator = Node.objects.filter(name=plan["coordinator"]).first()
+    return endpoint_form(data, coordinator) if coordinator else None
+
+
+def default_deployment_name(model: ModelFile, plan: dict) -> str:
+    """ "tiny @ 4096": the context llama.cpp will give it, which it caps at the model's trained one."""
+    ctx = int(plan["settings"]["ctx"])
+    trained = int((model.profile or {}).get("context_length") or 0)
+    return f"{model.name} @ {min(ctx, trained) if trained else ctx}"
+
+
+def _confirm(
+    request, model: ModelFile, form: PlanForm, plan: dict, endpoint: EndpointForm, token
+) -> Deployment:
+    """The deployment and its audit entry, together or not at all."""
+    coordinator = endpoint.coordinator
+    with transaction.atomic():
+        deployment = Deployment.objects.create(
+            name=form.cleaned_data["name"] or default_deployment_name(model, plan),
+            model_file=model,
+            coordinator=coordinator,
+            plan=plan,
+            plan_settings=plan["settings"],
+            state=DeploymentState.CONFIRMED,
+            host=endpoint.host(),
+            port=endpoint.cleaned_data["port"],
+            created_by=request.user,
+            confirm_token=token,
+        )
+        history.record(
+            request,
+            "deployment.confirm",
+            deployment,
+            changes={
+                "model": model.name,
+                "coordinator": coordinator.name,
+                "nodes": sorted({p["node"] for p in plan["placements"]}),
+                "settings": plan["settings"],
+                "endpoint": f"{deployment.host}:{deployment.port}",
+                "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
+                "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
+            },
+        )
+    return deployment

@@ -1,0 +1,262 @@
+"""Pages and buttons of a deployment's run (deploy, stop, restart, redeploy) and of a node's llama.cpp builds.
+
+The plan preview and the deployment list are deployments/views/plan.py; this module is the part after confirm.
+Every button is a POST for operators and is audited by the lifecycle function it calls."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import Q
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils.dateparse import parse_datetime
+from django.views.decorators.http import require_POST
+
+from audit import history
+from deployments.endpoint import LOOPBACK_HOSTS, endpoint_url, reach_host
+from deployments.lifecycle import actions as lifecycle
+from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
+from jobs.models import Job, JobLogLine, refuse_local_node
+from llamacpp.args import model_alias
+from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
+
+
+def _get_deployment(pk: int) -> Deployment:
+    return get_object_or_404(
+        Deployment.objects.select_related("coordinator", "model_file", "created_by"), pk=pk
+    )
+
+
+def refuse_on_console_host(request, deployment: Deployment, what: str) -> None:
+    """403 (LocalNodeRefused, audited) when the deployment uses the console's own host and the user is no
+    admin. Not only starting and stopping: its API key opens a llama-server running as the console's user,
+    direct RPC mode opens an unauthenticated rpc-server on the console's host to the LAN, and self-healing
+    starts processes there on its own; each is the admins' to decide."""
+    for node in lifecycle.deployment_nodes(deployment):
+        refuse_local_node(request.user, node, what, request=request)
+
+
+def _steps(deployment: Deployment) -> list[dict]:
+    steps = list(deployment.steps.select_related("job").order_by("order", "pk"))
+    tails = log_tails([step.job for step in steps], 6)
+    return [{"step": step, "job": step.job, "tail": tails[step.job_id]} for step in steps]
+
+
+def log_tails(jobs: list[Job], count: int) -> dict[int, list[str]]:
+    """The last `count` log lines of each job, in one query however many jobs (the run page grows a step
+    per worker and per heal): a job's last lines are those at or past its `next_seq - count`."""
+    tails: dict[int, list[str]] = {job.pk: [] for job in jobs}
+    if not jobs:
+        return tails
+    near_the_end = Q()
+    for job in jobs:
+        near_the_end |= Q(job_id=job.pk, seq__gte=job.next_seq - count)
+    rows = JobLogLine.objects.filter(near_the_end).order_by("job_id", "seq").values_list("job_id", "text")
+    for job_id, text in rows:
+        tails[job_id].append(text)
+    return {pk: lines[-count:] for pk, lines in tails.items()}
+
+
+def run_context(user, deployment: Deployment) -> dict:
+    """What the run page's live regions show (also rendered by the websocket consumer)."""
+    plan = deployment.plan or {}
+    predicted = plan.get("predicted_tokens_per_s")
+    measured = deployment.measured_decode_tps
+    steps = _steps(deployment)
+    return {
+        "deployment": deployment,
+        "steps": steps,
+        # rpc-servers an admin let listen on every interface: they have no authentication.
+        "exposed": [
+            f"{row['job'].node_name} ({row['job'].params.get('bind')}:{row['job'].params.get('port')})"
+            for row in steps
+            if row["step"].name == "rpc-server" and row["job"].params.get("exposed")
+        ],
+        "endpoint": endpoint_url(deployment),
+        "model_alias": model_alias(deployment.model_file.name),
+        "predicted_tps": predicted,
+        "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),
+        "measured_ratio": (measured / predicted) if measured and predicted else None,
+        "speed_reasons": deployment.speed_miss_reasons(),
+        "verification": deployment.verification or {},
+        "is_active": deployment.state in ACTIVE_STATES,
+        "is_moving": deployment.state
+        in (
+            DeploymentState.PREPARING,
+            DeploymentState.LAUNCHING,
+            DeploymentState.VERIFYING,
+            DeploymentState.STOPPING,
+        ),
+        "can_operate": can_operate(user),
+        # The API key, the RPC mode and self-healing of a deployment on the console's own host: admins only.
+        "may_control": can_operate(user) and not lifecycle.local_refusal(deployment, user),
+        "may_deploy": deployment.state == DeploymentState.CONFIRMED,
+        "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
+        "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
+        "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
+        "self_heal_limit": settings.RAMDECK_SELF_HEAL_ATTEMPTS,
+        **rpc_mode_context(deployment),
+        # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
+        "history": Deployment.objects.filter(
+            Q(redeployed_from=deployment) | Q(pk=deployment.redeployed_from_id or 0)
+        ).order_by("-created_at")[:10],
+    }
+
+
+def rpc_mode_context(deployment: Deployment) -> dict:
+    """The run page's RPC line: the mode chosen, the one a deploy would use now, and why not, if it cannot."""
+    try:
+        workers = lifecycle.workers_of(deployment)
+        effective = lifecycle.rpc_mode(deployment, workers)
+        # Checked (names resolved) only where the form is: not on the polled page of an active deployment.
+        active = deployment.state in ACTIVE_STATES
+        problem = "" if active else lifecycle.rpc_refusal(deployment, workers)
+    except (KeyError, ValueError, IndexError):
+        effective, problem = "", ""
+    return {"rpc_modes": RpcMode.choices, "rpc_effective": effective, "rpc_problem": problem}
+
+
+@role_required(VIEWER)
+def deployment_run(request, pk: int):
+    deployment = _get_deployment(pk)
+    template = "deployments/lifecycle/run.html"
+    if request.htmx and request.htmx.target == "deployment-run":
+        template += "#run"
+    return render(request, template, run_context(request.user, deployment))
+
+
+def _process_rows(deployment: Deployment) -> tuple[list[dict], dict, object]:
+    """What the monitor saw last (rows, metrics, when), or the recorded processes not checked yet. No
+    SSH or HTTP here: the page is polled, and the monitor's beat task does the looking."""
+    status = deployment.live_status or {}
+    checked_at = parse_datetime(status["checked_at"]) if status.get("checked_at") else None
+    if status.get("processes") is not None and checked_at:
+        return status["processes"], status.get("metrics") or {}, checked_at
+    rows = [{**info, "alive": None} for info in (deployment.processes or {}).values()]
+    return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"])), {}, None
+
+
+@role_required(VIEWER)
+def deployment_processes(request, pk: int):
+    """Per-node process status (alive, PID, uptime, memory) and /metrics numbers, as the monitor saw them."""
+    deployment = _get_deployment(pk)
+    rows, metrics, checked_at = _process_rows(deployment)
+    live = deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+    return render(
+        request,
+        "deployments/lifecycle/processes.html",
+        {
+            "deployment": deployment,
+            "rows": rows,
+            "metrics": metrics if live else {},
+            "checked_at": checked_at,
+        },
+    )
+
+
+@role_required(OPERATOR)
+def deployment_api_key(request, pk: int):
+    """The API key, for operators only (admins only on the console's own host); every reveal is audited."""
+    deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "API keys of deployments")
+    key = deployment.api_key() if deployment.api_key_encrypted else ""
+    history.record(request, "deployment.api_key_viewed", deployment)
+    context = {
+        "deployment": deployment,
+        "api_key": key,
+        "endpoint": endpoint_url(deployment),
+        "model_alias": model_alias(deployment.model_file.name),
+        "loopback": reach_host(deployment) in LOOPBACK_HOSTS,
+    }
+    template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
+    return render(request, template, context)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_deploy(request, pk: int):
+    deployment = _get_deployment(pk)
+    started, message = lifecycle.start_deploy(deployment, request.user)
+    (messages.success if started else messages.error)(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@role_required(OPERATOR)
+def deployment_stop(request, pk: int):
+    """Stop asks first: GET (the run page's Stop link) shows what stops; only a POST that says `confirm`
+    stops it. It works without JavaScript; a POST without `confirm` shows the question again."""
+    deployment = _get_deployment(pk)
+    if request.method != "POST" or request.POST.get("confirm") != "yes":
+        rows, _metrics, _checked = _process_rows(deployment)
+        context = {
+            "deployment": deployment,
+            "rows": rows,
+            "endpoint": endpoint_url(deployment),
+            "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
+        }
+        status = 400 if request.method == "POST" else 200
+        return render(request, "deployments/lifecycle/stop_confirm.html", context, status=status)
+    stopped, message = lifecycle.stop_deployment(deployment, request.user)
+    (messages.success if stopped else messages.error)(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_restart(request, pk: int):
+    deployment = _get_deployment(pk)
+    stopped, message = lifecycle.stop_deployment(deployment, request.user, then_redeploy=True)
+    if stopped:
+        messages.success(
+            request, "Restarting: it stops, then the same plan deploys again as a new deployment."
+        )
+    else:
+        messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_rpc_mode(request, pk: int):
+    """Choose how the coordinator reaches the rpc-servers (llamacpp/rpc_guard.py) before a deploy or a
+    redeploy; audited. A running deployment keeps its mode until it is stopped."""
+    deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "RPC modes of deployments")
+    wanted = request.POST.get("mode", "")
+    if wanted not in RpcMode.values:
+        messages.error(request, "Choose auto, tunnel or direct.")
+    elif deployment.state in ACTIVE_STATES:
+        messages.error(request, "Stop the deployment first: the mode applies when it is deployed again.")
+    elif deployment.rpc_mode != wanted:
+        before = deployment.rpc_mode
+        deployment.record(rpc_mode=wanted)
+        history.record(request, "deployment.rpc_mode", deployment, changes={"rpc_mode": [before, wanted]})
+        messages.success(request, f"RPC: {RpcMode(wanted).label}.")
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_self_heal(request, pk: int):
+    """Turn self-healing on or off (deployments/lifecycle/healing.py); audited."""
+    deployment = _get_deployment(pk)
+    refuse_on_console_host(request, deployment, "Self-healing switches of deployments")
+    wanted = request.POST.get("on") == "1"
+    if deployment.self_heal != wanted:
+        deployment.record(self_heal=wanted)
+        history.record(request, "deployment.self_heal", deployment, changes={"on": wanted})
+    state = "on: a degraded deployment restarts what is missing" if wanted else "off"
+    messages.success(request, f"Self-healing is {state}.")
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_redeploy(request, pk: int):
+    deployment = _get_deployment(pk)
+    if deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED):
+        messages.error(request, "Only a stopped or failed deployment can be redeployed.")
+        return redirect("deployments:run", pk=deployment.pk)
+    fresh, started, message = lifecycle.redeploy(deployment, request.user)
+    (messages.success if started else messages.error)(request, message)
+    return redirect("deployments:run", pk=fresh.pk)

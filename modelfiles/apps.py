@@ -1,0 +1,13 @@
+from __future__ import annotations
+
+from django.apps import AppConfig
+
+
+class ModelfilesConfig(AppConfig):
+    name = "modelfiles"
+    verbose_name = "Model files"
+
+    def ready(self) -> None:
+        from jobs import kinds
+
+        kinds.register("download", "Download model", "modelfiles.download.download_body")

@@ -1,0 +1,160 @@
+"""Forms of the model registry: register a file a node already holds, or download one onto a node."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from urllib.parse import unquote, urlsplit
+
+from django import forms
+
+from jobs.models import Job
+from modelfiles import fetch_policy
+from modelfiles.models import ModelFile
+from nodes.models import Node, Transport
+from remote.text import printable
+
+
+def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
+    """The console's own host is not offered to others (jobs/models.py refuses them there anyway)."""
+    from ramdeck_site.roles import can_administer
+
+    if user is not None and not can_administer(user):
+        form.fields["node"].queryset = form.fields["node"].queryset.exclude(transport=Transport.LOCAL)
+
+
+class ModelRegisterForm(forms.Form):
+    name = forms.CharField(
+        max_length=200,
+        required=False,
+        help_text="How the console calls this model. Leave it empty to use the name written in the file "
+        "(its general.name), or else the file name.",
+    )
+    node = forms.ModelChoiceField(
+        queryset=Node.objects.filter(enabled=True), help_text="The node that holds it."
+    )
+    path = forms.CharField(
+        max_length=1000, help_text="Path of the GGUF file on that node (the first shard of a split model)."
+    )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if name and ModelFile.objects.filter(name=name).exists():
+            raise forms.ValidationError("A model with this name is already registered.")
+        return name
+
+    def name_from_file(self, profile: dict) -> str:
+        """The name to register: the one typed, else the file's general.name, else its file name. Adds a
+        form error (and returns "") when a name taken from the file is already registered."""
+        name = self.cleaned_data["name"]
+        if name:
+            return name
+        path = self.cleaned_data["path"]
+        # general.name is the file's author's text: printable only (remote/text.py).
+        written = " ".join(printable(profile.get("name"), 200).split())
+        name = written or posixpath.basename(path)[:200]
+        if ModelFile.objects.filter(name=name).exists():
+            self.add_error(
+                "name", f"The file calls itself {name}, and a model with this name is already registered: "
+                "give it another name.",
+            )  # fmt: skip
+            return ""
+        return name
+
+    def clean(self) -> dict:
+        data = super().clean()
+        if data.get("node") and data.get("path"):
+            if not data["path"].startswith("/"):
+                self.add_error("path", "Give an absolute path.")
+            elif data["node"].is_local and not fetch_policy.under_model_dirs(data["path"]):
+                self.add_error(
+                    "path",
+                    "On the console's own host only files under its model folders can be registered: "
+                    f"{fetch_policy.model_dirs_text()}.",
+                )
+            elif ModelFile.objects.filter(node=data["node"], path=data["path"]).exists():
+                self.add_error("path", "This file is already registered on that node.")
+        return data
+
+
+class ModelDownloadForm(forms.Form):
+    """A GGUF file from a URL onto a node, as a job (modelfiles/download.py)."""
+
+    url = forms.URLField(
+        label="URL", max_length=2000, assume_scheme="https", help_text="http or https; the node downloads it."
+    )
+    node = forms.ModelChoiceField(queryset=Node.objects.filter(enabled=True), help_text="Where it goes.")
+    dest = forms.CharField(
+        label="Destination path",
+        max_length=1000,
+        help_text="Absolute path of the file on that node; ending in / puts the URL's file name there. "
+        "On the console's own host: inside its model folder (RAMDECK_MODEL_DIRS).",
+    )
+    sha256 = forms.CharField(
+        label="SHA-256", max_length=64, required=False, help_text="Optional: checked before registering."
+    )
+    name = forms.CharField(
+        max_length=200, required=False, help_text="How the console calls this model (default: the file name)."
+    )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
+
+    def clean_url(self) -> str:
+        url = self.cleaned_data["url"]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise forms.ValidationError("Only http and https URLs can be downloaded.")
+        if parts.username or parts.password:
+            # Job parameters, logs and the audit history are not places for a password.
+            raise forms.ValidationError("A URL with a user name or password is not accepted.")
+        return url
+
+    def clean_sha256(self) -> str:
+        value = self.cleaned_data["sha256"].strip().lower()
+        if value and not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise forms.ValidationError("A SHA-256 is 64 hexadecimal characters.")
+        return value
+
+    def clean(self) -> dict:
+        data = super().clean()
+        dest, url, node = data.get("dest", "").strip(), data.get("url"), data.get("node")
+        if not dest or not url or not node:
+            return data
+        if not dest.startswith("/"):
+            self.add_error("dest", "Give an absolute path.")
+            return data
+        if dest.endswith("/"):
+            dest += posixpath.basename(unquote(urlsplit(url).path))
+            if dest.endswith("/"):
+                self.add_error("dest", "The URL has no file name; give the whole destination path.")
+                return data
+        data["dest"] = dest = posixpath.normpath(dest)
+        if node.is_local:
+            if refusal := fetch_policy.local_dest_refusal(dest):
+                self.add_error("dest", refusal)
+            if refusal := fetch_policy.literal_refusal(url):
+                self.add_error("url", refusal)
+        data["name"] = name = data.get("name", "").strip() or posixpath.basename(dest)
+        if ModelFile.objects.filter(name=name).exists():
+            self.add_error("name", "A model with this name is already registered.")
+        if ModelFile.objects.filter(node=node, path=dest).exists():
+            self.add_error("dest", "A model with this path is already registered on that node.")
+        elif Job.objects.active().filter(kind="download", node=node, params__dest=dest).exists():
+            self.add_error("dest", "A download to this path on that node is already queued or running.")
+        return data
+
+    def params(self) -> dict:
+        """The job's parameters: the URL shown with its query hidden, the real one encrypted."""
+        data = self.cleaned_data
+        return {
+            **fetch_policy.secret_params(data["url"]),
+            "dest": data["dest"],
+            "sha256": data["sha256"],
+            "name": data["name"],
+        }

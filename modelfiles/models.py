@@ -1,0 +1,43 @@
+"""GGUF model files: where a model lives on which node, its size and checksum, and the planner's
+memory profile read from its header."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from jobs.models import refuse_local_node
+from remote.text import printable_json
+
+
+class ModelFile(models.Model):
+    """A GGUF model on a node. `profile` is the parsed memory profile (llamacpp/gguf.py)."""
+
+    name = models.CharField(max_length=200, unique=True)
+    node = models.ForeignKey("nodes.Node", on_delete=models.PROTECT, related_name="model_files")
+    path = models.CharField(max_length=1000, help_text="Path of the (first) GGUF file on the node.")
+    shard_paths = models.JSONField(default=list, blank=True, help_text="Every shard, first included.")
+    size_bytes = models.BigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64, blank=True)
+    profile = models.JSONField(default=dict)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["node", "path"], name="unique_model_path_per_node")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def save(self, *args, **kwargs):
+        if self._state.adding and self.created_by_id:
+            # A model on the console's own host (registered by path or downloaded) needs an admin.
+            refuse_local_node(self.created_by, self.node, "Models")
+        # Whoever made the file wrote its header's strings (general.name, the architecture, ...): printable
+        # text only, however the model was registered.
+        self.profile = printable_json(self.profile or {})
+        super().save(*args, **kwargs)

@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+from django.urls import path
+
+from modelfiles import views
+
+app_name = "modelfiles"
+urlpatterns = [
+    path("", views.model_list, name="list"),
+    path("register/", views.model_register, name="register"),
+    path("download/", views.model_download, name="download"),
+]

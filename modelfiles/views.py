@@ -1,0 +1,140 @@
+"""The model registry's pages: the list with what fits the pool, registering a file, starting a download."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asgiref.sync import sync_to_async
+from django.contrib import messages
+from django.db import transaction
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from audit import history
+from jobs.models import Job, refuse_local_node
+from llamacpp import gguf as gguf_profile
+from llamacpp import gguf_isolated
+from modelfiles import fetch_policy
+from modelfiles.fit import pool_fit
+from modelfiles.forms import ModelDownloadForm, ModelRegisterForm
+from modelfiles.models import ModelFile
+from modelfiles.register import read_model_profile
+from nodes.models import Node
+from nodes.pool import pool_nodes
+from nodes.transports import transport_for
+from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+from remote.base import TransportError
+
+# A register request waits at most this long for a remote node (connect, header reads, sizes).
+REMOTE_READ_TIMEOUT_S = 60.0
+
+
+async def _read_profile(node: Node, path: str) -> dict:
+    """The GGUF profile of a file on a node, reading only its header (and its shards' headers).
+
+    Async so that a slow or silent node holds up only this request, not the thread every synchronous view
+    of the console shares under ASGI. The headers are parsed in a child process with a memory and a time
+    limit (llamacpp/gguf_isolated.py): a hostile header stalls or exhausts that child, not daphne."""
+    if node.is_local:
+        profile = await gguf_isolated.profile_of_path(path)
+        # A shard found beside the first may be a symlink out of the model folders.
+        outside = [p for p in profile.get("shard_paths", [path]) if not fetch_policy.under_model_dirs(p)]
+        if outside:
+            raise gguf_profile.GGUFError(f"{outside[0]} lies outside the console's model folders.")
+        return profile
+    # transport_for reads the node's credential from the database.
+    transport = await sync_to_async(transport_for)(node)
+    try:
+        async with asyncio.timeout(REMOTE_READ_TIMEOUT_S), transport:
+            return await read_model_profile(transport, path)
+    except TimeoutError:
+        raise TransportError(
+            f"{node.name} did not answer within {REMOTE_READ_TIMEOUT_S:g} s while its header was read."
+        ) from None
+
+
+def _refuse_local(request, what: str, field: str = "node") -> None:
+    """403 (audited) before anything is read or fetched when a non-admin names the console's own host."""
+    value = request.POST.get(field, "")
+    node = Node.objects.filter(pk=value).first() if value.isdigit() else None
+    refuse_local_node(request.user, node, what, request=request)
+
+
+def _models_page(request, *, form=None, download_form=None, status: int = 200):
+    pool = pool_nodes()
+    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
+    context = {
+        "rows": rows,
+        "form": form or ModelRegisterForm(user=request.user),
+        "download_form": download_form or ModelDownloadForm(prefix="download", user=request.user),
+        "pool": pool,
+    }
+    return render(request, "modelfiles/model_list.html", context, status=status)
+
+
+@role_required(VIEWER)
+def model_list(request):
+    return _models_page(request)
+
+
+@require_POST
+@role_required(OPERATOR)
+async def model_register(request):
+    await sync_to_async(_refuse_local)(request, "Model registrations")
+    form = await sync_to_async(ModelRegisterForm)(request.POST, user=request.user)
+    if await sync_to_async(form.is_valid)():
+        node, path = form.cleaned_data["node"], form.cleaned_data["path"]
+        try:
+            profile = await _read_profile(node, path)
+        except gguf_profile.GGUFError as exc:
+            form.add_error("path", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a transport failure is shown to the operator, not raised
+            form.add_error("path", f"Could not read the file on {node.name}: {exc}")
+        else:
+            if name := await sync_to_async(form.name_from_file)(profile):
+                model = await sync_to_async(_register)(request, name, node, path, profile)
+                await sync_to_async(messages.success)(request, f"Registered {model.name}.")
+                return redirect("modelfiles:list")
+    return await sync_to_async(_models_page)(request, form=form, status=400)
+
+
+def _register(request, name: str, node: Node, path: str, profile: dict) -> ModelFile:
+    with transaction.atomic():
+        model = ModelFile.objects.create(
+            name=name,
+            node=node,
+            path=path,
+            shard_paths=profile.pop("shard_paths", [path]),
+            size_bytes=profile.get("size_bytes", 0),
+            profile=profile,
+            created_by=request.user,
+        )
+        history.record(
+            request,
+            "model.register",
+            model,
+            changes={"node": node.name, "path": path, "architecture": profile["architecture"]},
+        )
+    return model
+
+
+@require_POST
+@role_required(OPERATOR)
+def model_download(request):
+    """Start a download job; its page shows the live log, and the model appears once its header is read."""
+    _refuse_local(request, "Downloads", field="download-node")
+    form = ModelDownloadForm(request.POST, prefix="download", user=request.user)
+    if not form.is_valid():
+        return _models_page(request, download_form=form, status=400)
+    node, params = form.cleaned_data["node"], form.params()
+    with transaction.atomic():
+        job = Job.objects.create(
+            kind="download",
+            node=node,
+            title=f"Download {params['name']} onto {node.name}"[:200],
+            params=params,
+            created_by=request.user,
+        )
+        history.record(request, "model.download", job, changes={"node": node.name, **params})
+        job.enqueue()
+    return redirect(job.get_absolute_url())

@@ -1,0 +1,86 @@
+"""Nodes and devices as the planner sees them: the pool of nodes with fresh hardware, and each node's
+figures (measured where calibrated, the table's otherwise) turned into planning.cluster rows."""
+
+from __future__ import annotations
+
+from django.conf import settings
+
+from nodes.models import Node
+from planning import planner
+
+
+def planner_device(node: Node, d) -> planner.Device:
+    source = d.bandwidth_source
+    # ggml-rpc-server reports all of the machine's RAM for a CPU, whatever limit the probe found: llama.cpp's
+    # own default split follows that.
+    physical = (node.facts or {}).get("ram_physical_bytes") if d.kind == "cpu" else None
+    return planner.Device(
+        node=node.name,
+        name=d.name,
+        kind=d.kind,
+        total_bytes=d.total_bytes,
+        free_bytes=min(d.free_bytes, d.total_bytes),
+        bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
+        unified=d.unified_memory,
+        wired_limit_bytes=d.wired_limit_bytes or 0,
+        bandwidth_source="default" if source == "unknown" else source,
+        # Blocks on a coordinator's own CPU run inside llama-server: its measured figure there, unless an
+        # admin set the device's figure by hand.
+        local_bandwidth_gbs=d.measured_local_bandwidth_gbs if source == "measured" else None,
+        reported_free_bytes=physical if physical and physical != d.free_bytes else None,
+    )
+
+
+def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
+    """The planner's view of Node and Device rows: the coordinator first; remote nodes by RPC address.
+
+    Calibrated figures are used where they are (bandwidths per device; the node's pass and hop costs and
+    its round trip to the RPC port), unless the probe has found other hardware since."""
+    out = []
+    for node in [coordinator, *[n for n in nodes if n.pk != coordinator.pk]]:
+        rows = list(node.devices.all())
+        calibrated = node.calibrated_at is not None and not any(
+            d.measurement_state == "hardware_changed" for d in rows
+        )
+        rtt = node.link_rtt_ms if calibrated and node.link_rtt_ms is not None else node.rtt_ms
+        out.append(
+            planner.Node(
+                name=node.name,
+                address=node.rpc_endpoint_host,
+                devices=tuple(planner_device(node, d) for d in rows),
+                coordinator=node.pk == coordinator.pk,
+                rpc_port=node.rpc_port,
+                rtt_ms=rtt,
+                pass_overhead_ms=node.pass_overhead_ms if calibrated else None,
+                hop_ms=node.rpc_hop_ms if calibrated else None,
+                pipeline_overhead_ms=node.pipeline_overhead_ms if calibrated else None,
+                **binding_cpu_quota(node.facts or {}),
+            )
+        )
+    return out
+
+
+def binding_cpu_quota(facts: dict) -> dict[str, float]:
+    """The node's CPU quota and its period as the planner takes them, when the quota binds (below its
+    cores: a larger one never holds the node back)."""
+    quota, period = facts.get("cpu_quota_cores"), facts.get("cpu_quota_period_ms")
+    if not quota or not period or quota >= (facts.get("cpu_cores") or float("inf")):
+        return {}
+    return {"cpu_quota_cores": float(quota), "cpu_quota_period_ms": float(period)}
+
+
+def stale_calibration_warnings(nodes: list[Node]) -> list[str]:
+    """Plan warnings for figures the planner uses although they are old."""
+    old = sorted(f"{n.name}/{d.name}" for n in nodes for d in n.devices.all() if d.measurement_state == "old")
+    if not old:
+        return []
+    return [
+        f"The calibration of {', '.join(old)} is older than "
+        f"{settings.RAMDECK_CALIBRATION_MAX_AGE_DAYS:g} days: calibrate again for a prediction you can trust."
+    ]
+
+
+def pool_nodes() -> list[Node]:
+    """Enabled nodes with fresh hardware data: the default pool."""
+    nodes = Node.objects.filter(enabled=True).prefetch_related("devices")
+    return [n for n in nodes if n.hardware_is_fresh and n.devices.exists()]

@@ -1,0 +1,139 @@
+"""The "probe" job: discover a node's hardware and store it. Started by an operator or by Celery beat."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+
+from jobs.aio import db
+from jobs.context import JobFailed
+from jobs.models import Job
+from nodes.models import Node, Reachability
+from nodes.probe.collect import ProbeUnsupported, apply_probe_report, collect, record_probe_failure
+from nodes.probe.parse import ProbeReport
+from remote.base import CommandTimeout, TransportError
+
+if TYPE_CHECKING:
+    from jobs.context import JobContext
+
+GIB = 1024**3
+# The job kind registered in NodesConfig.ready().
+PROBE = "probe"
+
+
+def start_probe(node: Node, *, user=None, register_detected: bool = False) -> Job | None:
+    """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped.
+
+    `register_detected`: when the probe finds a llama.cpp install no build records yet, it queues the build
+    job that records it (source "existing": nothing is compiled). "Add this machine" asks for that."""
+    with transaction.atomic():
+        # Lock the node row so two callers (beat and a button) cannot both pass the check.
+        Node.objects.select_for_update().filter(pk=node.pk).first()
+        if Job.objects.active().filter(node=node, kind=PROBE).exists():
+            return None
+        params = {"register_detected": True} if register_detected else {}
+        job = Job.objects.create(
+            kind=PROBE, node=node, title=f"Probe {node.name}", params=params, created_by=user
+        )
+        job.enqueue()
+    return job
+
+
+def start_detected_install_build(node: Node, *, user=None, request=None) -> Job | None:
+    """Queue the build job that records the llama.cpp install the last probe found on `node` (nothing is
+    compiled: the job runs the binaries for their version and RPC protocol). None when there is nothing
+    new to record or a build of the node is already queued or running. Audited."""
+    from audit import history
+
+    with transaction.atomic():
+        locked = Node.objects.select_for_update().get(pk=node.pk)
+        folder = locked.detected_install_dir
+        if not locked.detected_install_unrecorded:
+            return None
+        if Job.objects.active().filter(node=locked, kind="build").exists():
+            return None
+        params = {"source": "existing", "path": folder, "backend": "auto", "rebuild": False}
+        job = Job.objects.create(
+            kind="build",
+            node=locked,
+            title=f"Use the detected llama.cpp in {folder} on {locked.name}",
+            params=params,
+            created_by=user,
+        )
+        history.record(request or user, "build.requested", locked, changes={**params, "detected": True})
+        job.enqueue()
+    return job
+
+
+async def probe(ctx: JobContext) -> str:
+    node = ctx.node
+    if node is None:
+        raise JobFailed("A probe needs a node.")
+    await ctx.log(f"Probing {node.name} ({node.address}) ...")
+    try:
+        build = await db(lambda: node.current_build)()
+        report = await collect(
+            ctx.transport,
+            node.platform_hint,
+            rpc_port=node.rpc_port,
+            known_server=(build.llama_server_path, build.version) if build and build.version else None,
+        )
+    except ProbeUnsupported as exc:
+        await db(record_probe_failure)(node, str(exc))
+        raise JobFailed(str(exc)) from exc
+    except CommandTimeout as exc:
+        await db(record_probe_failure)(node, str(exc))
+        raise
+    except TransportError as exc:
+        await db(record_probe_failure)(node, str(exc), reachability=Reachability.UNREACHABLE)
+        raise
+    for line in summary_lines(report):
+        await ctx.log(line)
+    devices = await db(apply_probe_report)(node, report)
+    if (ctx.job.params or {}).get("register_detected"):
+        job = ctx.job
+        build_job = await db(lambda: start_detected_install_build(node, user=job.created_by))()
+        if build_job is not None:
+            await ctx.log(f"Recording the llama.cpp install it found as a build (job {build_job.pk}).")
+    if not devices:
+        raise JobFailed("The probe found no device llama.cpp could use on this node.")
+    names = ", ".join(f"{d.name} {d.free_bytes / GIB:.1f}/{d.total_bytes / GIB:.1f} GiB" for d in devices)
+    return f"{report.os_name or report.platform}; {names}; RTT {report.rtt_ms:g} ms."
+
+
+def summary_lines(report: ProbeReport) -> list[str]:
+    """What the probe found, for the job log (a person skims it)."""
+    lines = [
+        f"System: {report.os_name} ({report.platform}), kernel {report.kernel}, {report.arch}",
+        f"CPU: {report.cpu_model or 'unknown'}, {report.cpu_cores} cores",
+        f"RAM: {report.ram_available_bytes / GIB:.1f} GiB available of {report.ram_total_bytes / GIB:.1f} GiB"
+        + (
+            f" (container limit {report.memory_limit_bytes / GIB:.1f} GiB)"
+            if report.memory_limit_bytes
+            else ""
+        ),
+    ]
+    for device in report.devices:
+        speed = f", {device.bandwidth_gbs:g} GB/s" if device.bandwidth_gbs else ""
+        unified = ", unified memory" if device.unified_memory else ""
+        if device.wired_limit_bytes:
+            unified += f", wired limit {device.wired_limit_bytes / GIB:.1f} GiB"
+        lines.append(
+            f"Device {device.name}: {device.description}, {device.free_bytes / GIB:.1f} of "
+            f"{device.total_bytes / GIB:.1f} GiB free{speed}{unified}"
+        )
+    if report.rpc_server_binary or report.binaries.get("llama-server"):
+        version = f" (version {report.llama_version})" if report.llama_version else ""
+        lines.append(f"llama.cpp: {', '.join(sorted(report.binaries))}{version}")
+    else:
+        lines.append("llama.cpp: not found on this node (build it from the node page).")
+    if report.rpc_port_in_use:
+        lines.append(
+            f"RPC port {report.rpc_port} is in use by {report.rpc_port_process or 'a process'}"
+            + (f" (PID {report.rpc_port_pid})" if report.rpc_port_pid else "")
+        )
+    if report.rtt_ms is not None:
+        lines.append(f"Round trip: {report.rtt_ms:g} ms")
+    lines.extend(f"Note: {warning}" for warning in report.warnings)
+    return lines

@@ -1,0 +1,501 @@
+"""The clamped waterfill planner: which devices run which blocks of a model, and how fast that will be.
+
+Pure Python (numpy for the dynamic programme), no Django. Input: a model profile
+(llamacpp/gguf.py), a cluster (nodes with devices, one coordinator) and settings. Output: a
+JSON-able plan (see `plan`). The model of a split lives in planning/costs.py, the search in
+planning/waterfill.py; this module assembles the plan, the baseline and the suggestions.
+
+The model of memory (per device, llama.cpp's own accounting, checked against real logs in
+tests/planning/test_planner_vs_llamacpp.py):
+    weights of its blocks + KV cache of its blocks + compute buffer estimate (+ the output layer on the last
+    device; + the input embedding on the coordinator's CPU) <= capacity,
+    capacity = min(free, total) minus a margin; for a unified-memory device (Apple's MTL0)
+               min(free, wired limit if one is set, clamp x total) minus a margin; on a coordinator
+               with unified memory its CPU and that device also share one pool, min(free, clamp x total).
+
+The model of speed (single-stream decode is memory-bandwidth bound):
+    seconds per token = the coordinator's fixed cost of a pass
+                        + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + for every remote node in use: its hop cost + RPC_ROUND_TRIPS_PER_TOKEN x its RTT,
+with the figures the calibrate job measured where there are some (planning/costs.py).
+
+The search: llama.cpp keeps the first blocks on the coordinator's CPU and gives the rest to the listed devices
+as contiguous slices, the output layer with the last one. For each choice of last device, the other devices
+are put in a canonical order (nodes by their fastest device, devices by bandwidth) and a dynamic programme
+over "blocks placed so far" picks the exact block count of every device (0 = leave it out) minimising
+predicted time under the memory limits. When all blocks have the same size (as in real models, up to
+quantisation mixes), device order only matters through which device is last, so the result is optimal
+over every order and split; tests prove it against exhaustive search.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+from llamacpp.args import layer_assignment, llama_server_args, rpc_server_args
+from planning.cluster import (
+    DEFAULT_BANDWIDTH_GBS,
+    DEFAULT_HOP_MS,
+    DEFAULT_PASS_OVERHEAD_MS,
+    DEFAULT_PIPELINE_OVERHEAD_MS,
+    DEFAULT_RTT_MS,
+    GIB,
+    KV_TYPES,
+    MAX_DEVICES,
+    MIB,
+    RPC_ROUND_TRIPS_PER_TOKEN,
+    ClusterError,
+    Device,
+    Node,
+    Settings,
+    cluster_from_dict,
+    offload_devices,
+    validate_cluster,
+)
+from planning.costs import (
+    PIPELINE_COPIES,
+    Evaluation,
+    Problem,
+    Slot,
+    Split,
+    build_problem,
+    capacity_bytes,
+    compute_bytes,
+    evaluate,
+    input_copy_bytes,
+    kv_bytes_per_block,
+    kv_cells,
+    pipeline_parallel,
+)
+from planning.unified_memory import limit_basis
+from planning.waterfill import INF, search
+
+__all__ = [
+    "DEFAULT_BANDWIDTH_GBS",
+    "DEFAULT_HOP_MS",
+    "DEFAULT_PASS_OVERHEAD_MS",
+    "DEFAULT_PIPELINE_OVERHEAD_MS",
+    "DEFAULT_RTT_MS",
+    "GIB",
+    "KV_TYPES",
+    "MAX_DEVICES",
+    "MIB",
+    "PIPELINE_COPIES",
+    "RPC_ROUND_TRIPS_PER_TOKEN",
+    "ClusterError",
+    "Device",
+    "Evaluation",
+    "Node",
+    "Problem",
+    "Settings",
+    "Slot",
+    "Split",
+    "baseline_split",
+    "build_problem",
+    "capacity_bytes",
+    "cluster_from_dict",
+    "compute_bytes",
+    "evaluate",
+    "extra_device_bytes",
+    "input_copy_bytes",
+    "kv_bytes_per_block",
+    "kv_cells",
+    "pipeline_parallel",
+    "plan",
+    "quick_fit",
+    "search",
+    "suggestions",
+    "validate_cluster",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The llama.cpp default split (the baseline)
+
+
+def default_split_devices(problem: Problem) -> list[int]:
+    """llama.cpp's devices without --device: each server's GPUs (else its CPU), RPC first, then local GPUs."""
+    chosen = []
+    for node in problem.nodes:
+        if node.coordinator:
+            continue
+        idx = [i for i, s in enumerate(problem.slots) if s.node is node]
+        gpus = [i for i in idx if problem.slots[i].device.kind != "cpu"]
+        chosen += gpus or [i for i in idx if problem.slots[i].device.kind == "cpu"]
+    chosen += [i for i, s in enumerate(problem.slots) if not s.remote]
+    return chosen
+
+
+def reported_free(slot: Slot) -> int:
+    """The free memory llama.cpp sees on a device. Metal reports its working-set limit, which is the wired
+    limit when one is set and otherwise close to the clamped share the planner allows; a CPU reports all of
+    the machine's RAM, whatever a container limit or other programs leave (`reported_free_bytes`)."""
+    if slot.device.unified:
+        return slot.limit
+    return slot.device.reported_free_bytes or slot.device.free_bytes
+
+
+def baseline_split(problem: Problem) -> Split:
+    """llama.cpp's split proportional to the free memory its devices report, with every layer offloaded."""
+    devices = default_split_devices(problem)
+    n = len(problem.block_bytes)
+    if not devices:
+        return Split(n, [], [])
+    shares = layer_assignment([reported_free(problem.slots[i]) for i in devices], n, n + 1)
+    counts = [0] * len(devices)
+    for dev in shares[:n]:
+        counts[dev] += 1
+    last = shares[n]  # the output layer's device
+    # Devices with no share after the output device simply stay idle; trim the order at the output device.
+    keep = [k for k in range(len(devices)) if counts[k] > 0 or k == last]
+    return Split(0, [devices[k] for k in keep], [counts[k] for k in keep])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plan assembly
+
+
+def _llama_names(problem: Problem, split: Split) -> dict[int, tuple[str, str | None, int]]:
+    """slot index -> (llama.cpp device name, endpoint or None, index of the device on its rpc-server).
+
+    Remote nodes join --rpc in order of first use and expose only their used devices (in plan order), so
+    RPC device names follow llama.cpp's single counter across servers.
+    """
+    per_node: dict[str, list[int]] = {}
+    for i in split.order:
+        slot = problem.slots[i]
+        if slot.remote:
+            per_node.setdefault(slot.node.name, []).append(i)
+    names: dict[int, tuple[str, str | None, int]] = {}
+    counter = 0
+    for idx in per_node.values():
+        for k, i in enumerate(idx):
+            node = problem.slots[i].node
+            names[i] = (f"RPC{counter}", f"{node.address}:{node.rpc_port}", k)
+            counter += 1
+    for i in split.order:
+        if not problem.slots[i].remote:
+            names[i] = (problem.slots[i].device.name, None, 0)
+    return names
+
+
+def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[dict[str, Any]]:
+    names = _llama_names(problem, split)
+    out = []
+    for slot, first, count, weights, kv, compute, output in evaluation.parts:
+        is_cpu = slot is problem.cpu
+        if not is_cpu and count == 0 and not output:
+            continue
+        llama_device, endpoint, server_index = (
+            ("CPU", None, 0) if is_cpu else names[problem.slots.index(slot)]
+        )
+        read = sum(problem.block_bytes[first : first + count]) + (
+            int(problem.profile["output_bytes"]) if output else 0
+        )
+        used = weights + kv + compute
+        in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
+        out.append(
+            {
+                "node": slot.node.name,
+                "device": slot.device.name,
+                "llama_device": llama_device,
+                "endpoint": endpoint,
+                "server_device_index": server_index,
+                "kind": slot.device.kind,
+                "layers": count,
+                "first_layer": first,
+                "output_layer": output,
+                "weights_bytes": weights,
+                "kv_bytes": kv,
+                "compute_bytes": compute,
+                "used_bytes": used,
+                "capacity_bytes": slot.capacity,
+                "limit_bytes": slot.limit,
+                "total_bytes": slot.device.total_bytes,
+                "free_bytes": slot.device.free_bytes,
+                "unified": slot.device.unified,
+                # What limits it: "free" memory, the "clamp" or the "wired_limit" on unified memory, or the
+                # "pool" it shares with the coordinator's unified GPU (its CPU's share).
+                "limit_basis": "pool"
+                if in_pool and is_cpu
+                else limit_basis(slot.device, problem.settings.clamp),
+                "in_unified_pool": in_pool,
+                "wired_limit_bytes": slot.device.wired_limit_bytes,
+                "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
+                "bandwidth_source": slot.device.bandwidth_source,
+                "fits": used <= slot.capacity,
+                "ms_per_token": round(1000 * _slot_time(slot, read, count or output), 4),
+            }
+        )
+    return out
+
+
+def _slot_time(slot: Slot, read: int, used: bool) -> float:
+    """Seconds per token of a placement: its bytes over its bandwidth, with its node's overhead when used."""
+    work = read / slot.bandwidth
+    return slot.time_with_overhead(work) if used and slot.remote else slot.quota_time(work)
+
+
+def _rpc_servers(placements: list[dict[str, Any]], problem: Problem) -> list[dict[str, Any]]:
+    servers: dict[str, dict[str, Any]] = {}
+    for p in placements:
+        if not p["endpoint"]:
+            continue
+        node = next(n for n in problem.nodes if n.name == p["node"])
+        entry = servers.setdefault(
+            p["node"], {"node": node.name, "address": node.address, "port": node.rpc_port, "devices": []}
+        )
+        entry["devices"].append(p["device"])
+    for entry in servers.values():
+        entry["args"] = rpc_server_args(entry["address"], entry["port"], entry["devices"])
+    return list(servers.values())
+
+
+def _tps(seconds: float) -> float | None:
+    return round(1.0 / seconds, 3) if seconds > 0 and seconds < INF else None
+
+
+def unified_pool(problem: Problem, placements: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The coordinator's unified memory shared by its CPU and GPU: what they may use together and use."""
+    if problem.pool_slot is None:
+        return None
+    gpu = problem.slots[problem.pool_slot].device
+    used = sum(p["used_bytes"] for p in placements if p["in_unified_pool"])
+    return {
+        "node": problem.coordinator.name,
+        "devices": ["CPU", gpu.name],
+        "total_bytes": gpu.total_bytes,
+        "limit_bytes": problem.pool_limit,
+        "capacity_bytes": problem.pool_capacity,
+        "used_bytes": used,
+        "fits": used <= problem.pool_capacity,
+    }
+
+
+def _baseline(problem: Problem) -> dict[str, Any]:
+    split = baseline_split(problem)
+    ev = evaluate(problem, split)
+    placements = _placements(problem, split, ev)
+    over = [f"{p['node']}/{p['device']}" for p in placements if not p["fits"]]
+    pool = unified_pool(problem, placements)
+    if pool and not pool["fits"]:
+        over.append(f"{pool['node']} (its CPU and {pool['devices'][1]} together)")
+    return {
+        "fits": ev.fits,
+        "placements": placements,
+        "predicted_tokens_per_s": _tps(ev.seconds_per_token),
+        "over_capacity": over,
+    }
+
+
+def quick_fit(
+    profile: dict[str, Any], nodes: Sequence[Node], settings: Settings
+) -> tuple[bool, float | None]:
+    """(fits, predicted tokens/s) without the baseline and suggestions: for overviews and searches."""
+    split, seconds = search(build_problem(profile, nodes, settings))
+    return split is not None, _tps(seconds)
+
+
+_solve = quick_fit
+
+
+def _extra_node(nodes: Sequence[Node], capacity: int) -> list[Node]:
+    slowest = min((d.bandwidth_gbs for n in nodes for d in n.devices), default=20.0)
+    device = Device("another node", "CPU", "cpu", capacity, capacity, slowest)
+    return [*nodes, Node("another node", "0.0.0.0", (device,), rpc_port=50052, rtt_ms=DEFAULT_RTT_MS)]
+
+
+def suggestions(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> list[dict[str, Any]]:
+    """Changes that make a plan that does not fit fit, each checked by running the planner with it."""
+    out: list[dict[str, Any]] = []
+
+    def add(change: str, value: Any, text: str, new: Settings | None = None, new_nodes=None) -> None:
+        ok, tps = _solve(profile, new_nodes or nodes, new or settings)
+        out.append(
+            {"change": change, "value": value, "text": text, "predicted_tokens_per_s": tps, "fits": ok}
+        )
+
+    if settings.ctx > 256:
+        lo, hi = 0, (settings.ctx - 1) // 256  # largest k with ctx = 256 k fitting, 0 = none
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _solve(profile, nodes, replace(settings, ctx=mid * 256))[0]:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo:
+            add("ctx", lo * 256, f"A context of {lo * 256} tokens fits.", replace(settings, ctx=lo * 256))
+    order = list(KV_TYPES)
+    for cache in order[order.index(settings.cache_type) + 1 :]:
+        if _solve(profile, nodes, replace(settings, cache_type=cache))[0]:
+            add(
+                "cache_type",
+                cache,
+                f"A {cache} KV cache fits at this context.",
+                replace(settings, cache_type=cache),
+            )
+            break
+    if settings.parallel > 1 and _solve(profile, nodes, replace(settings, parallel=1))[0]:
+        add("parallel", 1, "One parallel slot instead of several fits.", replace(settings, parallel=1))
+    if any(d.unified for n in nodes for d in n.devices):
+        for clamp in (0.75, 0.8, 0.85, 0.9):
+            if clamp > settings.clamp and _solve(profile, nodes, replace(settings, clamp=clamp))[0]:
+                add(
+                    "clamp",
+                    clamp,
+                    f"Letting unified-memory devices use {clamp:.0%} of their memory fits.",
+                    replace(settings, clamp=clamp),
+                )
+                break
+    extra = extra_device_bytes(profile, nodes, settings)
+    if extra is not None:
+        add(
+            "add_node",
+            extra,
+            f"Another node with at least {_size(extra)} free makes it fit.",
+            new_nodes=_extra_node(nodes, extra),
+        )
+    return out
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings) -> int | None:
+    """The least free memory one more (slowest-class) node would need for the model to fit, to 1%."""
+    offload = sum(len(offload_devices(n)) for n in nodes)
+    if offload >= MAX_DEVICES:
+        return None
+    hi = int(
+        sum(profile["block_weight_bytes"])
+        + sum(kv_bytes_per_block(profile, settings))
+        + profile["output_bytes"]
+        + PIPELINE_COPIES * compute_bytes(profile, settings, role="out", coordinator_cpu=False)
+    )
+    hi = int(hi / (1 - settings.margin_fraction)) + MIB
+    if not _solve(profile, _extra_node(nodes, hi), settings)[0]:
+        return None
+    lo = 0
+    while hi - lo > max(MIB, hi // 100):
+        mid = (lo + hi) // 2
+        if _solve(profile, _extra_node(nodes, mid), settings)[0]:
+            hi = mid
+        else:
+            lo = mid
+    return -(-hi // MIB) * MIB
+
+
+def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
+    """The fixed costs the prediction counts, for the page: the coordinator's pass, each remote node's hop
+    (its measured or default hop plus its round trips) and the period of each used node's CPU quota."""
+    used = {problem.slots[i].node.name for i in (split.order if split else [])}
+    hops = {}
+    bursts = {}
+    for slot in problem.slots:
+        if slot.remote and slot.node.name in used:
+            hops[slot.node.name] = round(slot.overhead_s * 1000, 3)
+            if slot.burst_s:
+                bursts[slot.node.name] = round(slot.burst_s * 1000, 3)
+    pipeline = problem.pipeline_s * 1000 if split is not None and pipeline_parallel(split) else 0.0
+    return {
+        "pass_overhead_ms": round(problem.fixed_s * 1000, 3),
+        "hop_ms": hops,
+        "pipeline_overhead_ms": round(pipeline, 3),
+        # Per node under a CPU quota: what its work per token gains from starting with quota to spend
+        # (`Slot.quota_time`), at most.
+        "quota_period_ms": bursts,
+    }
+
+
+def _measurement_warnings(nodes: Sequence[Node], problem: Problem) -> list[str]:
+    guessed = sorted(
+        {f"{d.node}/{d.name}" for n in nodes for d in n.devices if d.bandwidth_source in ("table", "default")}
+    )
+    out = []
+    if guessed:
+        out.append(
+            "The speed of "
+            + ", ".join(guessed)
+            + " comes from a table of typical figures, not a measurement: "
+            "calibrate those nodes for a prediction you can trust."
+        )
+    if problem.coordinator.pass_overhead_ms is None:
+        out.append(
+            f"The coordinator {problem.coordinator.name} is not calibrated: its cost per pass is assumed "
+            f"to be {DEFAULT_PASS_OVERHEAD_MS:g} ms."
+        )
+    return out
+
+
+def _settings_dict(settings: Settings) -> dict[str, Any]:
+    return asdict(settings)
+
+
+def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | None = None) -> dict[str, Any]:
+    """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page)."""
+    settings = settings or Settings()
+    problem = build_problem(profile, nodes, settings)
+    split, seconds = search(problem)
+    warnings = list(problem.warnings) + _measurement_warnings(nodes, problem)
+    n_layer = int(profile["block_count"])
+    trained = int(profile.get("context_length") or 0)
+    if trained and settings.ctx > trained:
+        warnings.append(f"The context ({settings.ctx}) is longer than the model was trained for ({trained}).")
+    if settings.cache_type != "f16":
+        warnings.append(
+            "A quantised V cache needs flash attention; llama.cpp enables it where the device supports it."
+        )
+    result: dict[str, Any] = {
+        "fits": split is not None,
+        "n_layer": n_layer,
+        "model": {
+            "name": profile.get("name", ""),
+            "architecture": profile.get("architecture"),
+            "weights_total_bytes": profile.get("weights_total_bytes"),
+        },
+        "settings": _settings_dict(settings),
+        "coordinator": problem.coordinator.name,
+        "placements": [],
+        "predicted_tokens_per_s": None,
+        "pipeline_parallel": False,
+        "llama_server_args": [],
+        "rpc_servers": [],
+        "warnings": warnings,
+        "suggestions": [],
+        "baseline": _baseline(problem),
+        "unused_devices": [],
+        "unified_pool": None,
+    }
+    if split is None:
+        result["suggestions"] = suggestions(profile, nodes, settings)
+        result["shortfall_bytes"] = extra_device_bytes(profile, nodes, settings)
+        return result
+    ev = evaluate(problem, split)
+    placements = _placements(problem, split, ev)
+    used = {(p["node"], p["device"]) for p in placements}
+    result["unused_devices"] = [
+        f"{s.node.name}/{s.device.name}" for s in problem.slots if (s.node.name, s.device.name) not in used
+    ]
+    if result["unused_devices"]:
+        warnings.append(
+            "Left out because they would not make it faster: " + ", ".join(result["unused_devices"]) + "."
+        )
+    if not result["baseline"]["fits"]:
+        warnings.append(
+            "llama.cpp's default split would run out of memory on "
+            + ", ".join(result["baseline"]["over_capacity"])
+            + "."
+        )
+    result.update(
+        placements=placements,
+        unified_pool=unified_pool(problem, placements),
+        predicted_tokens_per_s=_tps(seconds),
+        pipeline_parallel=pipeline_parallel(split),
+        speed_model=speed_model(problem, split),
+        llama_server_args=llama_server_args(placements, _settings_dict(settings), n_layer),
+        rpc_servers=_rpc_servers(placements, problem),
+    )
+    return result

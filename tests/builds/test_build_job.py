@@ -1,0 +1,280 @@
+"""The build job: its pure decisions, and registering the existing llama.cpp install on a lab host."""
+
+from __future__ import annotations
+
+import pytest
+
+from builds.job import (
+    cache_has_flags,
+    choose_backend,
+    cmake_flags,
+    missing_prerequisites,
+    parse_prerequisites,
+)
+from builds.models import Build, BuildSource
+from jobs.models import Job, JobState
+from llamacpp.logs import parse_rpc_banner_version, parse_server_version
+from llamacpp.versions import parse_rpc_protocol_header, protocol_mismatch, rpc_target_of, src_dir_name
+from tests.deploy_fixtures import lab_node, log_text, rpc_server_binary, run
+
+LINUX_ALL = """\
+cmake=/usr/bin/cmake
+ninja=/usr/bin/ninja
+make=/usr/bin/make
+c++=/usr/bin/c++
+g++=/usr/bin/g++
+clang++=
+cc=/usr/bin/cc
+tar=/usr/bin/tar
+git=/usr/bin/git
+nvcc=
+flock=/usr/bin/flock
+nproc=/usr/bin/nproc
+os=Linux
+arch=x86_64
+home=/root
+xcode=
+"""
+
+MAC_NO_CLT = """\
+cmake=/opt/homebrew/bin/cmake
+ninja=
+make=/usr/bin/make
+c++=
+g++=
+clang++=
+tar=/usr/bin/tar
+git=
+os=Darwin
+arch=arm64
+home=/Users/leonie
+xcode=
+"""
+
+
+def test_a_complete_linux_node_lacks_nothing():
+    found = parse_prerequisites(LINUX_ALL)
+    assert missing_prerequisites(found, source="tarball", backend="cpu") == []
+    assert found["home"] == "/root"
+
+
+def test_missing_tools_are_named_as_a_person_installs_them():
+    found = parse_prerequisites(MAC_NO_CLT)
+    missing = missing_prerequisites(found, source="git", backend="metal")
+    assert "a C++ compiler (g++ or clang++)" in missing
+    assert "git" in missing
+    assert "Xcode command line tools (xcode-select --install)" in missing
+    assert "cmake" not in missing
+
+
+def test_an_nvidia_node_needs_nvcc():
+    found = parse_prerequisites(LINUX_ALL)
+    assert choose_backend("auto", found, {"cuda", "cpu"}) == "cuda"
+    assert missing_prerequisites(found, source="tarball", backend="cuda") == [
+        "nvcc (the CUDA toolkit) for the NVIDIA GPU"
+    ]
+
+
+def test_backend_choice_and_flags():
+    assert choose_backend("auto", {"os": "Darwin"}, set()) == "metal"
+    assert choose_backend("auto", {"os": "Linux"}, {"cpu"}) == "cpu"
+    assert choose_backend("vulkan", {"os": "Linux"}, {"cpu"}) == "vulkan"
+    flags = cmake_flags("cuda")
+    assert "-DGGML_RPC=ON" in flags and "-DGGML_CUDA=ON" in flags and "-DLLAMA_CURL=OFF" in flags
+    assert "-DGGML_CUDA=ON" not in cmake_flags("metal")
+
+
+@pytest.mark.llamacpp
+def test_the_cached_build_already_holds_the_cpu_flags_but_not_cuda():
+    # The build the other tests use (skips without it, fails under CI=true): its folder holds bin/.
+    from tests.llamacpp_build import require_llamacpp
+
+    cache = (require_llamacpp().rpc_server.parent.parent / "CMakeCache.txt").read_text()
+    assert cache_has_flags(cache, cmake_flags("cpu"))
+    assert not cache_has_flags(cache, cmake_flags("cuda"))
+
+
+def test_versions_and_protocols_are_read_from_their_sources():
+    header = (
+        "#define RPC_PROTO_MAJOR_VERSION    7\n#define RPC_PROTO_MINOR_VERSION    0\n"
+        "#define RPC_PROTO_PATCH_VERSION    0\n"
+    )
+    assert parse_rpc_protocol_header(header) == "7.0.0"
+    assert parse_rpc_protocol_header("#define RPC_PROTO_MAJOR_VERSION 3\n") == ""
+    assert parse_rpc_banner_version("Starting RPC server v3.1.0\n  endpoint : 127.0.0.1:1") == "3.1.0"
+    assert parse_server_version("version: 6800 (abc1234)\nbuilt with cc") == "6800 (abc1234)"
+    assert (
+        rpc_target_of("set(TARGET ggml-rpc-server)\nadd_executable(${TARGET} rpc-server.cpp)")
+        == "ggml-rpc-server"
+    )
+    assert rpc_target_of("set(TARGET rpc-server)\nadd_executable(${TARGET} rpc-server.cpp)") == "rpc-server"
+    assert src_dir_name("b0a2feb64c6fbd09" + "0" * 48) == "src-b0a2feb64c6fbd09"
+
+
+def test_different_rpc_protocols_are_refused_by_name():
+    assert protocol_mismatch({"desk": "7.0.0", "mac": "7.0.0"}) == ""
+    reason = protocol_mismatch({"desk": "7.0.0", "old-pc": "3.0.0"})
+    assert "old-pc speaks 3.0.0" in reason and "desk speaks 7.0.0" in reason
+
+
+@pytest.mark.lab
+@pytest.mark.llamacpp
+@pytest.mark.timeout(120)
+@pytest.mark.django_db(transaction=True)
+def test_an_existing_install_is_registered_after_running_it(lab, lab_host):
+    rpc_server = rpc_server_binary()
+    node = lab_node(lab, lab_host)
+    job = run(
+        Job.objects.create(
+            kind="build", node=node, params={"source": "existing", "path": str(rpc_server.parent)}
+        )
+    )
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job))
+    build = Build.objects.get(node=node)
+    assert build.source_kind == BuildSource.EXISTING
+    assert (build.rpc_binary, build.rpc_protocol) == ("ggml-rpc-server", "7.0.0")
+    assert build.llama_server_path.endswith("/llama-server")
+    assert build.version
+    assert node.current_build == build
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+@pytest.mark.django_db(transaction=True)
+def test_a_path_without_llama_cpp_is_refused(lab, lab_host, tmp_path):
+    node = lab_node(lab, lab_host)
+    job = run(
+        Job.objects.create(kind="build", node=node, params={"source": "existing", "path": str(tmp_path)})
+    )
+    assert job.state == JobState.FAILED
+    assert "holds no ggml-rpc-server/rpc-server and llama-server" in job.result
+    assert not Build.objects.exists()
+
+
+MINI_FILES = {
+    "llama.cpp/CMakeLists.txt": """
+cmake_minimum_required(VERSION 3.14)
+project(mini CXX)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_subdirectory(tools/rpc)
+add_executable(llama-server server.cpp)
+""",
+    "llama.cpp/tools/rpc/CMakeLists.txt": (
+        "set(TARGET ggml-rpc-server)\nadd_executable(${TARGET} rpc-server.cpp)\n"
+    ),
+    "llama.cpp/ggml/include/ggml-rpc.h": (
+        "#define RPC_PROTO_MAJOR_VERSION 7\n#define RPC_PROTO_MINOR_VERSION 0\n"
+        "#define RPC_PROTO_PATCH_VERSION 0\n"
+    ),
+    "llama.cpp/server.cpp": (
+        '#include <cstdio>\nint main() { std::fprintf(stderr, "version: 42 (mini)\\n"); }\n'
+    ),
+    "llama.cpp/tools/rpc/rpc-server.cpp": (
+        "#include <cstdio>\n#include <unistd.h>\n"
+        'int main() { std::printf("Starting RPC server v7.0.0\\n"); std::fflush(stdout); sleep(30); }\n'
+    ),
+}
+
+
+def _mini_tarball(tmp_path) -> str:
+    """A llama.cpp-shaped source tarball (the sdist layout: one top folder holding llama.cpp/) that builds
+    in seconds with the real cmake and compiler."""
+    import tarfile
+
+    top = tmp_path / "mini-1.0"
+    for name, text in MINI_FILES.items():
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_text(text)
+    archive = tmp_path / "mini-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(top, arcname="mini-1.0")
+    return str(archive)
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_a_tarball_is_uploaded_unpacked_built_and_then_found_cached(lab, lab_host, tmp_path, settings):
+    from llamacpp.source import file_sha256
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    tarball = _mini_tarball(tmp_path)
+    settings.RAMDECK_TARBALL_DIR = str(tmp_path)  # builds upload only from the tarball folder
+    sha = file_sha256(tarball)
+    node = lab_node(lab, lab_host)
+    params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
+
+    first = run(Job.objects.create(kind="build", node=node, params=params))
+    assert first.state == JobState.SUCCEEDED, (first.result, log_text(first)[-3000:])
+    text = log_text(first)
+    assert "uploading mini-1.0.tar.gz" in text
+    assert "$ flock " in text and "-DGGML_RPC=ON" in text
+    build = Build.objects.get(job_id=first.pk)
+    tree = tmp_path / "root" / f"src-{sha[:16]}" / "llama.cpp"
+    assert build.build_dir == str(tree / "build-cpu")
+    assert (build.rpc_binary, build.rpc_protocol, build.version) == ("ggml-rpc-server", "7.0.0", "42 (mini)")
+    assert build.tarball_sha256 == sha
+    assert (tree / "build-cpu" / "bin" / "llama-server").exists()
+    assert not list((tmp_path / "root").glob("*.tmp"))  # the unpack folder was moved into place
+
+    second = run(Job.objects.create(kind="build", node=node, params=params))
+    assert second.state == JobState.SUCCEEDED, second.result
+    text = log_text(second)
+    assert "already unpacked on the node (cached by source hash)" in text
+    assert "nothing to compile" in text
+    assert "uploading" not in text
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_two_nodes_building_into_one_shared_folder_at_once_do_not_clash(lab, lab_hosts, tmp_path, settings):
+    """The lab hosts share this file system, as NFS-mounted homes would: the unpack and the compile are
+    serialised by flock, and the second build finds the first one's result."""
+    import threading
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    tarball = _mini_tarball(tmp_path)
+    settings.RAMDECK_TARBALL_DIR = str(tmp_path)  # builds upload only from the tarball folder
+    nodes = [lab_node(lab, host) for host in lab_hosts(2)]
+    params = {"source": "tarball", "tarball": tarball, "backend": "cpu"}
+    jobs = [Job.objects.create(kind="build", node=node, params=params) for node in nodes]
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    for job in jobs:
+        job.refresh_from_db()
+        assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-2000:])
+    assert len({b.build_dir for b in Build.objects.all()}) == 1
+    assert len(list((tmp_path / "root").glob("src-*/llama.cpp"))) == 1
+    assert not list((tmp_path / "root").glob("*.tmp"))
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_a_git_source_is_cloned_at_its_ref_and_built(lab, lab_host, tmp_path, settings):
+    """No machine here reaches GitHub; a repository on the shared file system stands in for the URL."""
+    import subprocess
+
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    repo = tmp_path / "llama.cpp.git"
+    for name, text in MINI_FILES.items():
+        target = repo / name.removeprefix("llama.cpp/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.test"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "mini"], check=True)
+    subprocess.run([*git, "tag", "b9999"], check=True)
+    node = lab_node(lab, lab_host)
+    params = {"source": "git", "git_url": str(repo), "git_ref": "b9999", "backend": "cpu"}
+    job = run(Job.objects.create(kind="build", node=node, params=params))
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-3000:])
+    build = Build.objects.get(node=node)
+    assert (build.source_kind, build.source, build.ref) == (BuildSource.GIT, str(repo), "b9999")
+    assert build.build_dir == str(tmp_path / "root" / "git" / "llama.cpp" / "build-cpu")
+    assert build.rpc_protocol == "7.0.0"

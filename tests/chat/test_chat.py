@@ -1,0 +1,308 @@
+"""The console's chat (chat/views.py): who may chat, what it refuses and why, and the relay of an
+OpenAI-style stream. llama-server is a small HTTP server here that streams as llama-server does; the real one
+answers in tests/chat/test_chat_llamacpp.py and in the browser in tests/chat/test_chat_browser.py."""
+
+# ruff: noqa: F811 - the local_node fixture is imported from tests/job_fixtures.py and used as a parameter
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from asgiref.sync import async_to_sync
+from django.test import AsyncClient, Client
+from django.urls import reverse
+
+from chat.relay import ChatInputError, parse_conversation, relay
+from deployments.models import Deployment, DeploymentState
+from modelfiles.models import ModelFile
+from tests.job_fixtures import local_node  # noqa: F401 - a fixture
+
+KEY = "s3cret-key-of-the-deployment"
+
+
+def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
+    """Answers POST /v1/chat/completions with `chunks` as `data:` lines, a little apart, like llama-server."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):  # noqa: N802 - the http.server name
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            if self.headers.get("Authorization") != f"Bearer {KEY}":
+                payload = (
+                    b'{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}'
+                )
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for chunk in chunks:
+                    self.wfile.write(f"data: {chunk}\n\n".encode())
+                    self.wfile.flush()
+                    seen[-1]["written"] = seen[-1].get("written", 0) + 1
+                    time.sleep(pause)
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                seen[-1]["hung_up"] = True  # the console closed the connection: llama-server stops there
+            self.close_connection = True
+
+        def log_message(self, *args):
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _delta(text: str, finish=None, **extra) -> str:
+    return json.dumps(
+        {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}], **extra}
+    )
+
+
+def _deployment(node, port: int, state=DeploymentState.RUNNING, name="tiny") -> Deployment:
+    model = ModelFile.objects.create(name=name, node=node, path=f"/m/{name}.gguf")
+    deployment = Deployment.objects.create(
+        name=f"{name} deployment", model_file=model, coordinator=node, plan={}, port=port, state=state
+    )
+    deployment.store_api_key(KEY)
+    return deployment
+
+
+def _post(user, deployment, messages):
+    """POST the conversation as `user` and read the whole answer, in one event loop (as under daphne)."""
+
+    async def go():
+        client = AsyncClient()
+        await client.aforce_login(user)
+        response = await client.post(
+            reverse("chat:deployment", args=[deployment.pk]),
+            data=json.dumps({"messages": messages}),
+            content_type="application/json",
+        )
+        if response.streaming:
+            response.body = b"".join([chunk async for chunk in response.streaming_content])
+        return response
+
+    return async_to_sync(go)()
+
+
+def _events(response) -> list[dict]:
+    text = response.body.decode()
+    return [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]
+
+
+# --------------------------------------------------------------------------------------------------
+# The conversation posted by the page
+
+
+def test_a_conversation_is_checked_before_anything_is_sent():
+    ok = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert parse_conversation(json.dumps({"messages": [*ok, {"role": "user", "content": "more"}]}).encode())
+    for body, message in [
+        (b"not json", "not JSON"),
+        (b"{}", "no messages"),
+        (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), "role (system, user or"),
+        (json.dumps({"messages": [{"role": "user", "content": 3}]}).encode(), "text content"),
+        (json.dumps({"messages": ok}).encode(), "Type a message first"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 200_001}]}).encode(), "too long"),
+    ]:
+        with pytest.raises(ChatInputError, match=re.escape(message)):
+            parse_conversation(body)
+
+
+async def _collect(lines: list[str]) -> list[dict]:
+    async def source():
+        for line in lines:
+            yield line
+
+    return [json.loads(event[6:]) async for event in relay(source())]
+
+
+async def test_the_relay_passes_text_as_it_comes_and_ends_with_the_speed():
+    timings = {"predicted_n": 2, "predicted_per_second": 12.5}
+    lines = [
+        'data: {"choices": [{"delta": {"role": "assistant", "content": null}}]}',
+        "",
+        f"data: {_delta('Hel')}",
+        f"data: {_delta('lo')}",
+        f"data: {_delta('', finish='length', timings=timings)}",
+        "data: [DONE]",
+    ]
+    events = await _collect(lines)
+    assert events == [
+        {"delta": "Hel"},
+        {"delta": "lo"},
+        {"done": True, "finish_reason": "length", "tokens": 2, "tokens_per_s": 12.5},
+    ]
+
+
+async def test_an_error_in_the_stream_is_relayed_as_one_readable_line():
+    events = await _collect([f"data: {_delta('a')}", 'error: {"code": 500, "message": "context full"}'])
+    assert events == [{"delta": "a"}, {"error": "context full"}]
+
+
+# --------------------------------------------------------------------------------------------------
+# The view
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator_user, operator_client):
+    seen: list[dict] = []
+    server = _stand_in([_delta("Once"), _delta(" upon"), _delta(" a time", finish="stop")], seen)
+    try:
+        deployment = _deployment(local_node, server.server_address[1], name="Family, model")
+        assert deployment.chat_answered_at is None
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        response = _post(operator_user, deployment, messages)
+        assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
+        assert response["Cache-Control"] == "no-cache"
+        events = _events(response)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [e["delta"] for e in events if "delta" in e] == ["Once", " upon", " a time"]
+    assert events[-1]["done"] and events[-1]["finish_reason"] == "stop"
+    # The first answer is noted (the first-run checklist's last tick); what was said is not.
+    deployment.refresh_from_db()
+    assert deployment.chat_answered_at is not None
+    [call] = seen
+    assert call["path"] == "/v1/chat/completions" and call["auth"] == f"Bearer {KEY}"
+    assert call["body"]["model"] == "Family model" and call["body"]["stream"] is True
+    assert call["body"]["messages"] == messages
+    page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert 'id="chat-form"' in page and KEY not in page and "Chat with" in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_llama_servers_refusal_is_shown_as_its_reason(local_node, operator_user):
+    seen: list[dict] = []
+    server = _stand_in([], seen)
+    try:
+        deployment = _deployment(local_node, server.server_address[1])
+        deployment.store_api_key("an old key")
+        response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert response.status_code == 502
+    assert response.json() == {"error": "llama-server answered 401: Invalid API Key"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_llama_server_that_does_not_answer_is_a_clear_error(local_node, operator_user):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free again once closed: nobody listens there
+    deployment = _deployment(local_node, port)
+    response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+    assert response.status_code == 502
+    assert response.json()["error"].startswith(f"llama-server at http://127.0.0.1:{port} did not answer")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "state", [DeploymentState.CONFIRMED, DeploymentState.LAUNCHING, DeploymentState.STOPPED]
+)
+def test_a_deployment_that_is_not_running_says_so(local_node, operator_user, state):
+    deployment = _deployment(local_node, 9, state=state)
+    response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+    assert response.status_code == 409
+    label = deployment.get_state_display().lower()
+    assert response.json() == {"error": f"tiny deployment is {label}: chat works while it is running."}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_viewers_may_not_chat_and_chat_is_post_only(local_node, viewer_user, operator_client):
+    deployment = _deployment(local_node, 9)
+    assert _post(viewer_user, deployment, [{"role": "user", "content": "hi"}]).status_code == 403
+    viewer = Client()
+    viewer.force_login(viewer_user)
+    page = viewer.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert 'id="chat-viewer-note"' in page and 'id="chat-form"' not in page
+    assert operator_client.get(reverse("chat:deployment", args=[deployment.pk])).status_code == 405
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_bad_conversation_is_refused_with_its_reason(local_node, operator_user):
+    deployment = _deployment(local_node, 9)
+    response = _post(operator_user, deployment, [{"role": "user", "content": "  "}])
+    assert response.status_code == 400 and response.json() == {"error": "Type a message first."}
+
+
+def test_a_page_that_goes_away_ends_the_answer_at_llama_server_too(
+    local_node, operator_user, live_server_url
+):
+    """Through daphne: the reader hangs up after the first piece; the console closes its connection to
+    llama-server (which then stops generating) instead of reading the answer to its end."""
+    seen: list[dict] = []
+    server = _stand_in([_delta(f"word{i} ") for i in range(100)], seen, pause=0.1)
+    try:
+        deployment = _deployment(local_node, server.server_address[1])
+        web = Client()
+        web.force_login(operator_user)
+        cookies = {name: morsel.value for name, morsel in web.cookies.items()}
+        with httpx.Client(base_url=live_server_url, cookies=cookies, timeout=30) as browser:
+            browser.get(reverse("deployments:run", args=[deployment.pk]))
+            with browser.stream(
+                "POST",
+                reverse("chat:deployment", args=[deployment.pk]),
+                json={"messages": [{"role": "user", "content": "talk"}]},
+                headers={"X-CSRFToken": browser.cookies["csrftoken"]},
+            ) as response:
+                assert response.status_code == 200
+                first = next(response.iter_lines())
+                assert first.startswith("data:") and "word0" in first
+        deadline = time.monotonic() + 10
+        while not seen[0].get("hung_up") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen[0].get("hung_up"), seen[0].get("written")
+    assert seen[0]["written"] < 100
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_that_cannot_note_the_first_answer_does_not_break_the_chat(
+    local_node, operator_user, monkeypatch, caplog
+):
+    from django.db import OperationalError
+    from django.db.models import QuerySet
+
+    real_update = QuerySet.update
+
+    def update(queryset, **fields):
+        if "chat_answered_at" in fields:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_update(queryset, **fields)
+
+    monkeypatch.setattr(QuerySet, "update", update)
+    seen: list[dict] = []
+    server = _stand_in([_delta("Still"), _delta(" here", finish="stop")], seen)
+    try:
+        deployment = _deployment(local_node, server.server_address[1])
+        events = _events(_post(operator_user, deployment, [{"role": "user", "content": "Hello"}]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [e["delta"] for e in events if "delta" in e] == ["Still", " here"]
+    assert events[-1]["done"] and not any("error" in e for e in events)
+    assert "first chat answer" in caplog.text
+    deployment.refresh_from_db()
+    assert deployment.chat_answered_at is None

@@ -1,0 +1,395 @@
+"""Step bodies of a deployment (deployments/steps/llama_server.py) against real local processes and a small
+HTTP server standing in for llama-server's answers. The full path over SSH and real llama.cpp is
+tests/deployments/test_e2e_deployment.py."""
+
+# ruff: noqa: F811 - the local_node fixture is imported from tests/job_fixtures.py and used as a parameter
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from deployments.models import Deployment
+from deployments.steps.checks import measure_body
+from jobs.context import JobFailed
+from jobs.on_node import without_key, write_secret_file
+from llamacpp.reaper import runs_our_program
+from modelfiles.models import ModelFile
+from tests.job_fixtures import local_node  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Ctx:
+    """The part of jobs.context.JobContext a step body uses, with the log kept in a list."""
+
+    def __init__(self, job_params: dict, node=None, transport=None):
+        self.job = type("J", (), {"params": job_params, "created_by": None, "created_by_id": None})()
+        self.node = node
+        self.transport = transport
+        self.lines: list[str] = []
+
+    async def log(self, text: str, stream: str = "system") -> None:
+        self.lines.append(text)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def _serve(answer: dict) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802 - the http.server name
+            # /health and /metrics, as llama-server answers them.
+            if self.path == "/metrics":
+                body = b"llamacpp:tokens_predicted_total 1234\nllamacpp:requests_processing 1\n"
+            else:
+                body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _deployment(node, port: int = 8080, **fields) -> Deployment:
+    model = ModelFile.objects.create(name=f"m{port}", node=node, path=f"/m/tiny-{port}.gguf")
+    deployment = Deployment.objects.create(
+        name="tiny",
+        model_file=model,
+        coordinator=node,
+        plan={"llama_server_args": [], "placements": [], "predicted_tokens_per_s": 10.0},
+        port=port,
+        **fields,
+    )
+    deployment.set_api_key("k")
+    deployment.save(update_fields=["api_key_encrypted"])
+    return deployment
+
+
+def test_measure_without_timings_fails_with_a_readable_reason(local_node):
+    server = _serve({"content": "once upon a time"})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        with pytest.raises(JobFailed, match="without speed timings"):
+            asyncio.run(measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_measure_records_the_speed_llama_server_reports(local_node):
+    server = _serve({"timings": {"predicted_per_second": 12.5, "prompt_per_second": 80.0}})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        result = asyncio.run(measure_body(Ctx({"deployment": deployment.pk}, node=local_node)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
+    assert deployment.predicted_decode_tps == 10.0 and deployment.speed_error == pytest.approx(0.25)
+
+
+def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again(local_node):
+    server = _serve({"timings": {"predicted_per_second": 4.0, "prompt_per_second": 80.0}})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1])
+        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        asyncio.run(measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    assert deployment.speed_error == pytest.approx(-0.6) and deployment.speed_is_off
+    assert "(-60% against the prediction)" in ctx.lines[-2]
+    assert ctx.lines[-1] == "The prediction is off by more than 25%: calibrate console-host again."
+
+
+def test_processes_recorded_by_two_steps_are_both_kept(local_node):
+    deployment = _deployment(local_node)
+    stale_copy = Deployment.objects.get(pk=deployment.pk)
+    deployment.add_process("rpc-server@a", {"node": local_node.name, "role": "rpc-server", "pid": 1})
+    stale_copy.add_process("llama-server@a", {"node": local_node.name, "role": "llama-server", "pid": 2})
+    deployment.refresh_from_db()
+    assert set(deployment.processes) == {"rpc-server@a", "llama-server@a"}
+    assert stale_copy.processes == deployment.processes
+
+
+def test_processes_are_grouped_by_their_node(local_node):
+    from deployments.monitor import processes_by_node
+
+    deployment = _deployment(local_node)
+    deployment.add_process("rpc-server@x", {"node": local_node.name, "role": "rpc-server", "pid": 1})
+    deployment.add_process("gone@y", {"node": "deleted-node", "role": "rpc-server", "pid": 2})
+    groups = processes_by_node(deployment)
+    assert [(node.name, [p["pid"] for p in procs]) for node, procs in groups.items()] == [
+        (local_node.name, [1])
+    ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The dashboard's one-click reap ends the PID it names, never whatever else holds the port
+# --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def local_rpc_server(tmp_path):
+    """A real ggml-rpc-server on the console host, started outside the console (a stale process)."""
+    import subprocess
+    import time
+
+    from tests.deploy_fixtures import listeners_in, rpc_server_binary, stop_proc
+
+    port = _free_port()
+    argv = [str(rpc_server_binary()), "-H", "127.0.0.1", "-p", str(port)]
+    with (tmp_path / "rpc.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    host = type("Host", (), {"exec_argv": staticmethod(lambda a: a)})()
+    try:
+        deadline = time.monotonic() + 30
+        while f"pid={proc.pid}" not in listeners_in(host, port):
+            assert time.monotonic() < deadline and proc.poll() is None, "rpc-server did not listen"
+            time.sleep(0.2)
+        yield proc, port
+    finally:
+        stop_proc(proc)
+
+
+def _reap_job(node, port: int, pid: int):
+    from jobs.models import Job
+    from tests.deploy_fixtures import run
+
+    return run(Job.objects.create(kind="reap", node=node, params={"ports": [port], "pid": pid}))
+
+
+@pytest.mark.llamacpp
+def test_the_reap_button_ends_the_stale_pid(local_node, local_rpc_server):
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    job = _reap_job(local_node, port, proc.pid)
+    assert job.state == JobState.SUCCEEDED, job.result
+    proc.wait(timeout=10)
+    assert f"reaped rpc-server PID {proc.pid}" in job.result
+
+
+@pytest.mark.llamacpp
+def test_the_reap_button_leaves_a_new_holder_of_the_port_alone(local_node, local_rpc_server):
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    gone_pid = 4_000_000  # the PID the scan saw; it ended, and another process took the port since
+    job = _reap_job(local_node, port, gone_pid)
+    assert job.state == JobState.SUCCEEDED, job.result
+    assert "no longer holds" in job.result
+    assert proc.poll() is None
+
+
+@pytest.mark.llamacpp
+def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, local_rpc_server):
+    from deployments.models import DeploymentState, ResourceClaim
+    from jobs.models import JobState
+
+    proc, port = local_rpc_server
+    deployment = _deployment(local_node, state=DeploymentState.LAUNCHING)
+    ResourceClaim.objects.create(node=local_node, resource=f"port:{port}", deployment=deployment)
+    job = _reap_job(local_node, port, proc.pid)
+    assert job.state == JobState.FAILED and "claimed by deployment" in job.result
+    assert proc.poll() is None
+
+
+# --------------------------------------------------------------------------------------------------
+# A PID reused by another program is neither killed by a stop nor taken for our server by the monitor
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def other_program():
+    """A process that is not ours, standing on a PID a deployment once recorded."""
+    import subprocess
+
+    from tests.deploy_fixtures import stop_proc
+
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_proc(proc)
+
+
+def test_stop_does_not_kill_a_pid_that_now_runs_another_program(local_node, other_program):
+    from jobs.models import Job, JobState
+    from tests.deploy_fixtures import run
+
+    info = {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": _free_port()}
+    job = run(Job.objects.create(kind="stop", node=local_node, params={"processes": [info]}))
+    assert job.state == JobState.SUCCEEDED, job.result
+    assert other_program.poll() is None
+    assert "now runs another program" in "\n".join(job.log_lines.values_list("text", flat=True))
+
+
+def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other_program):
+    from deployments.models import DeploymentState
+    from deployments.monitor import check_deployment
+
+    deployment = _deployment(local_node, port=_free_port(), state=DeploymentState.RUNNING)
+    deployment.add_process(
+        "rpc-server@x",
+        {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": 1, "log": "/nope"},
+    )
+    reason = check_deployment(deployment)
+    assert "now runs another program" in reason
+    assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.DEGRADED
+
+
+# --------------------------------------------------------------------------------------------------
+# The monitor: one event loop for every deployment; what it saw is stored for the page
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_monitor_checks_every_deployment_in_one_event_loop(local_node, monkeypatch):
+    from deployments import monitor
+    from deployments.models import DeploymentState
+
+    runs = []
+    real = monitor.run_to_completion
+    monkeypatch.setattr(monitor, "run_to_completion", lambda make: runs.append(1) or real(make))
+    for port in (_free_port(), _free_port()):
+        _deployment(local_node, port=port, state=DeploymentState.RUNNING)
+    assert len(monitor.check_all()) == 2  # nobody answers on those ports: both degraded
+    assert runs == [1]
+
+
+@pytest.mark.llamacpp
+def test_the_monitor_stores_process_status_and_metrics_and_the_page_only_reads_them(
+    local_node,
+    local_rpc_server,
+    monkeypatch,
+    client,
+):
+    from django.urls import reverse
+
+    from deployments import monitor
+    from deployments.models import DeploymentState
+    from tests.factories import UserFactory
+
+    proc, rpc_port = local_rpc_server
+    server = _serve({})
+    try:
+        deployment = _deployment(local_node, port=server.server_address[1], state=DeploymentState.RUNNING)
+        deployment.add_process(
+            f"rpc-server@{local_node.name}",
+            {"node": local_node.name, "role": "rpc-server", "pid": proc.pid, "port": rpc_port, "log": "/l"},
+        )
+        assert monitor.check_all() == []
+    finally:
+        server.shutdown()
+        server.server_close()
+    deployment.refresh_from_db()
+    status = deployment.live_status
+    (row,) = status["processes"]
+    assert row["alive"] and row["pid"] == proc.pid and row["rss_bytes"] > 0 and row["uptime_s"] >= 0
+    assert status["metrics"] == {"tokens_predicted_total": "1234", "requests_processing": "1"}
+
+    def no_remote_calls(*args, **kwargs):
+        raise AssertionError("the page must not reach a node")
+
+    monkeypatch.setattr("jobs.aio.open_transport", no_remote_calls)
+    monkeypatch.setattr(monitor, "transport_for", no_remote_calls)
+    monkeypatch.setattr("httpx.get", no_remote_calls)
+    client.force_login(UserFactory(username="vera", role="viewer"))
+    page = client.get(reverse("deployments:processes", args=[deployment.pk])).content.decode()
+    assert str(proc.pid) in page and "As of" in page and "1234" in page
+
+
+def test_a_pid_check_never_returns_an_api_key_from_the_command_line():
+    """A PID reused by a program that carries a key on its command line: the check says 'not ours' and
+    the command line it hands back (for the log and the audit) has the key hidden."""
+    import subprocess
+    import sys
+
+    from remote.local import LocalTransport
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "sekrit-key-123"]
+    )
+    try:
+
+        async def check():
+            async with LocalTransport() as transport:
+                return await runs_our_program(transport, "linux", process.pid, "rpc-server")
+
+        ours, cmdline = asyncio.run(check())
+    finally:
+        process.kill()
+        process.wait()
+    assert ours is False
+    assert "--api-key" in cmdline and "sekrit-key-123" not in cmdline
+
+
+def test_llama_server_log_lines_never_show_the_key():
+    line = "main: api_keys: ****abcd, server is listening on http://127.0.0.1:8080"
+    assert "abcd" not in without_key(line)
+
+
+@pytest.mark.security
+def test_a_key_file_is_written_from_memory_0600_and_nothing_passes_through_the_consoles_tempdir(
+    local_node, tmp_path, monkeypatch
+):
+    import os
+    import tempfile
+
+    from remote.local import LocalTransport
+
+    console_tmp = tmp_path / "console-tmp"
+    console_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(console_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(console_tmp))
+    # What the folder holds while the key is on its way (the old way left nothing behind either: its
+    # temporary copy was deleted after the upload).
+    during = []
+    for name in ("upload", "write_file"):
+        original = getattr(LocalTransport, name)
+
+        async def watched(self, *args, _original=original, **kwargs):
+            during.append(sorted(p.name for p in console_tmp.iterdir()))
+            return await _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LocalTransport, name, watched)
+    path = tmp_path / "d7-llama-server-8080.key"
+    ctx = Ctx({}, node=local_node, transport=LocalTransport())
+    previous = os.umask(0)
+    try:
+        asyncio.run(write_secret_file(ctx, str(path), "the-api-key"))
+    finally:
+        os.umask(previous)
+    assert path.read_text() == "the-api-key\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert during == [[]] and list(console_tmp.iterdir()) == []
+    assert ctx.lines == []  # not a word of it in the job log
