@@ -51,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.runs import run_deployment, run_stop
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORKDIR = Path(tempfile.mkdtemp(prefix="ramdeck-split-"))
@@ -342,7 +344,7 @@ def plan_run(
         deployment, started, message = lifecycle.redeploy(previous, cluster.operator)
         if not started:
             raise SystemExit(f"redeploy refused: {message}")
-    lifecycle.run_deployment(deployment.pk)
+    run_deployment(deployment.pk)
     deployment.refresh_from_db()
     if deployment.state == DeploymentState.FAILED:
         # Seen once at a load average of 11: the verify step's grep of llama-server's log came back empty.
@@ -351,7 +353,7 @@ def plan_run(
         deployment, started, message = lifecycle.redeploy(deployment, cluster.operator)
         if not started:
             raise SystemExit(f"redeploy refused: {message}")
-        lifecycle.run_deployment(deployment.pk)
+        run_deployment(deployment.pk)
         deployment.refresh_from_db()
     if deployment.state != DeploymentState.RUNNING:
         raise SystemExit(
@@ -364,7 +366,7 @@ def plan_run(
         raise SystemExit(f"the plan's deployment did not survive a prompt of {CTX} tokens: {plan}")
     speed = decode_speed(url, deployment.api_key())
     lifecycle.stop_deployment(deployment, cluster.operator)
-    lifecycle.run_stop(deployment.pk)
+    run_stop(deployment.pk)
     deployment.refresh_from_db()
     if deployment.state != DeploymentState.STOPPED:
         raise SystemExit(f"the deployment did not stop: {deployment.state_reason}")

@@ -26,10 +26,6 @@ def src_dir_name(sha256: str) -> str:
     return f"src-{sha256[:16]}"
 
 
-def parse_protocol_major(protocol: str) -> str:
-    return protocol.split(".", 1)[0] if protocol else ""
-
-
 def protocol_mismatch(builds: dict[str, str]) -> str:
     """A reason to refuse when nodes' RPC protocol versions differ ({node: "7.0.0"}), else ""."""
     distinct = sorted(set(builds.values()))

@@ -17,6 +17,7 @@ from modelfiles.models import ModelFile
 from nodes.models import Device, DeviceKind, Node, Transport
 from planning import planner
 from tests.llamacpp_build import require_llamacpp
+from tests.runs import run_deployment, run_stop
 
 MIB = 2**20
 MODEL_NAME = "Family Tiny, v1"
@@ -90,7 +91,7 @@ def deploy(deployment: Deployment, user, monkeypatch) -> Deployment:
     _not_sent(monkeypatch)
     started, message = lifecycle.start_deploy(deployment, user)
     assert started, message
-    lifecycle.run_deployment(deployment.pk)
+    run_deployment(deployment.pk)
     deployment.refresh_from_db()
     return deployment
 
@@ -99,6 +100,6 @@ def stop(deployment: Deployment, user, monkeypatch) -> Deployment:
     _not_sent(monkeypatch)
     stopped, message = lifecycle.stop_deployment(deployment, user)
     assert stopped, message
-    lifecycle.run_stop(deployment.pk)
+    run_stop(deployment.pk)
     deployment.refresh_from_db()
     return deployment

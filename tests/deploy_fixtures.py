@@ -19,6 +19,7 @@ from planning import planner
 from tests.factories import CredentialFactory, NodeFactory, UserFactory
 from tests.lab.netlab import kill_pid
 from tests.llamacpp_build import TARBALL, require_llamacpp
+from tests.runs import run_deployment, run_stop
 
 MIB = 2**20
 
@@ -261,7 +262,7 @@ class Cluster:
         assert enqueued == [("deploy", deployment.pk)]
         again, _ = lifecycle.start_deploy(Deployment.objects.get(pk=deployment.pk), self.operator)
         assert not again  # pressing deploy twice starts one deployment
-        lifecycle.run_deployment(deployment.pk)
+        run_deployment(deployment.pk)
         deployment.refresh_from_db()
         for step in deployment.steps.select_related("job").order_by("order"):
             job = step.job
@@ -274,7 +275,7 @@ class Cluster:
         record_enqueued(monkeypatch)
         stopped, message = lifecycle.stop_deployment(deployment, self.operator)
         assert stopped, message
-        lifecycle.run_stop(deployment.pk)
+        run_stop(deployment.pk)
         deployment.refresh_from_db()
         return deployment
 

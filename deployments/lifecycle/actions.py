@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from audit.history import record
-from builds.models import Build
 from deployments import live
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep, RpcMode
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
@@ -31,7 +30,6 @@ from nodes.models import Node
 logger = logging.getLogger(__name__)
 
 MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, DeploymentState.VERIFYING)
-LAUNCH_STEPS = ("reap", "rpc-server", "rpc-tunnel", "llama-server", "verify", "measure")
 # Job kinds of a deployment (registered in DeploymentsConfig.ready()): the two runs, and the kind of each
 # step by its name on the deployment page.
 DEPLOY, UNDEPLOY, HEAL = "deploy", "undeploy", "heal"
@@ -454,37 +452,3 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
         record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})
         started, message = start_deploy(fresh, actor)
     return fresh, started, message
-
-
-def deployment_builds(deployment: Deployment) -> dict[str, Build | None]:
-    return {
-        n.name: n.current_build for n in [deployment.coordinator, *(w.node for w in workers_of(deployment))]
-    }
-
-
-# --------------------------------------------------------------------------------------------------
-# Running a run here and now (scripts, tests): what a worker does with the queued job
-# --------------------------------------------------------------------------------------------------
-
-
-def run_latest(deployment_pk: int, kind: str) -> Job | None:
-    """Run the newest queued run of `kind` of the deployment in this process, to its end."""
-    from jobs.runner import run_job
-
-    run = Job.objects.filter(kind=kind, params__deployment=deployment_pk, state=JobState.QUEUED).order_by(
-        "-pk"
-    )
-    job = run.first()
-    if job is None:
-        return None
-    run_job(job.pk)
-    job.refresh_from_db()
-    return job
-
-
-def run_deployment(pk: int) -> Job | None:
-    return run_latest(pk, DEPLOY)
-
-
-def run_stop(pk: int) -> Job | None:
-    return run_latest(pk, UNDEPLOY)

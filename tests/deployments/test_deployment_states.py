@@ -7,6 +7,7 @@ import pytest
 from deployments.models import ClaimConflict, Deployment, DeploymentState, ResourceClaim
 from modelfiles.models import ModelFile
 from tests.factories import NodeFactory
+from tests.runs import run_deployment, run_stop
 
 pytestmark = pytest.mark.django_db
 
@@ -244,14 +245,7 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
 def test_stop_pressed_before_the_first_step_skips_every_step_and_stops(
     cluster, no_enqueue, django_capture_on_commit_callbacks
 ):
-    from deployments.lifecycle.actions import (
-        DEPLOY,
-        run_deployment,
-        run_stop,
-        runs_of,
-        start_deploy,
-        stop_deployment,
-    )
+    from deployments.lifecycle.actions import DEPLOY, runs_of, start_deploy, stop_deployment
     from jobs.models import JobState
 
     deployment = _ready(cluster)

@@ -40,6 +40,7 @@ from tests.deploy_fixtures import (
     wait_listening,
 )
 from tests.llamacpp_build import TARBALL, use_cached_llamacpp
+from tests.runs import run_deployment, run_stop
 
 pytestmark = [
     pytest.mark.e2e,
@@ -161,7 +162,7 @@ def test_a_stale_rpc_server_is_reaped_and_a_foreign_port_holder_fails_the_launch
         wait_listening(coordinator_host, LLAMA_PORT)
         redo, started, message = lifecycle.redeploy(deployment, cluster.operator)
         assert started, message
-        lifecycle.run_deployment(redo.pk)
+        run_deployment(redo.pk)
         redo.refresh_from_db()
         assert redo.state == DeploymentState.FAILED
         assert redo.failed_step == "reap"
@@ -247,12 +248,12 @@ def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
     restarted, message = lifecycle.stop_deployment(first, cluster.operator, then_redeploy=True)
     assert restarted, message
     assert calls == [("undeploy", first.pk)]
-    lifecycle.run_stop(first.pk)
+    run_stop(first.pk)
     first.refresh_from_db()
     assert first.state == DeploymentState.STOPPED
     second = Deployment.objects.get(redeployed_from=first)
     assert calls[-1] == ("deploy", second.pk)
-    lifecycle.run_deployment(second.pk)
+    run_deployment(second.pk)
     second.refresh_from_db()
     assert second.state == DeploymentState.RUNNING, (second.failed_step, second.state_reason)
     assert second.plan == first.plan

@@ -28,6 +28,7 @@ from tests.deploy_fixtures import lab_devices, pid_alive
 from tests.factories import UserFactory
 from tests.fault_fixtures import assert_consistent, fault_lab, jobs_of, our_processes, timed, wait_step  # noqa: F401
 from tests.job_fixtures import wait_for
+from tests.runs import run_latest
 
 pytestmark = [
     pytest.mark.faults,
@@ -280,7 +281,7 @@ def test_a_deployment_that_opted_in_heals_itself_after_its_rpc_server_dies(fault
 
     started = time.monotonic()
     assert monitor.check_all() == [deployment.pk]  # degraded, and an attempt queued
-    heal = lifecycle.run_latest(deployment.pk, lifecycle.HEAL)
+    heal = run_latest(deployment.pk, lifecycle.HEAL)
     timed("self-heal after an rpc-server died", started)
 
     assert heal is not None and heal.state == JobState.SUCCEEDED, heal.result

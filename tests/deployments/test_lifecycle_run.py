@@ -18,6 +18,7 @@ from jobs import runner, sweeper
 from jobs.context import JobFailed
 from jobs.models import Job, JobState
 from tests.job_fixtures import wait_for
+from tests.runs import run_deployment, run_stop
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -43,7 +44,7 @@ def _started(deployment) -> Job:
 def test_the_steps_run_in_order_as_children_of_the_run(deployment, no_enqueue, steps):
     ran = steps(lambda job: "ok")
     run = _started(deployment)
-    assert lifecycle.run_deployment(deployment.pk).state == JobState.SUCCEEDED
+    assert run_deployment(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.RUNNING
     assert [job.kind for job in ran] == [
@@ -71,7 +72,7 @@ def test_a_rollback_that_fails_is_named_in_the_failure_reason(deployment, no_enq
 
     steps(outcome)
     _started(deployment)
-    assert lifecycle.run_deployment(deployment.pk).state == JobState.FAILED
+    assert run_deployment(deployment.pk).state == JobState.FAILED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "rpc-server"
     assert "boom" in deployment.state_reason
@@ -84,7 +85,7 @@ def test_a_rollback_that_fails_is_named_in_the_failure_reason(deployment, no_enq
 def test_a_clean_rollback_says_nothing_more_and_the_later_steps_are_skipped(deployment, no_enqueue, steps):
     ran = steps(fail_when("rpc_server"))
     _started(deployment)
-    lifecycle.run_deployment(deployment.pk)
+    run_deployment(deployment.pk)
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and "Rollback" not in deployment.state_reason
     assert not Deployment.objects.get(pk=deployment.pk).claims.exists()
@@ -119,7 +120,7 @@ def test_a_run_whose_worker_died_is_rolled_back_and_fails_with_its_step(deployme
     assert run.state == JobState.ERRORED and "Worker lost" in run.result
     assert step.state == JobState.ERRORED
     assert ("undeploy", deployment.pk) in no_enqueue  # the rollback, queued by the deploy kind's on_end
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "rpc-server"
     assert "Worker lost" in deployment.state_reason
@@ -143,7 +144,7 @@ def test_stop_after_the_run_died_declares_it_lost_and_stops(deployment, no_enque
     run = _started(deployment)
     _left_running(deployment, run, beat_age_s=3600)
     assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     run.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED
@@ -168,7 +169,7 @@ def test_stop_during_a_step_cancels_the_run_and_the_stop_run_finishes_it(deploym
         "Stopping: the stop was sent to a worker again.",
     )
     assert lifecycle.runs_of(deployment, lifecycle.UNDEPLOY).count() == 1
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     thread.join(timeout=30)
 
     deployment.refresh_from_db()
@@ -188,10 +189,10 @@ def test_a_run_past_its_time_limit_is_stopped_rolled_back_and_failed(deployment,
     job_kind("deploy", deploy.body, needs_transport=False, on_end=deploy.on_end, time_limit=2)
     steps(lambda job: "wait" if job.kind == "llama_server" else "ok")
     run = _started(deployment)
-    assert lifecycle.run_deployment(deployment.pk).state == JobState.ERRORED
+    assert run_deployment(deployment.pk).state == JobState.ERRORED
     run.refresh_from_db()
     assert "time limit" in run.result
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED  # the rollback it queued
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED  # the rollback it queued
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.FAILED and deployment.failed_step == "llama-server"
     assert "time limit" in deployment.state_reason
@@ -210,6 +211,6 @@ def test_a_lost_stop_run_is_started_again(deployment, no_enqueue, steps):
     assert sweeper.sweep(alive=set()) == [first.pk]
     second = lifecycle.active_run(deployment, lifecycle.UNDEPLOY)
     assert second is not None and second.pk != first.pk
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED and not deployment.claims.exists()

@@ -55,6 +55,7 @@ from tests.deploy_fixtures import (
     route_between,
 )
 from tests.llamacpp_build import use_cached_llamacpp
+from tests.runs import run_deployment, run_latest
 
 pytestmark = [
     pytest.mark.lab,
@@ -222,7 +223,7 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     deployment.save(update_fields=["self_heal"])
     record_enqueued(monkeypatch)
     assert healing.consider(deployment) is not None
-    lifecycle.run_latest(deployment.pk, lifecycle.HEAL)
+    run_latest(deployment.pk, lifecycle.HEAL)
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.RUNNING, deployment.state_reason
     fresh = deployment.processes[f"rpc-tunnel@{worker.name}"]
@@ -244,7 +245,7 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     direct_deployment, started, message = lifecycle.redeploy(deployment, cluster.operator)
     assert started, message
     assert direct_deployment.rpc_mode == "direct"
-    assert lifecycle.run_deployment(direct_deployment.pk) is not None
+    assert run_deployment(direct_deployment.pk) is not None
     direct_deployment.refresh_from_db()
     assert direct_deployment.state == DeploymentState.RUNNING, direct_deployment.state_reason
     assert f"{worker_host.address}:{RPC_PORT}" in listeners_in(worker_host, RPC_PORT)

@@ -16,13 +16,14 @@ from deployments.lifecycle import healing
 from deployments.models import Deployment, DeploymentState
 from jobs.context import JobFailed
 from jobs.models import Job, JobState
+from tests.runs import run_deployment, run_latest, run_stop
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def running(deployment, *, self_heal: bool = True) -> Deployment:
     assert lifecycle.start_deploy(deployment, deployment.created_by)[0]
-    assert lifecycle.run_deployment(deployment.pk).state == JobState.SUCCEEDED
+    assert run_deployment(deployment.pk).state == JobState.SUCCEEDED
     deployment.add_process(
         "rpc-server@old-pc", {"node": "old-pc", "role": "rpc-server", "pid": 777, "port": 50052, "log": "/l"}
     )
@@ -36,7 +37,7 @@ def running(deployment, *, self_heal: bool = True) -> Deployment:
 def heal(deployment) -> Job:
     run = healing.consider(Deployment.objects.get(pk=deployment.pk))
     assert run is not None
-    assert lifecycle.run_latest(deployment.pk, lifecycle.HEAL).pk == run.pk
+    assert run_latest(deployment.pk, lifecycle.HEAL).pk == run.pk
     run.refresh_from_db()
     deployment.refresh_from_db()
     return run
@@ -108,7 +109,7 @@ def test_stop_during_a_heal_cancels_it_and_stops(deployment, no_enqueue, steps):
     run = healing.consider(deployment)
     assert lifecycle.stop_deployment(Deployment.objects.get(pk=deployment.pk))[0]
     assert Job.objects.get(pk=run.pk).state == JobState.CANCELLED  # it had not started
-    assert lifecycle.run_stop(deployment.pk).state == JobState.SUCCEEDED
+    assert run_stop(deployment.pk).state == JobState.SUCCEEDED
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.STOPPED and not deployment.claims.exists()
 

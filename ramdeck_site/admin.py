@@ -1,1 +1,0 @@
-"""Admin registrations that concern the whole site."""
