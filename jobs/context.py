@@ -48,8 +48,10 @@ class JobContext:
         self.node = job.node
         self.transport = None  # Set by the runner once the transport is open.
         self.last_exit_status: int | None = None
-        # Why the run is being stopped (an operator's cancel, the time limit); "" while it is not.
+        # Why the run is being stopped, for people ("" while it is not), and whether the time limit stopped it
+        # (then the job errored: nobody asked for the stop).
         self.stop_reason = ""
+        self.past_time_limit = False
         self._writer = writer
         self._run_child = run_child
         self._cancel = asyncio.Event()
@@ -169,11 +171,12 @@ class JobContext:
             self._recorded_pid = pid
             await db(self.job.record_remote_pid)(pid)
 
-    async def stop(self, main_task: asyncio.Task, reason: str) -> None:
+    async def stop(self, main_task: asyncio.Task, reason: str, *, past_time_limit: bool = False) -> None:
         """End the run: the command running now by its PID (TERM, then KILL), a running step through its
         own cancel, and the body itself if it does not end on its own."""
         self._cancel.set()
         self.stop_reason = reason
+        self.past_time_limit = past_time_limit
         await self.log(reason)
         grace = settings.RAMDECK_KILL_GRACE_S
         loop = asyncio.get_running_loop()

@@ -77,7 +77,11 @@ async def _watch(ctx: JobContext, main_task: asyncio.Task) -> None:
             await ctx.stop(main_task, "Cancel requested by an operator.")
         elif loop.time() >= deadline:
             limit = time_limit_of(ctx.job)
-            await ctx.stop(main_task, f"The job ran past its time limit ({limit:g} s) and was stopped.")
+            await ctx.stop(
+                main_task,
+                f"The job ran past its time limit ({limit:g} s) and was stopped.",
+                past_time_limit=True,
+            )
 
 
 async def _main(ctx: JobContext) -> str:
@@ -95,7 +99,7 @@ async def _main(ctx: JobContext) -> str:
 def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int | None, str, list[str]]:
     """(state, exit code, result, extra log lines) for how the body ended."""
     if isinstance(exc, JobCancelled | asyncio.CancelledError) and ctx.cancelled():
-        if ctx.stop_reason.startswith("The job ran past its time limit"):
+        if ctx.past_time_limit:
             return JobState.ERRORED, ctx.last_exit_status, ctx.stop_reason, []
         return JobState.CANCELLED, ctx.last_exit_status, "Cancelled by an operator.", []
     if isinstance(exc, JobCancelled):

@@ -352,12 +352,29 @@ class Split:
     counts: list[int]
 
 
+@dataclass(frozen=True)
+class Part:
+    """One device's share of a split: its blocks and what they hold there, in bytes."""
+
+    slot: Slot
+    first_block: int
+    blocks: int
+    weights: int
+    kv: int
+    compute: int
+    holds_output: bool
+
+    @property
+    def used_bytes(self) -> int:
+        return self.weights + self.kv + self.compute
+
+
 @dataclass
 class Evaluation:
     fits: bool
     seconds_per_token: float
-    # Per entry: (slot or None for the CPU, first block, blocks, weights, kv, compute, output?)
-    parts: list[tuple[Slot, int, int, int, int, int, bool]]
+    # One entry per device of the split, the coordinator's CPU first.
+    parts: list[Part]
 
 
 def pipeline_parallel(split: Split) -> bool:
@@ -405,10 +422,10 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
             seconds += slot.time_with_overhead(own)
         else:
             seconds += slot.quota_time(own)
-        parts.append((slot, start, count, weights, kv, compute, output))
+        parts.append(Part(slot, start, count, weights, kv, compute, output))
         start += count
     if problem.pool_slot is not None:
-        used = {id(p[0]): p[3] + p[4] + p[5] for p in parts}
+        used = {id(p.slot): p.used_bytes for p in parts}
         fits = fits and problem.pool_used(
             used[id(problem.cpu)], used.get(id(problem.slots[problem.pool_slot]), 0)
         )

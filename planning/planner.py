@@ -184,7 +184,8 @@ def _llama_names(problem: Problem, split: Split) -> dict[int, tuple[str, str | N
 def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[dict[str, Any]]:
     names = _llama_names(problem, split)
     out = []
-    for slot, first, count, weights, kv, compute, output in evaluation.parts:
+    for part in evaluation.parts:
+        slot, first, count, output = part.slot, part.first_block, part.blocks, part.holds_output
         is_cpu = slot is problem.cpu
         if not is_cpu and count == 0 and not output:
             continue
@@ -194,7 +195,6 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
         read = sum(problem.block_bytes[first : first + count]) + (
             int(problem.profile["output_bytes"]) if output else 0
         )
-        used = weights + kv + compute
         in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
         out.append(
             {
@@ -207,10 +207,10 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "layers": count,
                 "first_layer": first,
                 "output_layer": output,
-                "weights_bytes": weights,
-                "kv_bytes": kv,
-                "compute_bytes": compute,
-                "used_bytes": used,
+                "weights_bytes": part.weights,
+                "kv_bytes": part.kv,
+                "compute_bytes": part.compute,
+                "used_bytes": part.used_bytes,
                 "capacity_bytes": slot.capacity,
                 "limit_bytes": slot.limit,
                 "total_bytes": slot.device.total_bytes,
@@ -225,7 +225,7 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "wired_limit_bytes": slot.device.wired_limit_bytes,
                 "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
                 "bandwidth_source": slot.device.bandwidth_source,
-                "fits": used <= slot.capacity,
+                "fits": part.used_bytes <= slot.capacity,
                 "ms_per_token": round(1000 * _slot_time(slot, read, count or output), 4),
             }
         )
