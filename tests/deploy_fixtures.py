@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
 import time
 from pathlib import Path
 
+from builds.models import Build, BuildSource
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, ResourceClaim
+from jobs import on_node
 from jobs.models import Job, JobState
+from jobs.runner import run_job
 from llamacpp.gguf import profile_path
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles.models import ModelFile
@@ -101,7 +105,6 @@ def stop_proc(proc: subprocess.Popen) -> None:
 
 
 def run(job: Job) -> Job:
-    from jobs.runner import run_job
 
     run_job(job.pk)
     job.refresh_from_db()
@@ -306,3 +309,62 @@ class Cluster:
             "predicted_tps": deployment.plan.get("predicted_tokens_per_s"),
         }
         print("\nE2E " + json.dumps(figures))
+
+
+def ready_node(lab, host, name: str, **fields) -> Node:
+    """A lab node that the probe has seen, with the cached llama.cpp build registered as its build."""
+    binaries = require_llamacpp()
+    node = lab_node(lab, host, name=name, **fields)
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, probe.result
+    Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        source=str(binaries.build_dir),
+        version="test build",
+        rpc_protocol="7.0.0",
+        rpc_server_path=str(binaries.rpc_server),
+        llama_server_path=str(binaries.llama_server),
+    )
+    node.refresh_from_db()
+    return node
+
+
+# Connect from a host's namespace; print what happened in one line.
+CONNECT_SCRIPT = """
+import socket, sys
+s = socket.socket()
+s.settimeout(5)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("CONNECTED", sys.argv[1], sys.argv[2])
+except OSError as exc:
+    print("REFUSED", sys.argv[1], sys.argv[2], type(exc).__name__, exc)
+"""
+
+
+def tcp_connect_from(host, address: str, port: int) -> str:
+    result = subprocess.run(
+        host.exec_argv(["python3", "-c", CONNECT_SCRIPT, address, str(port)]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    line = result.stdout.strip() or result.stderr.strip()
+    return f"from {host.address}: {line}"
+
+
+def watch_rpc_servers(monkeypatch, host, outsider) -> list[dict]:
+    """Every rpc-server a calibration starts, once it listens: what listens on its port, and what a third
+    host gets when it connects to the node's address there."""
+    seen: list[dict] = []
+    wait = on_node.wait_listening
+
+    async def watched(ctx, pid, port, log_path, *, timeout):
+        await wait(ctx, pid, port, log_path, timeout=timeout)
+        listening = await asyncio.to_thread(listeners_in, host, port)
+        outcome = await asyncio.to_thread(tcp_connect_from, outsider, host.address, port)
+        seen.append({"port": port, "listening": listening, "outsider": outcome})
+
+    monkeypatch.setattr("calibration.job.wait_listening", watched)
+    return seen

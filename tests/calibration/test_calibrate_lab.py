@@ -21,14 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from builds.models import Build, BuildSource
 from calibration.job import _refusal
 from calibration.store import start_calibration
 from jobs.models import Job, JobState
 from jobs.runner import run_job
 from nodes.models import Node
-from tests.deploy_fixtures import lab_node, listeners_in, log_text, run
-from tests.llamacpp_build import require_llamacpp
+from tests.deploy_fixtures import lab_node, listeners_in, log_text, ready_node, run
 
 pytestmark = [
     pytest.mark.lab,
@@ -41,25 +39,6 @@ QUOTA = 0.25
 FACTOR = (0.15, 0.45)
 SHARES = 8192
 ROUNDS = 3
-
-
-def ready_node(lab, host, name: str, **fields) -> Node:
-    """A lab node that the probe has seen, with the cached llama.cpp build registered as its build."""
-    binaries = require_llamacpp()
-    node = lab_node(lab, host, name=name, **fields)
-    probe = run(Job.objects.create(kind="probe", node=node))
-    assert probe.state == JobState.SUCCEEDED, probe.result
-    Build.objects.create(
-        node=node,
-        source_kind=BuildSource.EXISTING,
-        source=str(binaries.build_dir),
-        version="test build",
-        rpc_protocol="7.0.0",
-        rpc_server_path=str(binaries.rpc_server),
-        llama_server_path=str(binaries.llama_server),
-    )
-    node.refresh_from_db()
-    return node
 
 
 def our_processes(host) -> list[str]:

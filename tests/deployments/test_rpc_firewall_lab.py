@@ -32,8 +32,15 @@ from modelfiles.models import ModelFile
 from nodes.guards import may_administer
 from nodes.models import Node
 from nodes.transports import transport_for
-from tests.deploy_fixtures import lab_node, listeners_in, log_text, pid_alive, route_between, run
-from tests.deployments.test_rpc_isolation import watch_rpc_servers
+from tests.deploy_fixtures import (
+    lab_node,
+    listeners_in,
+    log_text,
+    pid_alive,
+    route_between,
+    run,
+    watch_rpc_servers,
+)
 from tests.lab.netlab import PASSWORD_USER, PLAIN_UID
 from tests.llamacpp_build import require_llamacpp
 from tests.unavailable import unavailable

@@ -17,7 +17,6 @@ firewall rule admitting only the console).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import threading
@@ -40,19 +39,21 @@ from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles.models import ModelFile
 from nodes.models import Device, DeviceKind
 from planning import planner
-from tests.calibration.test_calibrate_lab import ready_node
-from tests.deploy_fixtures import listeners_in, log_text, pid_alive, route_between, run
-from tests.deployments.test_e2e_deployment import (
 from tests.deploy_fixtures import (
     LLAMA_PORT,
     MIB,
     RPC_PORT,
     Cluster,
     listeners_in,
+    log_text,
     pid_alive,
     planner_nodes_of,
+    ready_node,
     record_enqueued,
     route_between,
+    run,
+    tcp_connect_from,
+    watch_rpc_servers,
 )
 from tests.llamacpp_build import use_cached_llamacpp
 from tests.runs import run_deployment, run_latest
@@ -66,30 +67,8 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 
-# Connect from a host's namespace; print what happened in one line.
-PROBE = """
-import socket, sys
-s = socket.socket()
-s.settimeout(5)
-try:
-    s.connect((sys.argv[1], int(sys.argv[2])))
-    print("CONNECTED", sys.argv[1], sys.argv[2])
-except OSError as exc:
-    print("REFUSED", sys.argv[1], sys.argv[2], type(exc).__name__, exc)
-"""
 
 REFUSALS: list[str] = []
-
-
-def probe(host, address: str, port: int) -> str:
-    result = subprocess.run(
-        host.exec_argv(["python3", "-c", PROBE, address, str(port)]),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    line = result.stdout.strip() or result.stderr.strip()
-    return f"from {host.address}: {line}"
 
 
 class Serving:
@@ -173,11 +152,11 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
 
     with Serving(deployment, cluster.coordinator.address):
         for address in (worker_host.address,):
-            outcome = probe(outsider, address, RPC_PORT)
+            outcome = tcp_connect_from(outsider, address, RPC_PORT)
             REFUSALS.append(f"tunnel mode: {outcome}")
             assert "REFUSED" in outcome and "ConnectionRefusedError" in outcome, outcome
         # Even the coordinator itself cannot reach the port but through its tunnel.
-        direct = probe(coordinator_host, worker_host.address, RPC_PORT)
+        direct = tcp_connect_from(coordinator_host, worker_host.address, RPC_PORT)
         REFUSALS.append(f"tunnel mode: {direct}")
         assert "REFUSED" in direct, direct
         # The tunnel key may forward and do nothing else: the command asked for never runs (the forced
@@ -252,10 +231,10 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     rule_tag = tag_for(direct_deployment.pk, worker.name)
     assert rule_tag in iptables_rules(worker_host)
     with Serving(direct_deployment, cluster.coordinator.address):
-        outcome = probe(outsider, worker_host.address, RPC_PORT)
+        outcome = tcp_connect_from(outsider, worker_host.address, RPC_PORT)
         REFUSALS.append(f"direct mode + firewall: {outcome}")
         assert "REFUSED" in outcome and "ConnectionRefusedError" in outcome, outcome
-        admitted = probe(coordinator_host, worker_host.address, RPC_PORT)
+        admitted = tcp_connect_from(coordinator_host, worker_host.address, RPC_PORT)
         REFUSALS.append(f"direct mode + firewall: {admitted}")
         assert "CONNECTED" in admitted, admitted
     direct_deployment = cluster.stop(direct_deployment, monkeypatch)
@@ -353,22 +332,6 @@ def test_tunnel_and_direct_mode_both_serve_and_report_their_speed(pair, monkeypa
         cluster.assert_clean(deployment)
     assert figures["tunnel_decode_tps"] > 0 and figures["direct_decode_tps"] > 0
     print("\nRPC-SPEED " + json.dumps(figures))
-
-
-def watch_rpc_servers(monkeypatch, host, outsider) -> list[dict]:
-    """Every rpc-server a calibration starts, once it listens: what listens on its port, and what a third
-    host gets when it connects to the node's address there."""
-    seen: list[dict] = []
-    wait = wait_listening
-
-    async def watched(ctx, pid, port, log_path, *, timeout):
-        await wait(ctx, pid, port, log_path, timeout=timeout)
-        listening = await asyncio.to_thread(listeners_in, host, port)
-        outcome = await asyncio.to_thread(probe, outsider, host.address, port)
-        seen.append({"port": port, "listening": listening, "outsider": outcome})
-
-    monkeypatch.setattr(calibrate_job, "wait_listening", watched)
-    return seen
 
 
 def test_a_third_host_is_refused_by_every_rpc_server_of_a_calibration(lab, lab_hosts, settings, tmp_path,

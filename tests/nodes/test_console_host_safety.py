@@ -371,7 +371,7 @@ async def test_the_live_log_socket_of_a_console_host_job_is_for_admins_only(chan
     from channels.db import database_sync_to_async
 
     from tests.factories import UserFactory
-    from tests.jobs.test_consumers import connect
+    from tests.sockets import connect
 
     def world():
         console = NodeFactory(name="console-host", address="127.0.0.1", transport=Transport.LOCAL)
