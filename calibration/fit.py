@@ -67,6 +67,19 @@ def comparable(*runs: Run) -> list[float]:
 
 
 @dataclass(frozen=True)
+class FixedCosts:
+    """What a token costs beyond reading weights, in milliseconds, measured with the tiny model on `device`:
+    a pass inside llama-server on this node (`pass_ms`), what one rpc-server hop adds to it (`hop_ms`), and
+    what splitting across two servers adds beyond their hops (`pipeline_ms`)."""
+
+    device: str
+    runs: list[dict]
+    pass_ms: float | None
+    hop_ms: float | None
+    pipeline_ms: float | None
+
+
+@dataclass(frozen=True)
 class Line:
     """seconds per token = fixed_s + bytes / bandwidth_bps, through two runs."""
 

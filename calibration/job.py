@@ -52,7 +52,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from calibration import link as calibrate_link
-from calibration.fit import CalibrationModel, Run, comparable, cpu_ticks, fit, rpc_share
+from calibration.fit import CalibrationModel, FixedCosts, Run, comparable, cpu_ticks, fit, rpc_share
 from calibration.store import store
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
@@ -320,7 +320,7 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
 
 
 async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
-                       workdir: str, cpu_pids: list[int], bandwidth_bps: float | None) -> dict:  # fmt: skip
+                       workdir: str, cpu_pids: list[int], bandwidth_bps: float | None) -> FixedCosts:  # fmt: skip
     """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
     rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
     parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops.
@@ -344,13 +344,13 @@ async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel
         hop = max(0.0, one.device_seconds_per_token - compute)
     t_one, t_two = comparable(one, two)
     pipeline = max(0.0, t_two - t_one - hop)
-    return {
-        "device": device,
-        "runs": [asdict(alone), asdict(one), asdict(two)],
-        "pass_ms": _ms(alone.seconds_per_token),
-        "hop_ms": _ms(hop),
-        "pipeline_ms": _ms(pipeline),
-    }
+    return FixedCosts(
+        device=device,
+        runs=[asdict(alone), asdict(one), asdict(two)],
+        pass_ms=_ms(alone.seconds_per_token),
+        hop_ms=_ms(hop),
+        pipeline_ms=_ms(pipeline),
+    )
 
 
 async def calibrate_body(ctx) -> str:
@@ -373,7 +373,13 @@ async def calibrate_body(ctx) -> str:
     paths = await upload_models(ctx, models, posixpath.join(posixpath.dirname(workdir), "calibrate"))
     shallow, deep, tiny = models
     procs = Processes(ctx)
-    results: dict = {"job": ctx.job.pk, "build": build.version, "devices": {}, "hop": None, "local": None}
+    results: dict = {
+        "job": ctx.job.pk,
+        "build": build.version,
+        "devices": {},
+        "fixed_costs": None,
+        "local": None,
+    }
 
     # Under a CPU quota llama-server's work, on the node here but on the coordinator in a deployment, spends
     # the rpc-server's quota: the CPU time of both is read to take it out (Run.device_seconds_per_token).
@@ -418,8 +424,8 @@ async def calibrate_body(ctx) -> str:
             cpu_pids = [rpc_pid] if quota_binds and device.name == "CPU" else []
             runs = [await run(model, through, label, cpu_pids) for model in (shallow, deep)]
             line = fit(*runs)
-            if results["hop"] is None:
-                results["hop"] = await _fixed_costs(
+            if results["fixed_costs"] is None:
+                fixed = await _fixed_costs(
                     ctx,
                     procs,
                     build,
@@ -431,6 +437,7 @@ async def calibrate_body(ctx) -> str:
                     cpu_pids,
                     line.bandwidth_bps,
                 )
+                results["fixed_costs"] = asdict(fixed)
             await procs.end(rpc_pid)
             await ctx.transport.run(["rm", "-f", rpc_log], timeout=30)
             results["devices"][device.name] = {

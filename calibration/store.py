@@ -6,20 +6,20 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
+from jobs.models import Job
+from nodes.models import Node
 from remote.text import printable_json
 
-# The job kind, registered in DeploymentsConfig.ready().
+# The job kind, registered in CalibrationConfig.ready().
 CALIBRATE = "calibrate"
 
 
 def store(node, results: dict) -> list[str]:
     """Write the figures to the node and its devices in one transaction; one summary line per figure.
 
-    The fixed costs come from the tiny model's runs (`_fixed_costs`)."""
-    from nodes.models import Node
-
+    The fixed costs (calibration/fit.py `FixedCosts`) come from the tiny model's runs."""
     lines = []
-    fixed = results.get("hop") or {}
+    fixed = results.get("fixed_costs") or {}
     hop, overhead, pipeline = fixed.get("hop_ms"), fixed.get("pass_ms"), fixed.get("pipeline_ms")
     local = results.get("local") or {}
     link = results.get("link") or {}
@@ -77,9 +77,6 @@ def store(node, results: dict) -> list[str]:
 
 def start_calibration(node, *, user=None):
     """Queue a calibration of `node` unless one is already queued or running; the job, or None."""
-    from jobs.models import Job
-    from nodes.models import Node
-
     with transaction.atomic():
         Node.objects.select_for_update().filter(pk=node.pk).first()
         if Job.objects.active().filter(node=node, kind=CALIBRATE).exists():
