@@ -60,7 +60,6 @@ from jobs.on_node import run_dir, tail_lines, wait_listening, write_secret_file
 from llamacpp.gguf import profile_path
 from llamacpp.reaper import find_holders
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
-from nodes.platform import node_platform
 from remote.base import TransportError
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
@@ -285,17 +284,13 @@ async def timed_run(
 
 def _refusal(node) -> str:
     """Why this node cannot be calibrated now, or ""."""
-    from deployments.models import ACTIVE_STATES, ResourceClaim
-
     if node.current_build is None:
         return f"{node.name} has no llama.cpp build: build or register one on its page first."
     if not node.devices.exists():
         return f"{node.name} has no devices on record: probe it first."
-    claim = (
-        ResourceClaim.objects.filter(node=node, deployment__state__in=ACTIVE_STATES)
-        .select_related("deployment")
-        .first()
-    )
+    # A deployment holds claims on its nodes' ports and devices from the moment it prepares until it stops
+    # or fails (deployments/models/claims.py): any claim on the node is a deployment using it.
+    claim = node.claims.select_related("deployment").first()
     if claim is not None:
         return (
             f"{node.name} serves deployment {claim.deployment}: a calibration would disturb it and needs its "
@@ -363,7 +358,7 @@ async def calibrate_body(ctx) -> str:
     build = await db(lambda: node.current_build)()
     devices = await db(lambda: sorted(node.devices.all(), key=lambda d: d.name != "CPU"))()
     port = node.rpc_port
-    holders = await find_holders(ctx.transport, node_platform(node), port)
+    holders = await find_holders(ctx.transport, node.platform, port)
     if holders:
         raise JobFailed(
             f"RPC port {port} on {node.name} is held by {holders[0].describe()}; stop or reap it first."

@@ -10,7 +10,7 @@ it is reached, as they choose for a deployment (deployments/lifecycle/actions.py
   `ssh -L` without a listener on the console's side), so the figure carries what the tunnel costs, as a
   tunnel deployment pays it;
 - **direct** (the node does not allow tunnels): rpc-server binds the node's RPC address, normalised as a
-  direct deployment's is (`lifecycle.direct_bind`), behind the firewall rule a deployment uses
+  direct deployment's is (`nodes.guards.direct_bind`), behind the firewall rule a deployment uses
   (rpc_guard.firewall_rule), admitting only the console's address as the node sees it; the rule goes in
   before the server starts and comes out after the server has ended, whatever happens in between;
 - the console's own host: rpc-server binds 127.0.0.1 and is timed there.
@@ -30,8 +30,7 @@ import asyncssh
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from llamacpp import rpc_wire as rpc_link
-from nodes.guards import may_administer, remove_guard
-from nodes.platform import node_platform
+from nodes.guards import direct_bind, may_administer, remove_guard
 from remote.base import TransportError
 
 TUNNEL, FIREWALL, LOOPBACK = "tunnel", "firewall", "loopback"
@@ -88,14 +87,12 @@ async def measure(
 
 
 async def _behind_firewall(ctx, node, procs, start) -> tuple[rpc_link.LinkFigures | None, str | None]:
-    from deployments.lifecycle.actions import direct_bind
-
     port = node.rpc_port
     try:
         bind = direct_bind(node)
     except rpc_guard.BindRefused as exc:
         return await _not_measured(ctx, node, str(exc))
-    if node_platform(node) != "linux":
+    if node.platform != "linux":
         return await _not_measured(ctx, node, "it is not Linux, where the console sets no firewall rule")
     console = await console_address(ctx)
     if console is None:

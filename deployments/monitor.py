@@ -114,12 +114,11 @@ async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[i
     """({pid: reason} for the processes on `node` that are gone or cannot be checked, a status row per
     process). A PID alive but running another program (reused after ours ended) counts as gone."""
     from llamacpp.reaper import runs_our_program
-    from nodes.platform import node_platform
 
     dead: dict[int, str] = {}
     status: dict[int, dict] = {}
     error = ""
-    platform = node_platform(node)
+    platform = node.platform
     try:
         if isinstance(opened, TransportError):
             raise opened
@@ -309,7 +308,6 @@ async def _holders_on(opened, platform: str, ports: set[int]) -> list[tuple[int,
 
 def scan_stale() -> int:
     """Record every stale process of ours on enabled nodes (and forget those gone). Returns how many."""
-    from nodes.platform import node_platform
 
     nodes = list(Node.objects.filter(enabled=True).select_related("credential"))
     work = {n.name: (n, _transport(n), _ports_to_scan(n)) for n in nodes}
@@ -317,7 +315,7 @@ def scan_stale() -> int:
     async def gather():
         names = list(work)
         results = await asyncio.gather(
-            *(_holders_on(work[name][1], node_platform(work[name][0]), work[name][2]) for name in names)
+            *(_holders_on(work[name][1], work[name][0].platform, work[name][2]) for name in names)
         )
         return dict(zip(names, results, strict=True))
 

@@ -8,7 +8,6 @@ import posixpath
 
 from jobs.context import JobFailed
 from llamacpp.reaper import find_holders
-from nodes.platform import node_platform
 from remote.listeners import redact_cmdline
 
 
@@ -28,7 +27,7 @@ async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
 async def wait_listening(ctx, pid: int, port: int, log_path: str, *, timeout: float) -> None:
     """Until `pid` listens on `port` on the node. An rpc-server given a bad option prints usage and exits
     with status 0, so "alive and listening" is the test, never the exit status."""
-    platform = node_platform(ctx.node)
+    platform = ctx.node.platform
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         holders = await find_holders(ctx.transport, platform, port)

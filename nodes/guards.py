@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
+from nodes.models import Node
 
 
 async def may_administer(ctx, rule: list[str]) -> bool | None:
@@ -52,3 +53,18 @@ async def remove_guard(ctx, info: dict) -> str:
             removed += 1
         return f"firewall rule {info['tag']} removed" if removed else f"firewall rule {info['tag']} was gone"
     return f"unknown guard {info['kind']} left alone"
+
+
+def direct_bind(node: Node) -> str:
+    """The normalised IPv4 a direct rpc-server binds (raises rpc_guard.BindRefused)."""
+    return rpc_guard.normalise_bind(
+        node.rpc_bind_host, allow_unspecified=rpc_guard.binds_everywhere(node.rpc_bind_address)
+    )
+
+
+def ipv4_of(node: Node) -> str | None:
+    """The node's IPv4 address (resolved from its name), or None."""
+    try:
+        return rpc_guard.normalise_bind(node.address)
+    except rpc_guard.BindRefused:
+        return None

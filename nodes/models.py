@@ -194,6 +194,20 @@ class Node(models.Model):
         return reverse("nodes:detail", args=[self.name])
 
     @property
+    def platform(self) -> str:
+        """ "linux", "macos" or "windows", as the console must know it to build its commands: the operator's
+        hint, else what the probe found."""
+        if self.platform_hint and self.platform_hint != "auto":
+            return self.platform_hint
+        facts = self.facts or {}
+        text = " ".join(str(facts.get(key, "")) for key in ("platform", "os", "system", "os_name")).lower()
+        if "darwin" in text or "mac" in text:
+            return "macos"
+        if "windows" in text:
+            return "windows"
+        return "linux"
+
+    @property
     def rpc_endpoint_host(self) -> str:
         """Where a coordinator connects to its ggml-rpc-server (a wildcard bind is reached by address)."""
         return self.address if self.rpc_binds_everywhere else (self.rpc_bind_address or self.address)

@@ -25,6 +25,7 @@ from jobs.models import Job, JobState, may_use_local_node
 from llamacpp import rpc_guard
 from llamacpp.args import rpc_server_args
 from llamacpp.versions import protocol_mismatch
+from nodes.guards import direct_bind, ipv4_of
 from nodes.models import Node
 
 logger = logging.getLogger(__name__)
@@ -106,21 +107,6 @@ def with_bind(args: list[str], bind: str) -> list[str]:
     args = list(args)
     args[args.index("-H") + 1] = bind
     return args
-
-
-def direct_bind(node: Node) -> str:
-    """The normalised IPv4 a direct rpc-server binds (raises rpc_guard.BindRefused)."""
-    return rpc_guard.normalise_bind(
-        node.rpc_bind_host, allow_unspecified=rpc_guard.binds_everywhere(node.rpc_bind_address)
-    )
-
-
-def ipv4_of(node: Node) -> str | None:
-    """The node's IPv4 address (resolved from its name), or None."""
-    try:
-        return rpc_guard.normalise_bind(node.address)
-    except rpc_guard.BindRefused:
-        return None
 
 
 def rpc_refusal(deployment: Deployment, workers: list[Worker]) -> str:

@@ -9,7 +9,6 @@ from deployments.steps.common import audit_step
 from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp.reaper import ForeignHolder, PortStillBusy, find_holders, reap_port
-from nodes.platform import node_platform
 
 
 def _owner_of(node, port: int, pid: int) -> str:
@@ -34,7 +33,7 @@ async def reap_pid(ctx, port: int, pid: int) -> str:
     """The one-click reap of a stale process: end exactly that PID, and only while it still holds the port,
     still runs one of our programs, and no active deployment claims the port or the PID. Whatever else
     holds the port now is left alone (the PID the scan saw may have ended and the port found a new owner)."""
-    holders = await find_holders(ctx.transport, node_platform(ctx.node), port)
+    holders = await find_holders(ctx.transport, ctx.node.platform, port)
     holder = next((h for h in holders if h.pid == pid), None)
     if holder is None:
         await ctx.log(f"PID {pid} no longer holds port {port}; nothing was ended")
@@ -62,7 +61,7 @@ async def reap_body(ctx) -> str:
     ports = [int(p) for p in ctx.job.params.get("ports") or [ctx.node.rpc_port]]
     if ctx.job.params.get("pid"):
         return await reap_pid(ctx, ports[0], int(ctx.job.params["pid"]))
-    platform = node_platform(ctx.node)
+    platform = ctx.node.platform
     summaries = []
     for port in ports:
         try:

@@ -15,7 +15,6 @@ from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, wait_listening
 from llamacpp import rpc_guard
 from nodes.guards import may_administer, remove_guard
-from nodes.platform import node_platform
 from planning import placement
 
 
@@ -83,7 +82,7 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[
     the SSH user may add one. Recorded as a guard first, so the stop steps remove it. Returns the note for
     the step's result and the guard (None when no rule went in)."""
     coordinator = firewall.get("coordinator")
-    if node_platform(ctx.node) != "linux" or not coordinator:
+    if ctx.node.platform != "linux" or not coordinator:
         why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
         return await unfenced(ctx, deployment, port, why), None
     rule = rpc_guard.firewall_rule(port, coordinator, firewall["tag"])

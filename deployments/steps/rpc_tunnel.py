@@ -28,7 +28,6 @@ from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, write_secret_file
 from llamacpp import rpc_guard
 from llamacpp.reaper import find_holders
-from nodes.platform import node_platform
 from remote.base import TransportError
 
 # How many loopback ports the step tries on the coordinator before it gives up.
@@ -195,7 +194,7 @@ async def start_forward(ctx, deployment, argv_for, log_path: str) -> tuple[int, 
     """Start `ssh -tt -L` on the first free loopback port of the coordinator from RAMDECK_RPC_TUNNEL_PORT;
     returns (pid, local port)."""
     first = int(getattr(settings, "RAMDECK_RPC_TUNNEL_PORT", 50300))
-    platform = node_platform(ctx.node)
+    platform = ctx.node.platform
     for local in range(first, first + PORT_ATTEMPTS):
         if not await db(_claim_port)(deployment, ctx.node, local):
             continue  # another deployment's tunnel
@@ -225,7 +224,7 @@ async def wait_forward(ctx, pid: int, port: int, *, timeout: float = 30.0) -> bo
     """True once `pid` listens on `port`; False when it exited first."""
     import asyncio
 
-    platform = node_platform(ctx.node)
+    platform = ctx.node.platform
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         holders = await find_holders(ctx.transport, platform, port)

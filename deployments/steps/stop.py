@@ -12,13 +12,12 @@ from llamacpp.reaper import (
     runs_our_program,
 )
 from nodes.guards import remove_guard
-from nodes.platform import node_platform
 
 
 async def stop_body(ctx) -> str:
     """End this deployment's processes on the node by PID, then confirm their ports are free."""
     processes = ctx.job.params.get("processes", [])
-    platform = node_platform(ctx.node)
+    platform = ctx.node.platform
     done = []
     for info in processes:
         pid = int(info["pid"])

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.paths import ROOT
+
 pytestmark = [pytest.mark.security, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parent.parent
 PRINT_SERVICES = (
     "import json; from django.conf import settings as s; print(json.dumps({"
     "'db_password': s.DATABASES['default']['PASSWORD'], 'db_user': s.DATABASES['default']['USER'], "

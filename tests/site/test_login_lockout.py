@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 from axes.models import AccessAttempt
@@ -20,10 +19,10 @@ from django.urls import reverse
 from audit import history
 from audit.models import AuditEvent
 from tests.factories import PASSWORD, UserFactory
+from tests.paths import ROOT
 
 pytestmark = [pytest.mark.security, pytest.mark.django_db]
 
-ROOT = Path(__file__).resolve().parent.parent
 LOCKED = 429
 
 
