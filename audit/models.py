@@ -9,6 +9,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.sentences import details, sentence, what
+
 
 class AuditEventQuerySet(models.QuerySet):
     def update(self, **kwargs):  # noqa: D102 - append-only
@@ -46,20 +48,14 @@ class AuditEvent(models.Model):
     # As words for people (audit/sentences.py): "alice changed node box: name from — to box".
     @property
     def what(self) -> str:
-        from audit.sentences import what
-
         return what(self)
 
     @property
     def details(self) -> str:
-        from audit.sentences import details
-
         return details(self)
 
     @property
     def sentence(self) -> str:
-        from audit.sentences import sentence
-
         return sentence(self)
 
     def save(self, *args, **kwargs):

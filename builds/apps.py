@@ -8,6 +8,7 @@ class BuildsConfig(AppConfig):
     verbose_name = "llama.cpp builds"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
 
         kinds.register("build", "Build llama.cpp", "builds.job.build_body")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from builds.models import Build, BuildSource
 from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
 from jobs.aio import db
 from jobs.context import JobFailed
@@ -265,8 +266,6 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
 
 
 async def build_body(ctx) -> str:
-    from builds.models import Build, BuildSource
-
     params = ctx.job.params or {}
     source = params.get("source", "tarball")
     found = parse_prerequisites((await ctx.transport.run(["sh", "-c", _PREREQ_SCRIPT], timeout=60)).stdout)

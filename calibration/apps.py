@@ -8,6 +8,7 @@ class CalibrationConfig(AppConfig):
     verbose_name = "Calibration"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
 
         kinds.register("calibrate", "Calibrate", "calibration.job.calibrate_body")

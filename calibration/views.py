@@ -9,6 +9,7 @@ from django.views.decorators.http import require_POST
 
 from audit import history
 from calibration.forms import BandwidthOverrideForm
+from calibration.store import start_calibration
 from jobs.models import may_use_local_node
 from nodes.models import Node
 from nodes.views.nodes import get_node, start_node_job
@@ -18,8 +19,6 @@ from ramdeck_site.roles import ADMIN, OPERATOR, role_required
 @role_required(OPERATOR)
 @require_POST
 def calibrate_now(request, name: str):
-    from calibration.store import start_calibration
-
     node = get_node(name)
     if not node.enabled or node.pending_host_key:
         messages.error(request, f"{node.name} is disabled or awaits host-key approval: nothing runs there.")
@@ -33,7 +32,6 @@ def calibrate_now(request, name: str):
 @require_POST
 def calibrate_all(request):
     """One calibration job per enabled node that has a build and devices; Celery runs them in parallel."""
-    from calibration.store import start_calibration
 
     started, skipped = [], []
     with transaction.atomic():

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 from django.urls import reverse
 
+from builds.models import Build
+from deployments.models import Deployment
+from modelfiles.models import ModelFile
+from nodes.models import Credential, Node, Transport
+
 
 @dataclass(frozen=True)
 class FirstRunState:
@@ -98,10 +103,6 @@ def checklist(state: FirstRunState) -> list[Step]:
 
 def gather_state() -> FirstRunState:
     """The facts `checklist` needs, in a handful of queries."""
-    from builds.models import Build
-    from deployments.models import Deployment
-    from modelfiles.models import ModelFile
-    from nodes.models import Credential, Node, Transport
 
     nodes = Node.objects.filter(enabled=True)
     awaiting = nodes.exclude(pending_host_key="").values_list("name", flat=True).first() or ""

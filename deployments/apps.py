@@ -8,6 +8,7 @@ class DeploymentsConfig(AppConfig):
     verbose_name = "Deployments"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
 
         steps = "deployments.steps"
@@ -17,7 +18,11 @@ class DeploymentsConfig(AppConfig):
             "deploy", "Deploy", f"{runs}.deploy_body", needs_transport=False, on_end=f"{runs}.deploy_ended"
         )
         kinds.register(
-            "heal", "Self-heal", f"{runs}.heal_body", needs_transport=False, on_end=f"{runs}.deploy_ended"
+            "heal",
+            "Self-heal",
+            "deployments.lifecycle.healing.heal_body",
+            needs_transport=False,
+            on_end=f"{runs}.deploy_ended",
         )
         kinds.register(
             "undeploy",

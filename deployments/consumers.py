@@ -12,6 +12,7 @@ from django.template.loader import render_to_string
 
 from deployments import live
 from deployments.models import Deployment
+from deployments.views.run import run_context
 from jobs.sockets import FORBIDDEN, CoalescedRenderConsumer, UserBoundConsumer
 from ramdeck_site.roles import can_view
 
@@ -55,8 +56,6 @@ class DeploymentConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsoc
         self.render_soon()
 
     def render(self) -> str:
-        from deployments.views.run import run_context
-
         deployment = (
             Deployment.objects.select_related("coordinator", "model_file", "created_by")
             .filter(pk=self.deployment_id)

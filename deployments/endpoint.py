@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from django import forms
 
+from deployments.models import ACTIVE_STATES, ResourceClaim
 from nodes.models import Node
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -92,7 +93,6 @@ def reach_of(node: Node, host: str) -> str:
 
 def _ports_held(node: Node) -> dict[int, str]:
     """Ports of this node that active deployments claim: {port: the deployment holding it}."""
-    from deployments.models import ACTIVE_STATES, ResourceClaim
 
     held = {}
     claims = ResourceClaim.objects.filter(

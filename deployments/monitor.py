@@ -19,10 +19,11 @@ from django.utils import timezone
 
 from audit.history import record
 from deployments import live
+from deployments.endpoint import endpoint_url
 from deployments.lifecycle import healing
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 from jobs.aio import run_to_completion
-from llamacpp.reaper import Holder, find_holders
+from llamacpp.reaper import Holder, find_holders, runs_our_program
 from nodes.models import Node
 from remote.base import TransportError, open_transport
 from remote.bounded_http import AnswerTooLarge, fetch
@@ -113,7 +114,6 @@ class Seen:
 async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[int, str], list[dict]]:
     """({pid: reason} for the processes on `node` that are gone or cannot be checked, a status row per
     process). A PID alive but running another program (reused after ours ended) counts as gone."""
-    from llamacpp.reaper import runs_our_program
 
     dead: dict[int, str] = {}
     status: dict[int, dict] = {}
@@ -205,8 +205,6 @@ async def _observe_all(checks: list[Check]) -> list[Seen | BaseException]:
 
 
 def _prepare(deployment: Deployment) -> Check:
-    from deployments.endpoint import endpoint_url
-
     groups = processes_by_node(deployment)
     key = deployment.api_key() if deployment.api_key_encrypted else ""
     return Check(deployment, {n: _transport(n) for n in groups}, groups, endpoint_url(deployment), key)

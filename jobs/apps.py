@@ -8,6 +8,7 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
         from jobs import sockets as watchers
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from django.conf import settings
 from django.utils.module_loading import import_string
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ def choices() -> list[tuple[str, str]]:
 def time_limit_for(name: str) -> float:
     """Seconds a job of this kind may run before the runner stops it: the kind's own limit, else
     RAMDECK_JOB_TIME_LIMIT_S."""
-    from django.conf import settings
 
     kind = _KINDS.get(name)
     return float((kind.time_limit if kind else None) or settings.RAMDECK_JOB_TIME_LIMIT_S)
@@ -93,7 +93,6 @@ def time_limit_for(name: str) -> float:
 
 def queue_for(name: str) -> str | None:
     """The Celery queue of a kind's jobs: None for Celery's default queue, else the control queue."""
-    from django.conf import settings
 
     kind = _KINDS.get(name)
     return settings.RAMDECK_CONTROL_QUEUE if kind is not None and kind.queue == CONTROL else None

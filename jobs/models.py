@@ -11,7 +11,10 @@ from django.db.models import F
 from django.urls import reverse
 from django.utils import timezone
 
+from audit import history
 from jobs import kinds
+from ramdeck_site.celery import app
+from ramdeck_site.roles import can_administer, can_view
 from remote.text import printable
 
 logger = logging.getLogger(__name__)
@@ -60,7 +63,6 @@ def may_use_local_node(user, node) -> bool:
     """False for a person without the admin role asking for work on the console's own host."""
     if node is None or user is None or not getattr(node, "is_local", False):
         return True
-    from ramdeck_site.roles import can_administer
 
     return can_administer(user)
 
@@ -78,8 +80,6 @@ def refuse_local_node(user, node, what: str = "Jobs", *, request=None) -> None:
     if may_use_local_node(user, node):
         return
     if request is not None:
-        from audit import history
-
         history.record(
             request,
             "permission_denied",
@@ -99,7 +99,6 @@ def may_read_log(user, job: Job) -> bool:
     command's output, a build's environment), so only admins read those logs. A job whose node was deleted
     can no longer tell where it ran, and counts as one of them. Viewers read every other log.
     """
-    from ramdeck_site.roles import can_administer, can_view
 
     if not can_view(user):
         return False
@@ -112,7 +111,6 @@ def refuse_log(request, job: Job) -> None:
     """Raise LocalNodeRefused (after an audit entry) when the request's user may not read `job`'s log."""
     if may_read_log(request.user, job):
         return
-    from audit import history
 
     history.record(
         request,
@@ -233,7 +231,6 @@ class Job(models.Model):
 
     def send_to_worker(self) -> bool:
         """Publish the run task now, on the kind's queue; True when the broker took it."""
-        from ramdeck_site.celery import app
 
         Job.objects.filter(pk=self.pk).update(
             enqueued_at=timezone.now(), enqueue_count=F("enqueue_count") + 1

@@ -28,6 +28,7 @@ from django.utils import timezone
 from jobs import broadcast, kinds
 from jobs.aio import open_transport_for, run_to_completion, with_own_db_thread
 from jobs.models import RUN_TASK, Job, JobState, LogStream
+from ramdeck_site.celery import app
 from remote.base import TransportError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ HOPELESS_AFTER_S = 600.0
 
 def alive_workers(timeout: float = 1.0) -> set[str] | None:
     """Hostnames of the Celery workers that answer a ping; None when the broker cannot be asked."""
-    from ramdeck_site.celery import app
 
     try:
         # A connection of its own, closed afterwards: a pooled one would keep the reply queue's pending
@@ -247,7 +247,6 @@ def job_ids_in_broker() -> set[int] | None:
     """Ids of the jobs whose run task waits in a queue of the Redis broker or is held unacknowledged by a
     worker; None when the broker cannot be read that way (then every suspect is sent again: a duplicate
     message is harmless, the runner's claim makes it a no-op)."""
-    from ramdeck_site.celery import app
 
     queues = {app.conf.task_default_queue, settings.RAMDECK_CONTROL_QUEUE}
     try:

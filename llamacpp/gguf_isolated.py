@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from llamacpp import gguf as gguf_profile
+from remote.local import scrubbed_env
 
 # Added to what the child has mapped after its imports (about 18 MiB). A 60 MiB header at every limit at
 # once (65,536 tensors, 4,096 blocks, 262,144 kept values, 1.9 million strings) peaked 104 MiB above that.
@@ -60,8 +61,6 @@ class HeaderReader:
         self._process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> HeaderReader:
-        from remote.local import scrubbed_env
-
         # The child needs no secret of the console's; should it have to import the whole `gguf` package
         # (llamacpp/gguf_child.py), numpy gets one BLAS thread rather than one per core.
         env = scrubbed_env({"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})

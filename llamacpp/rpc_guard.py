@@ -133,6 +133,8 @@ def tag_for(deployment_pk: int, node_name: str, console: str = "") -> str:
 
 def new_key_pair(comment: str) -> tuple[str, str]:
     """(private key in OpenSSH format, public key line) of a fresh Ed25519 key (asyncssh's generator)."""
+    # Imported here: asyncssh (and the cryptography library under it) is heavy, and the planner and the
+    # log parsers that share this package never need it.
     import asyncssh
 
     key = asyncssh.generate_private_key("ssh-ed25519", comment=comment)

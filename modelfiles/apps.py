@@ -8,6 +8,7 @@ class ModelfilesConfig(AppConfig):
     verbose_name = "Model files"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
 
         kinds.register("download", "Download model", "modelfiles.download.download_body")

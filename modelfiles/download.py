@@ -29,11 +29,14 @@ import re
 from typing import TYPE_CHECKING
 
 from django.conf import settings
+from django.db import IntegrityError, transaction
 
+from audit import history
 from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp import gguf as gguf_profile
 from modelfiles import fetch_policy
+from modelfiles.models import ModelFile
 from modelfiles.register import PROFILE_TIMEOUT_S, file_sizes, mib, read_model_profile
 from remote.base import TransportError, shell_join
 
@@ -350,11 +353,6 @@ async def _check_sha256(ctx: JobContext, part: str, expected: str) -> str:
 
 
 def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
-    from django.db import IntegrityError, transaction
-
-    from audit import history
-    from modelfiles.models import ModelFile
-
     try:
         with transaction.atomic():
             model = ModelFile.objects.create(

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
 
+from ramdeck_site import crypto
+
 QUERY_HIDDEN = "[query hidden]"
 
 
@@ -51,14 +53,12 @@ def url_fingerprint(url: str) -> str:
 
 def secret_params(url: str) -> dict[str, str]:
     """Job parameters for a download URL: shown redacted, the real one encrypted (audit redacts the key)."""
-    from ramdeck_site import crypto
 
     return {"url": redact_url(url), "url_secret": crypto.encrypt(url)}
 
 
 def real_url(params: dict) -> str:
     """The URL to fetch: decrypted from `url_secret`; older jobs kept it in plain `url`."""
-    from ramdeck_site import crypto
 
     token = params.get("url_secret")
     return crypto.decrypt(token) if token else params.get("url", "")

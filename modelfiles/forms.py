@@ -12,12 +12,12 @@ from jobs.models import Job
 from modelfiles import fetch_policy
 from modelfiles.models import ModelFile
 from nodes.models import Node, Transport
+from ramdeck_site.roles import can_administer
 from remote.text import printable
 
 
 def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
     """The console's own host is not offered to others (jobs/models.py refuses them there anyway)."""
-    from ramdeck_site.roles import can_administer
 
     if user is not None and not can_administer(user):
         form.fields["node"].queryset = form.fields["node"].queryset.exclude(transport=Transport.LOCAL)

@@ -8,6 +8,7 @@ class NodesConfig(AppConfig):
     verbose_name = "Nodes"
 
     def ready(self) -> None:
+        # Imported here, as Django wants: apps.py is loaded before the app registry is ready.
         from jobs import kinds
         from jobs.aio import register_node_transport
         from nodes.transports import transport_for

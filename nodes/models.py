@@ -13,6 +13,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
 
+from llamacpp.rpc_guard import binds_everywhere
 from nodes.validators import validate_host
 from ramdeck_site import crypto
 from remote.text import printable
@@ -220,7 +221,6 @@ class Node(models.Model):
     @property
     def rpc_binds_everywhere(self) -> bool:
         """An admin let ggml-rpc-server listen on every interface: it has no authentication, so say so."""
-        from llamacpp.rpc_guard import binds_everywhere
 
         return binds_everywhere(self.rpc_bind_address)
 

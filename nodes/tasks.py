@@ -7,6 +7,7 @@ import logging
 from celery import shared_task
 
 from nodes.models import Node
+from nodes.probe.job import start_probe
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +16,6 @@ logger = logging.getLogger(__name__)
 def probe_all_nodes() -> list[int]:
     """Beat: one probe job per enabled node, unless one is already active or a host key awaits an admin
     (probing again would only repeat "not approved" until someone looks at the node page)."""
-    from nodes.probe.job import start_probe
 
     created = []
     for node in Node.objects.filter(enabled=True, pending_host_key=""):

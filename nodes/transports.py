@@ -5,8 +5,10 @@ without importing this app."""
 
 from __future__ import annotations
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 
+from nodes.models import CredentialKind, Node
 from remote.base import HostKeyChanged, HostKeyUnknown, Transport, TransportError
 from remote.local import LocalTransport
 from remote.ssh import SSHTarget, SSHTransport
@@ -31,8 +33,6 @@ class NodeSSHTransport(SSHTransport):
         self.node_pk = node_pk
 
     async def connect(self) -> None:
-        from asgiref.sync import sync_to_async
-
         try:
             await super().connect()
         except (HostKeyUnknown, HostKeyChanged) as exc:
@@ -44,24 +44,17 @@ class NodeSSHTransport(SSHTransport):
 
 
 def _record_offered_key(node_pk: int, exc: HostKeyUnknown | HostKeyChanged) -> None:
-    from nodes.models import Node
-
     Node(pk=node_pk).record_offered_host_key(
         exc.offered_key, exc.fingerprint, changed=isinstance(exc, HostKeyChanged), message=str(exc)
     )
 
 
 def _record_unreachable(node_pk: int, message: str) -> None:
-    from nodes.models import Node
-
     Node(pk=node_pk).mark_unreachable(message)
 
 
 def target_for_node(node) -> SSHTarget:
     """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
-    from django.conf import settings
-
-    from nodes.models import CredentialKind
 
     target = SSHTarget(
         host=node.address,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from django.conf import settings
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 
@@ -15,8 +16,6 @@ app.autodiscover_tasks()
 
 @app.on_after_finalize.connect
 def _schedule_periodic_work(sender, **kwargs):
-    from django.conf import settings
-
     schedule = {}
     if settings.RAMDECK_PROBE_INTERVAL_S:
         schedule["probe-all-nodes"] = {

@@ -56,6 +56,7 @@ def require_role(request, needed: str) -> None:
     the console's own host needs more than a command on a remote node).
     """
     if not has_role(request.user, needed):
+        # Imported here: this module is loaded with the app registry (by admin_site.py), before models may be.
         from audit import history
 
         history.record(

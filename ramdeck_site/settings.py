@@ -8,6 +8,7 @@ ImproperlyConfigured naming the variable, rather than surfacing later as a confu
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import secrets
 import tempfile
@@ -542,7 +543,6 @@ if RAMDECK_TRUST_PROXY_HEADER:
 
 def env_networks(name: str, default: list[str]) -> list[str]:
     """Comma-separated addresses or CIDRs, each checked: a typo must not silently trust nobody, or all."""
-    import ipaddress
 
     networks = []
     for item in env_list(name, default):

@@ -23,7 +23,11 @@ from deployments.lifecycle.actions import (
     runs_of,
     stop_steps,
 )
+from deployments.lifecycle.runs import audit_run, run_steps, teardown
 from deployments.models import Deployment, DeploymentState
+from deployments.steps.common import load_deployment
+from jobs.aio import db
+from jobs.context import JobContext
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job
 
@@ -77,9 +81,6 @@ def start_heal(deployment: Deployment) -> Job | None:
 
 async def heal_failed(ctx, deployment: Deployment, step: str, reason: str) -> None:
     """A step of the attempt failed: end what it started; degraded again, or failed after the last try."""
-    from deployments.lifecycle.runs import teardown
-    from jobs.aio import db
-
     failures = await teardown(ctx, deployment, "rollback")
     await db(_settle_failed_attempt)(deployment, step, reason, failures)
 
@@ -99,3 +100,15 @@ def _settle_failed_attempt(deployment: Deployment, step: str, reason: str, failu
         due = next_attempt_at(deployment)
         changes["next_attempt_at"] = due.isoformat() if due else None
         record(None, "deployment.heal_failed", deployment, changes=changes, actor_name="self-heal")
+
+
+async def heal_body(ctx: JobContext) -> str:
+    """A self-healing attempt: the heal run's steps stop what is left, then start and verify everything
+    again. Not back to running: rolled back, degraded again (or failed, when it was the last attempt
+    allowed)."""
+    deployment = await load_deployment(ctx)
+    await run_steps(ctx, deployment, on_failure=heal_failed)
+    await db(audit_run)(
+        deployment, "deployment.healed", {"attempt": deployment.heal_attempts, "run": ctx.job.pk}
+    )
+    return f"{deployment} is running again."

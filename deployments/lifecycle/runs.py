@@ -31,6 +31,7 @@ from deployments.lifecycle.actions import (
     stop_steps,
 )
 from deployments.models import Deployment, DeploymentState
+from deployments.steps.common import load_deployment
 from jobs import sweeper
 from jobs.aio import db
 from jobs.context import JobCancelled, JobContext, JobFailed
@@ -43,10 +44,6 @@ logger = logging.getLogger(__name__)
 WAIT_POLL_S = 0.5
 
 
-def _deployment(pk: int) -> Deployment:
-    return Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
-
-
 def _steps_of(run: Job) -> list[tuple[str, Job]]:
     steps = run.children.select_related("deployment_step").order_by("deployment_step__order", "pk")
     return [(job.deployment_step.name, job) for job in steps]
@@ -57,7 +54,8 @@ def _state_of(deployment: Deployment) -> str:
     return deployment.state
 
 
-def _audit(deployment: Deployment, action: str, changes: dict) -> None:
+def audit_run(deployment: Deployment, action: str, changes: dict) -> None:
+    """An audit entry of a run, in the name of whoever created the deployment."""
     record(deployment.created_by, action, deployment, changes=changes)
 
 
@@ -67,23 +65,9 @@ def _audit(deployment: Deployment, action: str, changes: dict) -> None:
 
 
 async def deploy_body(ctx: JobContext) -> str:
-    deployment = await db(_deployment)(ctx.job.params["deployment"])
+    deployment = await load_deployment(ctx)
     await run_steps(ctx, deployment, on_failure=fail_and_roll_back)
     return f"{deployment} is running."
-
-
-async def heal_body(ctx: JobContext) -> str:
-    """A self-healing attempt (deployments/lifecycle/healing.py): the heal run's steps stop what is left,
-    then start and verify everything again. Not back to running: rolled back, degraded again (or failed,
-    when it was the last attempt allowed)."""
-    from deployments.lifecycle.healing import heal_failed
-
-    deployment = await db(_deployment)(ctx.job.params["deployment"])
-    await run_steps(ctx, deployment, on_failure=heal_failed)
-    await db(_audit)(
-        deployment, "deployment.healed", {"attempt": deployment.heal_attempts, "run": ctx.job.pk}
-    )
-    return f"{deployment} is running again."
 
 
 async def run_steps(ctx: JobContext, deployment: Deployment, *, on_failure) -> None:
@@ -103,7 +87,7 @@ async def run_steps(ctx: JobContext, deployment: Deployment, *, on_failure) -> N
         await on_failure(ctx, deployment, name, reason)
         raise JobFailed(reason)
     if await db(deployment.mark_running)():
-        await db(_audit)(
+        await db(audit_run)(
             deployment,
             "deployment.running",
             {"decode_tps": deployment.measured_decode_tps, "prompt_tps": deployment.measured_prompt_tps},
@@ -128,7 +112,7 @@ async def fail_and_roll_back(ctx: JobContext, deployment: Deployment, step: str,
             failures
         )
     await db(deployment.fail)(step, reason)
-    await db(_audit)(
+    await db(audit_run)(
         deployment, "deployment.failed", {"step": step, "reason": reason, "rollback_failures": failures}
     )
     return failures
@@ -152,7 +136,7 @@ async def teardown(ctx: JobContext, deployment: Deployment, name: str) -> list[s
 
 
 async def undeploy_body(ctx: JobContext) -> str:
-    deployment = await db(_deployment)(ctx.job.params["deployment"])
+    deployment = await load_deployment(ctx)
     await wait_for_deploy_run(ctx, deployment)
     state = await db(_state_of)(deployment)
     fail = ctx.job.params.get("fail")
@@ -166,10 +150,10 @@ async def undeploy_body(ctx: JobContext) -> str:
     failures = await teardown(ctx, deployment, "stop")
     if failures:
         await db(deployment.fail)("stop", "; ".join(failures))
-        await db(_audit)(deployment, "deployment.stop_failed", {"reason": failures})
+        await db(audit_run)(deployment, "deployment.stop_failed", {"reason": failures})
         raise JobFailed("Stopping did not end everything: " + "; ".join(failures))
     if await db(deployment.mark_stopped)():
-        await db(_audit)(deployment, "deployment.stopped", {"ports_free": True})
+        await db(audit_run)(deployment, "deployment.stopped", {"ports_free": True})
     if ctx.job.params.get("restart"):
         # Whoever pressed Restart (the stop run's creator), else the deployment's.
         actor = await db(lambda: ctx.job.created_by or deployment.created_by)()
@@ -241,7 +225,7 @@ def deploy_ended(run: Job) -> None:
     step = _failed_step(run)
     if run.state == JobState.CANCELLED and run.result == "Cancelled by an operator.":
         if deployment.mark_stopping(reason="The deploy run was cancelled on its job page."):
-            _audit(deployment, "deployment.stop", {"from": "run cancelled", "run": run.pk})
+            audit_run(deployment, "deployment.stop", {"from": "run cancelled", "run": run.pk})
         start_undeploy(deployment)
         return
     reason = f"{step}: {run.result or run.get_state_display()}"
@@ -269,4 +253,4 @@ def undeploy_ended(run: Job) -> None:
         f"Stopping failed {MAX_UNDEPLOY_RUNS} times, last: {run.result}. Check its processes and reap them."
     )
     if deployment.fail("stop", reason):
-        _audit(deployment, "deployment.stop_failed", {"reason": [reason]})
+        audit_run(deployment, "deployment.stop_failed", {"reason": [reason]})

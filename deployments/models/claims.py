@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from django.db import models
 from django.utils import timezone
 
+from nodes.models import Node
+
 if TYPE_CHECKING:
     from deployments.models.deployment import Deployment
 
@@ -56,8 +58,6 @@ class ResourceClaim(models.Model):
 
     @classmethod
     def claim_for(cls, deployment: Deployment) -> None:
-        from nodes.models import Node
-
         wanted = cls.wanted_by(deployment)
         nodes = {n.name: n for n in Node.objects.filter(name__in={name for name, _ in wanted})}
         cls.objects.bulk_create(

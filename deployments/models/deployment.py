@@ -10,6 +10,7 @@ from django.utils import timezone
 from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
 from modelfiles.models import ModelFile
+from nodes.models import Node
 from ramdeck_site import crypto
 from remote.text import printable, printable_json
 
@@ -161,7 +162,6 @@ class Deployment(models.Model):
         prediction leaned on most (the largest share of the predicted time)."""
         if not self.speed_is_off:
             return []
-        from nodes.models import Node
 
         share: dict[str, float] = {}
         for item in (self.plan or {}).get("placements", []):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from audit.history import record
+from deployments.models import Deployment
 from jobs.aio import db
 
 
 def deployment_with_nodes(pk: int):
-    from deployments.models import Deployment
-
     return Deployment.objects.select_related("coordinator", "model_file").get(pk=pk)
 
 
@@ -16,6 +16,4 @@ async def load_deployment(ctx):
 
 
 def audit_step(job, action: str, obj, changes: dict) -> None:
-    from audit.history import record
-
     record(job.created_by, action, obj, changes=changes, actor_name="" if job.created_by_id else "console")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
+from deployments.models import ACTIVE_STATES, Deployment, ResourceClaim
 from deployments.steps.common import audit_step
 from jobs.aio import db
 from jobs.context import JobFailed
@@ -13,7 +14,6 @@ from llamacpp.reaper import ForeignHolder, PortStillBusy, find_holders, reap_por
 
 def _owner_of(node, port: int, pid: int) -> str:
     """Which active deployment holds this port or PID of the node ("" when none does)."""
-    from deployments.models import ACTIVE_STATES, Deployment, ResourceClaim
 
     claim = (
         ResourceClaim.objects.filter(node=node, resource=f"port:{port}", deployment__state__in=ACTIVE_STATES)

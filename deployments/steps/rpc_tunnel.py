@@ -15,6 +15,7 @@ llamacpp/rpc_guard.py.
 from __future__ import annotations
 
 import contextlib
+import asyncio
 import posixpath
 import secrets
 
@@ -23,11 +24,15 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments.steps.common import audit_step, load_deployment
+from deployments.models import ResourceClaim
+from deployments.steps.common import load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, write_secret_file
 from llamacpp import rpc_guard
 from llamacpp.reaper import find_holders
+from nodes.models import Node
+from nodes.transports import transport_for
 from remote.base import TransportError
 
 # How many loopback ports the step tries on the coordinator before it gives up.
@@ -35,15 +40,7 @@ PORT_ATTEMPTS = 20
 
 
 def _worker(pk: int):
-    from nodes.models import Node
-
     return Node.objects.select_related("credential").get(pk=pk)
-
-
-def _transport_for(node):
-    from nodes.transports import transport_for
-
-    return transport_for(node)
 
 
 def authorized_keys_path(node, home: str) -> str:
@@ -55,7 +52,6 @@ def authorized_keys_path(node, home: str) -> str:
 
 def _claim_port(deployment, node, port: int) -> bool:
     """Hold port `port` of the coordinator for this deployment (already held by it: fine)."""
-    from deployments.models import ResourceClaim
 
     resource = f"port:{port}"
     if ResourceClaim.objects.filter(node=node, resource=resource, deployment=deployment).exists():
@@ -69,8 +65,6 @@ def _claim_port(deployment, node, port: int) -> bool:
 
 
 def _release_port(deployment, node, port: int) -> None:
-    from deployments.models import ResourceClaim
-
     ResourceClaim.objects.filter(node=node, resource=f"port:{port}", deployment=deployment).delete()
 
 
@@ -164,7 +158,7 @@ async def install_key(ctx, deployment, worker, port: int, tag: str, public: str,
     lines this deployment wrote, whatever happens in between."""
     first = rpc_guard.discovery_line(public, tag)
     key = f"authorized-key@{worker.name}"
-    transport = await db(_transport_for)(worker)
+    transport = await db(transport_for)(worker)
     async with transport:
         home = (await transport.run(["printenv", "HOME"], timeout=30)).stdout.strip() or "/root"
         path = authorized_keys_path(worker, home)
@@ -222,7 +216,6 @@ async def start_forward(ctx, deployment, argv_for, log_path: str) -> tuple[int, 
 
 async def wait_forward(ctx, pid: int, port: int, *, timeout: float = 30.0) -> bool:
     """True once `pid` listens on `port`; False when it exited first."""
-    import asyncio
 
     platform = ctx.node.platform
     deadline = asyncio.get_running_loop().time() + timeout

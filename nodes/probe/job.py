@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from audit import history
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.models import Job
@@ -44,7 +45,6 @@ def start_detected_install_build(node: Node, *, user=None, request=None) -> Job 
     """Queue the build job that records the llama.cpp install the last probe found on `node` (nothing is
     compiled: the job runs the binaries for their version and RPC protocol). None when there is nothing
     new to record or a build of the node is already queued or running. Audited."""
-    from audit import history
 
     with transaction.atomic():
         locked = Node.objects.select_for_update().get(pk=node.pk)

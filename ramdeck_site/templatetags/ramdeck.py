@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from django import template
 
 register = template.Library()
@@ -51,8 +53,6 @@ def pct_of(part, whole) -> float:
 
 
 def _loopback(address: str | None) -> bool:
-    import ipaddress
-
     try:
         return ipaddress.ip_address((address or "").split("%", 1)[0]).is_loopback
     except ValueError:
