@@ -13,7 +13,7 @@ from audit.sentences import details, sentence, what
 
 
 class AuditEventQuerySet(models.QuerySet):
-    def update(self, **kwargs):  # noqa: D102 - append-only
+    def update(self, **kwargs):
         raise PermissionError("Audit events are append-only.")
 
     def delete(self):

@@ -26,14 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 
-import django  # noqa: E402
+import django
 
 django.setup()
 
-from llamacpp.logs import parse_server_version  # noqa: E402
-from nodes.probe.collect import collect  # noqa: E402
-from remote.ssh import SSHTarget, SSHTransport  # noqa: E402
-from tests.lab.netlab import Lab, LabHost, cleanup_leftovers  # noqa: E402
+from llamacpp.logs import parse_server_version
+from nodes.probe.collect import collect
+from remote.ssh import SSHTarget, SSHTransport
+from tests.lab.netlab import Lab, LabHost, cleanup_leftovers
 
 
 async def probe_one(lab: Lab, host: LabHost, known_server: tuple[str, str] | None = None) -> int:

@@ -17,8 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planning import planner  # noqa: E402
-from planning.planner import GIB, Device, Node, Settings  # noqa: E402
+from planning import planner
+from planning.planner import GIB, Device, Node, Settings
 
 MB = 1000 * 1000
 

@@ -61,31 +61,31 @@ os.environ["DATABASE_URL"] = f"sqlite:///{WORKDIR / 'console.sqlite3'}"
 os.environ["RAMDECK_VAR_DIR"] = str(WORKDIR / "var")
 os.environ["ALLOWED_HOSTS"] = "testserver,localhost"
 
-import django  # noqa: E402
+import django
 
 django.setup()
 
-import httpx  # noqa: E402
-from django.conf import settings  # noqa: E402
-from django.core.management import call_command  # noqa: E402
-from django.test import Client  # noqa: E402
-from django.urls import reverse  # noqa: E402
+import httpx
+from django.conf import settings
+from django.core.management import call_command
+from django.test import Client
+from django.urls import reverse
 
 # Job log lines go to the database; nobody watches them live here.
 settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
-from deployments.lifecycle import actions as lifecycle  # noqa: E402
-from deployments.models import Deployment, DeploymentState  # noqa: E402
-from jobs.models import Job, JobState  # noqa: E402
-from jobs.runner import run_job  # noqa: E402
-from llamacpp.gguf import profile_path  # noqa: E402
-from llamacpp.tiny_model import TinyLlama, write_tiny_llama  # noqa: E402
-from modelfiles.models import ModelFile  # noqa: E402
-from nodes.models import Node  # noqa: E402
-from tests.deploy_fixtures import lab_node, listeners_in, route_between  # noqa: E402
-from tests.factories import UserFactory  # noqa: E402
-from tests.lab.netlab import Lab, LabHost, cleanup_leftovers, kill_pid  # noqa: E402
-from tests.llamacpp_build import require_llamacpp  # noqa: E402
+from deployments.lifecycle import actions as lifecycle
+from deployments.models import Deployment, DeploymentState
+from jobs.models import Job, JobState
+from jobs.runner import run_job
+from llamacpp.gguf import profile_path
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles.models import ModelFile
+from nodes.models import Node
+from tests.deploy_fixtures import lab_node, listeners_in, route_between
+from tests.factories import UserFactory
+from tests.lab.netlab import Lab, LabHost, cleanup_leftovers, kill_pid
+from tests.llamacpp_build import require_llamacpp
 
 MIB = 2**20
 RPC_PORT = 50052

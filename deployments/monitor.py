@@ -244,7 +244,7 @@ def check_deployments(deployments: list[Deployment]) -> dict[int, str]:
     for deployment in deployments:
         try:
             checks.append(_prepare(deployment))
-        except Exception:  # noqa: BLE001 - one broken deployment must not stop the check of the others.
+        except Exception:
             logger.exception("Preparing the check of deployment %s failed.", deployment.pk)
     results = run_to_completion(lambda: _observe_all(checks)) if checks else []
     outcome = {}
@@ -253,7 +253,7 @@ def check_deployments(deployments: list[Deployment]) -> dict[int, str]:
             if isinstance(seen, BaseException):
                 raise seen
             outcome[check.deployment.pk] = _apply(check.deployment, seen)
-        except Exception:  # noqa: BLE001 - as above
+        except Exception:
             logger.exception("Checking deployment %s failed.", check.deployment.pk)
     return outcome
 

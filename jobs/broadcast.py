@@ -141,5 +141,5 @@ async def _group_send(group: str, message: dict) -> None:
         return
     try:
         await layer.group_send(group, message)
-    except Exception as exc:  # noqa: BLE001 - the data is saved; a watcher catches up on reload or reconnect.
+    except Exception as exc:
         logger.warning("Could not send to channel group %s: %s", group, exc)

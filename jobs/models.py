@@ -237,7 +237,7 @@ class Job(models.Model):
         )
         try:
             app.send_task(RUN_TASK, args=[self.pk], queue=kinds.queue_for(self.kind))
-        except Exception as exc:  # noqa: BLE001 - any broker failure: the sweeper sends it again.
+        except Exception as exc:
             logger.warning(
                 "Job %s: could not send it to a worker (%s); the sweeper will retry.", self.pk, exc
             )

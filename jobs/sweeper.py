@@ -49,7 +49,7 @@ def alive_workers(timeout: float = 1.0) -> set[str] | None:
         # on it when kombu closes inherited connections after the fork.
         with app.connection_for_write() as connection:
             replies = app.control.ping(timeout=timeout, connection=connection) or []
-    except Exception as exc:  # noqa: BLE001 - an unreachable broker must not stop the sweep.
+    except Exception as exc:
         logger.warning("Could not ping Celery workers: %s", exc)
         return None
     return {name for reply in replies for name in reply}
@@ -193,7 +193,7 @@ def abandon(job: Job, reason: str) -> bool:
     if kind is not None:
         try:
             kind.ended(job)
-        except Exception:  # noqa: BLE001 - the job is marked; the hook's failure must not stop the sweep.
+        except Exception:
             logger.exception("Job %s: the %s kind's on_end hook failed.", job.pk, job.kind)
     return True
 
@@ -254,7 +254,7 @@ def job_ids_in_broker() -> set[int] | None:
             client = connection.default_channel.client
             payloads = [item for queue in queues for item in client.lrange(queue, 0, -1)]
             payloads += list(client.hvals("unacked"))
-    except Exception as exc:  # noqa: BLE001 - not Redis, or unreachable: say so and fall back.
+    except Exception as exc:
         logger.warning("Could not read the broker's queues: %s", exc)
         return None
     found = set()
@@ -288,7 +288,7 @@ def _deal_with_remote_process(job: Job) -> list[str]:
         alive, ended = run_to_completion(lambda: with_own_db_thread(_check_and_end(job, pid, end=end)))
     except TransportError as exc:
         return [f"Could not reach {where} to end process {pid}: {exc}"]
-    except Exception as exc:  # noqa: BLE001 - the job is already marked; report, do not crash the sweep.
+    except Exception as exc:
         logger.exception("Job %s: ending process %s failed", job.pk, pid)
         return [f"Could not end process {pid} on {where}: {type(exc).__name__}: {exc}"]
     if not alive:

@@ -71,7 +71,7 @@ def _sweep_previous_life(sender=None, **kwargs) -> None:
         return
     try:
         lost = sweeper.sweep_own_jobs(hostname, _started_at or timezone.now())
-    except Exception:  # noqa: BLE001 - a failed sweep must not stop the worker from starting.
+    except Exception:
         logger.exception("Sweeping the jobs of %s's previous run failed.", hostname)
         return
     if lost:

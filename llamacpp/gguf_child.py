@@ -88,7 +88,7 @@ def serve(budget: int) -> None:
             }
         except gguf_profile.GGUFError as exc:
             answer = {"error": type(exc).__name__, "message": str(exc), "needed": getattr(exc, "needed", 0)}
-        except Exception as exc:  # noqa: BLE001 - a defect here must reach the form, not hang the console
+        except Exception as exc:
             answer = {"error": "GGUFError", "message": f"The GGUF header could not be read ({exc!r:.300})."}
         stdout.write(json.dumps(answer) + "\n")
         stdout.flush()

@@ -88,7 +88,7 @@ async def model_register(request):
             profile = await _read_profile(node, path)
         except gguf_profile.GGUFError as exc:
             form.add_error("path", str(exc))
-        except Exception as exc:  # noqa: BLE001 - a transport failure is shown to the operator, not raised
+        except Exception as exc:
             form.add_error("path", f"Could not read the file on {node.name}: {exc}")
         else:
             if name := await sync_to_async(form.name_from_file)(profile):

@@ -164,7 +164,7 @@ def local_postgres_url() -> str | None:
                 host="127.0.0.1", port=5432, user=user, dbname="postgres", connect_timeout=2
             ):
                 return f"postgres://{user}@127.0.0.1:5432/ramdeck"
-        except Exception:  # noqa: BLE001 - any failure means "not available", which is an answer
+        except Exception:
             continue
     return None
 

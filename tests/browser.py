@@ -181,7 +181,7 @@ def in_own_thread(function, *args, timeout: float = 300):
     def call() -> None:
         try:
             outcome["value"] = function(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test's thread
+        except BaseException as exc:
             outcome["error"] = exc
 
     thread = threading.Thread(target=call)

@@ -15,6 +15,7 @@ pytest_plugins: list[str] = [
     "tests.lab.fixtures",
     "tests.browser",
     "tests.job_fixtures",
+    "tests.fault_fixtures",
     "tests.household",
     "tests.llamacpp_background",
 ]

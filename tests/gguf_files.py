@@ -7,8 +7,6 @@ import struct
 from gguf.constants import GGUF_MAGIC
 from gguf.constants import GGUFValueType as T
 
-from tests.job_fixtures import channel_layer, local_node  # noqa: F401 - fixtures
-
 
 def gguf_str(text: str | bytes) -> bytes:
     data = text.encode() if isinstance(text, str) else text

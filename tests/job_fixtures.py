@@ -1,6 +1,6 @@
 """Fixtures and helpers shared by the job engine's tests (runner, consumers, views, sweeper).
 
-Import the fixtures by name in a test module (`from tests.job_fixtures import local_node, ...`).
+A pytest plugin (registered in tests/conftest.py): its fixtures are every test's; its helpers are imported.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ known point; thawed at once, the step's remaining work (its log lines, its end) 
 step all meet the outage. The run is expected to wait for the database and carry on to `running`.
 """
 
-# ruff: noqa: F811 - the fault_lab fixture is imported from tests/fault_fixtures.py and used as a parameter
 from __future__ import annotations
 
 import json
@@ -24,7 +23,7 @@ from django.utils import timezone
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
 from jobs.models import JobState
-from tests.fault_fixtures import assert_consistent, fault_lab, jobs_of, timed, wait_step  # noqa: F401
+from tests.fault_fixtures import assert_consistent, jobs_of, timed, wait_step
 from tests.private_postgres import ENV, PrivatePostgres
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(1300)]

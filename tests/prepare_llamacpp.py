@@ -18,8 +18,8 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 django.setup()
 
-from tests.llamacpp_build import LlamaCppUnavailable, llamacpp_binaries  # noqa: E402
-from tests.unavailable import in_ci  # noqa: E402
+from tests.llamacpp_build import LlamaCppUnavailable, llamacpp_binaries
+from tests.unavailable import in_ci
 
 
 def end_with_parent(parent: int) -> None:

@@ -12,7 +12,7 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 @register.filter
-def bytes(value) -> str:  # noqa: A001 - reads naturally in templates: {{ n|bytes }}
+def bytes(value) -> str:
     """1536 -> '1.5 KiB'. Binary units, as llama.cpp and the OS report memory."""
     try:
         amount = float(value)

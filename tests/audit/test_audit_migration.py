@@ -25,7 +25,7 @@ def test_audit_events_written_before_the_move_are_all_there_after_it(admin_user)
     try:
         _migrate(BEFORE)
         old_apps = MigrationExecutor(connection).loader.project_state(("jobs", "0002_supervision")).apps
-        OldEvent = old_apps.get_model("jobs", "AuditEvent")  # noqa: N806 - a model class
+        OldEvent = old_apps.get_model("jobs", "AuditEvent")
         OldEvent.objects.create(actor_id=admin_user.pk, actor_name="alice-admin", action="node.create")
         OldEvent.objects.create(action="login", changes={"user": "vera"}, source_ip="10.77.0.9")
         with connection.cursor() as cursor:

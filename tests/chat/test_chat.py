@@ -2,7 +2,6 @@
 OpenAI-style stream. llama-server is a small HTTP server here that streams as llama-server does; the real one
 answers in tests/chat/test_chat_llamacpp.py and in the browser in tests/chat/test_chat_browser.py."""
 
-# ruff: noqa: F811 - the local_node fixture is imported from tests/job_fixtures.py and used as a parameter
 from __future__ import annotations
 
 import json
@@ -20,7 +19,6 @@ from django.urls import reverse
 from chat.relay import ChatInputError, parse_conversation, relay
 from deployments.models import Deployment, DeploymentState
 from modelfiles.models import ModelFile
-from tests.job_fixtures import local_node  # noqa: F401 - a fixture
 
 KEY = "s3cret-key-of-the-deployment"
 
@@ -31,7 +29,7 @@ def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> Threa
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def do_POST(self):  # noqa: N802 - the http.server name
+        def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
             seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
             if self.headers.get("Authorization") != f"Bearer {KEY}":

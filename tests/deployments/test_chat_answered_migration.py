@@ -29,8 +29,8 @@ def test_measured_deployments_count_as_answered_and_the_others_do_not():
     try:
         _migrate(BEFORE)
         old_apps = MigrationExecutor(connection).loader.project_state(BEFORE[0]).apps
-        OldDeployment = old_apps.get_model("deployments", "Deployment")  # noqa: N806 - a model class
-        OldModelFile = old_apps.get_model("deployments", "ModelFile")  # noqa: N806
+        OldDeployment = old_apps.get_model("deployments", "Deployment")
+        OldModelFile = old_apps.get_model("deployments", "ModelFile")
         node_id = NodeFactory(name="box").pk
         model = OldModelFile.objects.create(name="tiny", node_id=node_id, path="/m/tiny.gguf")
         common = {"model_file": model, "coordinator_id": node_id, "plan": {}, "port": 8080}

@@ -4,7 +4,6 @@ real Celery workers, real Redis), each ending in a known state checked by `asser
 Times are printed (run with -s); the worker-crash recovery time is reported, not asserted.
 """
 
-# ruff: noqa: F811 - the fault_lab fixture is imported from tests/fault_fixtures.py and used as a parameter
 from __future__ import annotations
 
 import json
@@ -26,7 +25,7 @@ from deployments.models import Deployment, DeploymentState
 from jobs.models import JobState
 from tests.deploy_fixtures import lab_devices, pid_alive
 from tests.factories import UserFactory
-from tests.fault_fixtures import assert_consistent, fault_lab, jobs_of, our_processes, timed, wait_step  # noqa: F401
+from tests.fault_fixtures import assert_consistent, jobs_of, our_processes, timed, wait_step
 from tests.job_fixtures import wait_for
 from tests.runs import run_latest
 

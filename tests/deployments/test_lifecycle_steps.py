@@ -2,7 +2,6 @@
 HTTP server standing in for llama-server's answers. The full path over SSH and real llama.cpp is
 tests/deployments/test_e2e_deployment.py."""
 
-# ruff: noqa: F811 - the local_node fixture is imported from tests/job_fixtures.py and used as a parameter
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +17,6 @@ from jobs.context import JobFailed
 from jobs.on_node import without_key, write_secret_file
 from llamacpp.reaper import runs_our_program
 from modelfiles.models import ModelFile
-from tests.job_fixtures import local_node  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -41,7 +39,7 @@ class Ctx:
 
 def _serve(answer: dict) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the http.server name
+        def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             body = json.dumps(answer).encode()
             self.send_response(200)
@@ -50,7 +48,7 @@ def _serve(answer: dict) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):  # noqa: N802 - the http.server name
+        def do_GET(self):
             # /health and /metrics, as llama-server answers them.
             if self.path == "/metrics":
                 body = b"llamacpp:tokens_predicted_total 1234\nllamacpp:requests_processing 1\n"

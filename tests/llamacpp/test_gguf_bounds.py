@@ -42,7 +42,6 @@ from tests.gguf_files import (
     gguf_u32,
     llama_kvs,
 )
-from tests.job_fixtures import channel_layer, local_node  # noqa: F401 - fixtures
 from tests.paths import DATA as TEST_DATA
 
 pytestmark = pytest.mark.security
@@ -408,7 +407,7 @@ def test_a_real_model_gives_exactly_the_profile_and_fields_it_gave_before_the_bo
 
 
 def test_registering_the_hostile_file_shows_the_reason_on_the_form_and_creates_nothing(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     settings,
     tmp_path,
@@ -428,8 +427,8 @@ def test_registering_the_hostile_file_shows_the_reason_on_the_form_and_creates_n
 
 @pytest.mark.django_db(transaction=True)
 def test_downloading_the_hostile_file_fails_removes_it_and_registers_nothing(
-    local_node,  # noqa: F811
-    channel_layer,  # noqa: F811
+    local_node,
+    channel_layer,
     settings,
     tmp_path,
 ):

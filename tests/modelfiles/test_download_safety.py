@@ -25,7 +25,6 @@ from modelfiles.download import curl_config
 from modelfiles.models import ModelFile
 from ramdeck_site import crypto
 from tests.downloads import RangeServer, curl_reads_back, download, log_text, post_download, run
-from tests.job_fixtures import channel_layer, local_node  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.security, pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -33,7 +32,7 @@ TOKEN = "hf_s3cr3tT0ken"
 
 
 @pytest.fixture(autouse=True)
-def private_channels(channel_layer):  # noqa: F811
+def private_channels(channel_layer):
     return channel_layer
 
 
@@ -140,7 +139,7 @@ def test_the_query_is_hidden_wherever_a_url_is_shown():
 
 
 def test_the_form_refuses_loopback_and_a_destination_outside_the_model_folder(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     models_dir,
     settings,
@@ -166,7 +165,7 @@ def test_the_form_refuses_loopback_and_a_destination_outside_the_model_folder(
 
 
 def test_a_download_url_is_stored_logged_shown_and_audited_without_its_query(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     models_dir,
     server,
@@ -199,7 +198,7 @@ def test_a_download_url_is_stored_logged_shown_and_audited_without_its_query(
 
 
 def test_the_job_refuses_a_destination_outside_the_model_folder_even_through_a_symlink(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     server,
     settings,
@@ -217,7 +216,7 @@ def test_the_job_refuses_a_destination_outside_the_model_folder_even_through_a_s
 
 
 def test_a_name_that_resolves_to_loopback_is_refused_before_any_request(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     server,
     settings,
@@ -231,7 +230,7 @@ def test_a_name_that_resolves_to_loopback_is_refused_before_any_request(
 
 
 def test_a_redirect_to_an_address_not_allowed_is_refused_before_it_is_followed(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     model_bytes,
     settings,
@@ -253,7 +252,7 @@ def test_a_redirect_to_an_address_not_allowed_is_refused_before_it_is_followed(
 
 
 def test_an_allowed_redirect_chain_is_followed_hop_by_hop(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     server,
     model_bytes,
@@ -271,7 +270,7 @@ def test_an_allowed_redirect_chain_is_followed_hop_by_hop(
     assert TOKEN not in log and (models_dir / "tiny.gguf").read_bytes() == model_bytes
 
 
-def test_redirects_are_capped(local_node, models_dir, settings):  # noqa: F811
+def test_redirects_are_capped(local_node, models_dir, settings):
     settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
     settings.RAMDECK_DOWNLOAD_MAX_REDIRECTS = 3
     loop = Redirector(lambda path: f"/again{len(path)}")
@@ -289,7 +288,7 @@ def test_redirects_are_capped(local_node, models_dir, settings):  # noqa: F811
 
 
 def test_register_by_path_accepts_only_files_under_the_model_folders(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     models_dir,
     tmp_path,
@@ -432,7 +431,7 @@ class Announcer:
         self.server.server_close()
 
 
-def test_a_download_larger_than_the_cap_is_refused_before_any_byte(local_node, models_dir, settings):  # noqa: F811
+def test_a_download_larger_than_the_cap_is_refused_before_any_byte(local_node, models_dir, settings):
     settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
     settings.RAMDECK_DOWNLOAD_MAX_BYTES = 2**30
     big = Announcer(5 * 2**30)
@@ -449,7 +448,7 @@ def test_a_download_larger_than_the_cap_is_refused_before_any_byte(local_node, m
 
 
 def test_a_download_the_destination_has_no_room_for_is_refused_before_any_byte(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     settings,
 ):
@@ -471,7 +470,7 @@ def test_a_download_the_destination_has_no_room_for_is_refused_before_any_byte(
 
 
 def test_a_download_of_unannounced_size_is_stopped_past_the_cap_and_removed(
-    local_node,  # noqa: F811
+    local_node,
     models_dir,
     settings,
 ):
@@ -523,7 +522,7 @@ def test_a_url_with_a_nul_is_refused():
         curl_config("https://example.test/a\x00b")
 
 
-def test_curls_command_line_never_shows_the_url(local_node, models_dir, model_bytes, settings):  # noqa: F811
+def test_curls_command_line_never_shows_the_url(local_node, models_dir, model_bytes, settings):
     """`ps` on the console's host, read from /proc/PID/cmdline while the download runs."""
     settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.1/32"]
     slow = RangeServer({"/tiny.gguf": model_bytes}, pause=0.1)  # about 4 s for the 9 MiB

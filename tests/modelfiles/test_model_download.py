@@ -23,13 +23,13 @@ from modelfiles.models import ModelFile
 from ramdeck_site import crypto
 from tests.deploy_fixtures import lab_node
 from tests.downloads import RangeServer, download, log_text, post_download, run
-from tests.job_fixtures import channel_layer, local_node, wait_for  # noqa: F401 - fixtures
+from tests.job_fixtures import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
 
 @pytest.fixture(autouse=True)
-def private_channels(channel_layer):  # noqa: F811 - the fixture of tests.job_fixtures
+def private_channels(channel_layer):
     return channel_layer
 
 
@@ -79,7 +79,7 @@ def sha256_of(data: bytes) -> str:
 
 
 def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_with_its_hash(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     admin_user,
     server,
@@ -127,7 +127,7 @@ def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_w
 
 
 def test_a_destination_ending_in_a_slash_takes_the_file_name_of_the_url(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     server,
     sent,
@@ -152,7 +152,7 @@ def test_a_destination_ending_in_a_slash_takes_the_file_name_of_the_url(
     ],
 )
 def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     sent,
     fields,
@@ -167,7 +167,7 @@ def test_the_download_form_refuses_what_it_cannot_do_and_starts_nothing(
 
 
 def test_a_second_download_to_the_same_path_is_refused_while_the_first_is_active(
-    local_node,  # noqa: F811
+    local_node,
     admin_client,
     sent,
     tmp_path,
@@ -182,7 +182,7 @@ def test_a_second_download_to_the_same_path_is_refused_while_the_first_is_active
 
 
 def test_the_models_page_offers_the_download_form_to_operators_only(
-    local_node,  # noqa: F811
+    local_node,
     operator_client,
     client,
     viewer_user,
@@ -195,7 +195,7 @@ def test_the_models_page_offers_the_download_form_to_operators_only(
     assert 'id="download-model"' not in page
 
 
-def test_a_viewer_cannot_start_a_download(local_node, viewer_client, sent):  # noqa: F811
+def test_a_viewer_cannot_start_a_download(local_node, viewer_client, sent):
     response = post_download(
         viewer_client, url="http://127.0.0.1:9/x.gguf", node=local_node.pk, dest="/tmp/x"
     )
@@ -209,7 +209,7 @@ def test_a_viewer_cannot_start_a_download(local_node, viewer_client, sent):  # n
 
 
 def test_a_partial_download_is_resumed_with_a_range_request(
-    local_node,  # noqa: F811
+    local_node,
     server,
     model_bytes,
     tmp_path,
@@ -225,7 +225,7 @@ def test_a_partial_download_is_resumed_with_a_range_request(
 
 
 def test_a_dropped_connection_fails_keeping_the_part_and_the_next_run_fetches_only_the_rest(
-    local_node,  # noqa: F811
+    local_node,
     server,
     model_bytes,
     tmp_path,
@@ -246,7 +246,7 @@ def test_a_dropped_connection_fails_keeping_the_part_and_the_next_run_fetches_on
 
 
 def test_a_part_file_of_another_url_is_discarded_not_spliced(
-    local_node,  # noqa: F811
+    local_node,
     server,
     model_bytes,
     tmp_path,
@@ -262,7 +262,7 @@ def test_a_part_file_of_another_url_is_discarded_not_spliced(
     assert not Path(f"{dest}.part.url").exists()
 
 
-def test_a_server_that_cannot_resume_gets_a_fresh_download(local_node, model_bytes, tmp_path):  # noqa: F811
+def test_a_server_that_cannot_resume_gets_a_fresh_download(local_node, model_bytes, tmp_path):
     plain = RangeServer({"/tiny.gguf": model_bytes}, ranges=False)
     try:
         dest = tmp_path / "tiny.gguf"
@@ -277,7 +277,7 @@ def test_a_server_that_cannot_resume_gets_a_fresh_download(local_node, model_byt
     assert dest.read_bytes() == model_bytes
 
 
-def test_a_slow_download_logs_its_progress(local_node, model_bytes, tmp_path):  # noqa: F811
+def test_a_slow_download_logs_its_progress(local_node, model_bytes, tmp_path):
     # 256 KiB every 0.1 s: the 9 MiB file takes about 4 s, so 1-second progress lines must appear.
     slow = RangeServer({"/tiny.gguf": model_bytes}, pause=0.1)
     try:
@@ -294,7 +294,7 @@ def test_a_slow_download_logs_its_progress(local_node, model_bytes, tmp_path):  
 
 
 def test_a_cancelled_download_ends_curl_keeps_its_part_and_the_next_run_resumes(
-    local_node,  # noqa: F811
+    local_node,
     model_bytes,
     tmp_path,
 ):
@@ -328,7 +328,7 @@ def test_a_cancelled_download_ends_curl_keeps_its_part_and_the_next_run_resumes(
 
 
 def test_a_wrong_sha256_fails_naming_both_hashes_and_removes_the_download(
-    local_node,  # noqa: F811
+    local_node,
     server,
     model_bytes,
     tmp_path,
@@ -345,7 +345,7 @@ def test_a_wrong_sha256_fails_naming_both_hashes_and_removes_the_download(
 
 
 def test_a_download_that_is_not_a_model_fails_with_the_reason_and_registers_nothing(
-    local_node,  # noqa: F811
+    local_node,
     server,
     tmp_path,
 ):
@@ -356,14 +356,14 @@ def test_a_download_that_is_not_a_model_fails_with_the_reason_and_registers_noth
     assert not dest.exists() and not ModelFile.objects.exists()
 
 
-def test_an_http_error_fails_the_job_with_curls_message(local_node, server, tmp_path):  # noqa: F811
+def test_an_http_error_fails_the_job_with_curls_message(local_node, server, tmp_path):
     job = run(download(local_node, server.url("/gone.gguf"), tmp_path / "gone.gguf"))
     assert job.state == JobState.FAILED
     assert job.result == "Download failed: curl: (22) The requested URL returned error: 404."
     assert not ModelFile.objects.exists()
 
 
-def test_an_existing_destination_is_not_overwritten(local_node, server, tmp_path):  # noqa: F811
+def test_an_existing_destination_is_not_overwritten(local_node, server, tmp_path):
     dest = tmp_path / "tiny.gguf"
     dest.write_bytes(b"precious")
     job = run(download(local_node, server.url("/models/tiny.gguf"), dest))
@@ -372,7 +372,7 @@ def test_an_existing_destination_is_not_overwritten(local_node, server, tmp_path
     assert not [r for r in server.requests if r[0] == "GET"]
 
 
-def test_a_node_without_curl_fails_saying_so(local_node, server, tmp_path, monkeypatch):  # noqa: F811
+def test_a_node_without_curl_fails_saying_so(local_node, server, tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("sh", "test", "mkdir", "rm", "mv", "wc"):
@@ -385,7 +385,7 @@ def test_a_node_without_curl_fails_saying_so(local_node, server, tmp_path, monke
 
 
 def test_a_complete_part_file_is_accepted_when_the_server_answers_416(
-    local_node,  # noqa: F811
+    local_node,
     server,
     model_bytes,
     tmp_path,

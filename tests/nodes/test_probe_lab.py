@@ -12,7 +12,6 @@ from nodes import tasks as node_tasks
 from nodes.models import CredentialKind, Device, DeviceKind, Reachability, Transport
 from nodes.probe.job import start_probe
 from tests.factories import CredentialFactory, DeviceFactory, NodeFactory
-from tests.job_fixtures import channel_layer, local_node  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -20,7 +19,7 @@ MIB = 1024**2
 
 
 @pytest.fixture(autouse=True)
-def fast_ssh_and_private_channels(settings, channel_layer):  # noqa: F811
+def fast_ssh_and_private_channels(settings, channel_layer):
     settings.RAMDECK_SSH_CONNECT_TIMEOUT_S = 3.0
 
 
@@ -113,7 +112,7 @@ def test_a_node_that_does_not_answer_is_marked_unreachable_with_the_reason(lab, 
     assert node.devices.count() == 1  # The last known hardware stays, marked by the node's state.
 
 
-def test_probing_the_consoles_own_host_uses_the_local_transport(local_node):  # noqa: F811
+def test_probing_the_consoles_own_host_uses_the_local_transport(local_node):
     job = probe_job(local_node)
     runner.run_job(job.pk)
     job.refresh_from_db()
@@ -125,7 +124,7 @@ def test_probing_the_consoles_own_host_uses_the_local_transport(local_node):  # 
     assert local_node.rtt_ms == 0.0 and local_node.reachability == Reachability.REACHABLE
 
 
-def test_a_windows_node_fails_with_advice(local_node):  # noqa: F811
+def test_a_windows_node_fails_with_advice(local_node):
     local_node.platform_hint = "windows"
     local_node.save()
     job = probe_job(local_node)

@@ -231,7 +231,7 @@ def _extra_requests(data: dict) -> list[tuple[str, str, dict]]:
     ]  # fmt: skip
 
 
-def test_node_and_gguf_text_is_escaped_on_every_page_even_when_stored_raw(db, world):  # noqa: F811
+def test_node_and_gguf_text_is_escaped_on_every_page_even_when_stored_raw(db, world):
     _fill_with_payloads(world)
     users_before = get_user_model().objects.count()
     client = Client()
