@@ -86,13 +86,11 @@ def choices() -> list[tuple[str, str]]:
 def time_limit_for(name: str) -> float:
     """Seconds a job of this kind may run before the runner stops it: the kind's own limit, else
     RAMDECK_JOB_TIME_LIMIT_S."""
-
     kind = _KINDS.get(name)
     return float((kind.time_limit if kind else None) or settings.RAMDECK_JOB_TIME_LIMIT_S)
 
 
 def queue_for(name: str) -> str | None:
     """The Celery queue of a kind's jobs: None for Celery's default queue, else the control queue."""
-
     kind = _KINDS.get(name)
     return settings.RAMDECK_CONTROL_QUEUE if kind is not None and kind.queue == CONTROL else None
