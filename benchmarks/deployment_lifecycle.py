@@ -1,9 +1,10 @@
 """Phase times of a whole deployment on the lab, and measured vs predicted tokens/s.
 
-Runs the end-to-end test (tests/deployments/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop: three
-lab hosts over real sshd, the console's build job from the llama.cpp tarball — cached by source hash —, a
-generated 8-layer GGUF model split over two rpc-servers, deploy, completion, verify, stop) and reads the
-figures it prints. Needs root (the lab) and the cached llama.cpp build.
+Runs the end-to-end test
+(tests/deployments/test_e2e_deployment.py::test_build_plan_deploy_complete_verify_stop: three lab hosts over
+real sshd, the console's build job from the llama.cpp tarball — cached by source hash —, a generated 8-layer
+GGUF model split over two rpc-servers, deploy, completion, verify, stop) and reads the figures it prints.
+Needs root (the lab) and the cached llama.cpp build.
 
     .venv/bin/python benchmarks/deployment_lifecycle.py [--rounds 3]
 

@@ -1,8 +1,8 @@
 """Tunnel against direct: what the SSH tunnel in front of ggml-rpc-server costs.
 
-Runs tests/deployments/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed (two lab
-hosts over real sshd: a coordinator and a worker holding part of a generated 8-layer GGUF model of about
-70 MiB; the console deploys it once in tunnel mode — rpc-server on 127.0.0.1, the coordinator through an
+Runs tests/deployments/test_rpc_isolation.py::test_tunnel_and_direct_mode_both_serve_and_report_their_speed
+(two lab hosts over real sshd: a coordinator and a worker holding part of a generated 8-layer GGUF model of
+about 70 MiB; the console deploys it once in tunnel mode — rpc-server on 127.0.0.1, the coordinator through an
 SSH local forward — and once in direct mode — rpc-server on the worker's LAN address behind its firewall
 rule —, nine 64-token completions each) and reads the figures it prints. Model-load time is the
 llama-server step: the model read and the worker's weights sent over RPC (the step polls /health every

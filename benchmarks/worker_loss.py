@@ -4,8 +4,8 @@ defaults: the sweeper declares the run lost once its heartbeat is RAMDECK's STAL
 worker does not answer, then the control worker rolls it back. The test sweeps every second instead of
 waiting for beat's interval (RAMDECK_SWEEP_INTERVAL_S, 60 s), which adds up to that much in production.
 
-Runs tests/deployments/test_faults_deploy.py::test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure on the lab
-(needs root and the llama.cpp build) and reads the figure it prints.
+Runs tests/deployments/test_faults_deploy.py, its test of a worker killed during a launch,
+on the lab (needs root and the llama.cpp build) and reads the figure it prints.
 
     .venv/bin/python benchmarks/worker_loss.py [--rounds 1]
 
@@ -20,7 +20,10 @@ import statistics
 
 from figures_of_test import figures_from_test
 
-TEST = "tests/deployments/test_faults_deploy.py::test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure"
+TEST = (
+    "tests/deployments/test_faults_deploy.py::"
+    "test_the_worker_sigkilled_during_a_launch_ends_in_a_clean_failure"
+)
 
 
 def one_round() -> float:

@@ -314,8 +314,10 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
     return pid, log_path
 
 
-async def _fixed_costs(ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str,
-                       workdir: str, cpu_pids: list[int], bandwidth_bps: float | None) -> FixedCosts:  # fmt: skip
+async def _fixed_costs(
+    ctx, procs: Processes, build, run, tiny: CalibrationModel, device: str, endpoint: str, workdir: str,
+    cpu_pids: list[int], bandwidth_bps: float | None,
+) -> FixedCosts:  # fmt: skip
     """The tiny model (its time is almost all fixed cost) inside llama-server alone, through this node's
     rpc-server, and through two rpc-servers (one block each, which turns on llama.cpp's pipeline
     parallelism): a pass, what a hop adds to it, and what splitting across servers adds beyond their hops.

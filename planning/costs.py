@@ -91,8 +91,8 @@ def compute_bytes(
     """An upper estimate of one copy of a device's compute buffer (ggml_backend_sched's reservation).
 
     No closed form exists; this is fitted to llama.cpp's own logs on its CPU and RPC backends with flash
-    attention (its default) and kept above them (tests/planning/test_planner_vs_llamacpp.py holds it to within 2x).
-    Per ubatch token: f32 activations, plus the f16 attention mask over the cells of one sequence.
+    attention (its default) and kept above them (tests/planning/test_planner_vs_llamacpp.py holds it to within
+    2x). Per ubatch token: f32 activations, plus the f16 attention mask over the cells of one sequence.
     `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output layer and at
     most the last block, whose feed-forward runs on the output rows only), "idle" (the coordinator's CPU
     computing no block: input embeddings and the mask). With pipeline parallelism the graph is cut into
@@ -199,9 +199,9 @@ class Slot:
             # n_embd 1536 and n_ff 4096, -c 512), after prompts of 500 tokens, which write a whole ubatch:
             # beyond its weights and KV cache the worker held 47.6 MiB with the plan's 6 blocks and the
             # output layer (llama.cpp reserved 47.04, plus the CPU backend's work buffer;
-            # tests/planning/test_rpc_memory_lab.py) and 54.5 MiB with 8 blocks and the output on the other worker
-            # (74.05 reserved), against 32.1 MiB (30.5 reserved) without pipeline parallelism. One copy of
-            # the graph and the extra copies of its inputs counts 68 MiB there; four copies of the graph
+            # tests/planning/test_rpc_memory_lab.py) and 54.5 MiB with 8 blocks and the output on the other
+            # worker (74.05 reserved), against 32.1 MiB (30.5 reserved) without pipeline parallelism. One copy
+            # of the graph and the extra copies of its inputs counts 68 MiB there; four copies of the graph
             # counted 82 MiB. The idle rpc-server itself (1.1 MiB there) is within the margin.
             return self.compute[(role, False)] + (copies - 1) * self.input_copy
         return self.compute[(role, copies > 1)] * copies

@@ -6,8 +6,8 @@ put in a canonical order (nodes by their fastest device, devices by bandwidth) a
 "blocks placed so far" picks the exact block count of every device (0 = leave it out) minimising predicted
 time under the memory limits (planning/costs.py). When all blocks have the same size (as in real
 models, up to quantisation mixes), device order only matters through which device is last, so the result is
-optimal over every order and split; tests/planning/test_planner.py proves it against exhaustive search. The same
-holds for a coordinator whose CPU and unified GPU (a Mac) share one pool (`_canonical_groups`,
+optimal over every order and split; tests/planning/test_planner.py proves it against exhaustive search. The
+same holds for a coordinator whose CPU and unified GPU (a Mac) share one pool (`_canonical_groups`,
 `_pool_gpu_last`).
 """
 

@@ -71,7 +71,8 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session", autouse=True)
 def _fast_password_hashing():
     """Tests hash passwords with MD5: the console's PBKDF2 (a million rounds, about 0.7 s here, on purpose)
-    would cost the suite minutes of test users. tests/console/test_auth_and_audit.py checks what the console uses."""
+    would cost the suite minutes of test users. tests/console/test_auth_and_audit.py checks what the console
+    uses."""
     with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
         yield
 

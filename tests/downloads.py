@@ -1,4 +1,5 @@
-"""A real HTTP server on loopback for download tests (with Range support, so resuming is real), and running a download job to its end."""
+"""A real HTTP server on loopback for download tests (with Range support, so resuming is real), and running a
+download job to its end."""
 
 from __future__ import annotations
 

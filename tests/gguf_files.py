@@ -1,4 +1,5 @@
-"""GGUF headers written by hand, as an attacker would: the pieces, and the 182-byte file that claims 4,000,000 blocks."""
+"""GGUF headers written by hand, as an attacker would: the pieces, and the 182-byte file that claims 4,000,000
+blocks."""
 
 from __future__ import annotations
 

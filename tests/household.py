@@ -1,4 +1,6 @@
-"""A realistic household for page tests (a pytest plugin, registered in tests/conftest.py): two nodes with devices, builds, a model, a running deployment, a failed job and an audit trail; and the URL of every page it has."""
+"""A realistic household for page tests (a pytest plugin, registered in tests/conftest.py): two nodes with
+devices, builds, a model, a running deployment, a failed job and an audit trail; and the URL of every page it
+has."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The scenario of tests/deployments/test_faults_postgres.py, run by that test in a pytest of its own whose database is
-a private PostgreSQL server (named by the environment) that this scenario stops and starts again.
+"""The scenario of tests/deployments/test_faults_postgres.py, run by that test in a pytest of its own whose
+database is a private PostgreSQL server (named by the environment) that this scenario stops and starts again.
 
 Not collected by a plain `pytest` run (the file name does not start with `test_`): without the server
 described in the environment it fails and says so.

@@ -1,6 +1,6 @@
-"""Self-healing (deployments/lifecycle/healing.py) under the real runner, with the step kinds' bodies replaced by ones
-that end as the test says: opt-in, one attempt at a time, backoff, a limit, and the audit of each attempt.
-The real thing on the lab is in tests/deployments/test_faults_deploy.py."""
+"""Self-healing (deployments/lifecycle/healing.py) under the real runner, with the step kinds' bodies replaced
+by ones that end as the test says: opt-in, one attempt at a time, backoff, a limit, and the audit of each
+attempt. The real thing on the lab is in tests/deployments/test_faults_deploy.py."""
 
 from __future__ import annotations
 

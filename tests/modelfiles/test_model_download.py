@@ -36,8 +36,8 @@ def private_channels(channel_layer):
 @pytest.fixture(autouse=True)
 def console_host_may_fetch_from_loopback(settings, tmp_path):
     """The test server listens on loopback, which the console's own host refuses unless an admin allows
-    it; the files go into the test's folder, made the model folder (tests/modelfiles/test_download_safety.py checks
-    both rules)."""
+    it; the files go into the test's folder, made the model folder (tests/modelfiles/test_download_safety.py
+    checks both rules)."""
     settings.RAMDECK_DOWNLOAD_ALLOW_NETWORKS = ["127.0.0.0/8"]
     settings.RAMDECK_MODEL_DIRS = [str(tmp_path)]
 

@@ -1,4 +1,5 @@
-"""Every route of the URL configuration (HTTP and websocket), each with a URL filled from the role matrix's small world (the `world` fixture in tests/site/conftest.py)."""
+"""Every route of the URL configuration (HTTP and websocket), each with a URL filled from the role matrix's
+small world (the `world` fixture in tests/site/conftest.py)."""
 
 from __future__ import annotations
 
