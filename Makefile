@@ -35,9 +35,13 @@ screenshots: $(STAMP) install-system-deps
 	RAMDECK_SCREENSHOTS_DIR=$(abspath $(SCREENSHOTS_DIR)) $(PY) -m ramdeck_site.services -- \
 		$(VENV)/bin/pytest tests/console/test_first_run_browser.py tests/console/test_first_run_lab_browser.py -q
 
+# What CI checks before the tests (.ci/run): ruff's rules and format, the import contract (docs/architecture.md's
+# layers, pyproject.toml [tool.importlinter]) and that no model change lacks its migration.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(PY) manage.py makemigrations --check --dry-run
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
