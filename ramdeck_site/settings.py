@@ -195,7 +195,7 @@ INSTALLED_APPS = [
     "channels",
     "django_htmx",
     "axes",
-    # The console's apps, bottom of the import order first (DESIGN.md).
+    # The console's apps, bottom of the import order first (docs/architecture.md).
     "ramdeck_site",
     "audit",
     "jobs",

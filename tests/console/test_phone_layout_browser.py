@@ -17,11 +17,11 @@ from deployments.models import StaleProcess
 from tests.browser import log_in
 from tests.factories import PASSWORD, UserFactory
 from tests.household import household_pages
-from tests.paths import TESTS
+from tests.paths import ROOT
 
 pytestmark = pytest.mark.browser
 MIB = 2**20
-ARTIFACTS = TESTS / "test-artifacts" / "phones"
+ARTIFACTS = ROOT / "test-artifacts" / "phones"
 
 # Routes that are not pages one can look at, and why. Each POST-only one is checked to refuse a GET.
 POST_ONLY = {
