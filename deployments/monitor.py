@@ -25,11 +25,9 @@ from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, Speed
 from jobs.aio import run_to_completion
 from llamacpp.reaper import Holder, find_holders, runs_our_program
 from nodes.models import Node
-from remote.base import TransportError, open_transport
-from remote.bounded_http import AnswerTooLarge, fetch
-from remote.text import printable
 from nodes.transports import transport_for
 from remote.base import TransportError
+from remote.bounded_http import AnswerTooLarge, fetch
 from remote.text import printable
 
 logger = logging.getLogger(__name__)

@@ -4,12 +4,17 @@ own lifecycle (its jobs run in this process, not through a Celery worker)."""
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
+from asgiref.sync import async_to_sync
+from django.test import AsyncClient
+from django.urls import reverse
+
 from builds.models import Build
 from deployments.lifecycle import actions as lifecycle
-from deployments.models import Deployment
+from deployments.models import Deployment, DeploymentState
 from jobs.models import Job
 from llamacpp.gguf import profile_path
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
@@ -103,3 +108,38 @@ def stop(deployment: Deployment, user, monkeypatch) -> Deployment:
     run_stop(deployment.pk)
     deployment.refresh_from_db()
     return deployment
+
+
+KEY = "s3cret-key-of-the-deployment"
+
+
+def chat_deployment(node, port: int, state=DeploymentState.RUNNING, name="tiny") -> Deployment:
+    model = ModelFile.objects.create(name=name, node=node, path=f"/m/{name}.gguf")
+    deployment = Deployment.objects.create(
+        name=f"{name} deployment", model_file=model, coordinator=node, plan={}, port=port, state=state
+    )
+    deployment.store_api_key(KEY)
+    return deployment
+
+
+def post_chat(user, deployment, messages):
+    """POST the conversation as `user` and read the whole answer, in one event loop (as under daphne)."""
+
+    async def go():
+        client = AsyncClient()
+        await client.aforce_login(user)
+        response = await client.post(
+            reverse("chat:deployment", args=[deployment.pk]),
+            data=json.dumps({"messages": messages}),
+            content_type="application/json",
+        )
+        if response.streaming:
+            response.body = b"".join([chunk async for chunk in response.streaming_content])
+        return response
+
+    return async_to_sync(go)()
+
+
+def chat_events(response) -> list[dict]:
+    text = response.body.decode()
+    return [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]

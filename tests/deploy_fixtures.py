@@ -368,3 +368,34 @@ def watch_rpc_servers(monkeypatch, host, outsider) -> list[dict]:
 
     monkeypatch.setattr("calibration.job.wait_listening", watched)
     return seen
+
+
+class StepContext:
+    """The part of jobs.context.JobContext a step body uses, with the log kept in a list."""
+
+    def __init__(self, job_params: dict, node=None, transport=None):
+        self.job = type("J", (), {"params": job_params, "created_by": None, "created_by_id": None})()
+        self.node = node
+        self.transport = transport
+        self.lines: list[str] = []
+
+    async def log(self, text: str, stream: str = "system") -> None:
+        self.lines.append(text)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+def step_deployment(node, port: int = 8080, **fields) -> Deployment:
+    model = ModelFile.objects.create(name=f"m{port}", node=node, path=f"/m/tiny-{port}.gguf")
+    deployment = Deployment.objects.create(
+        name="tiny",
+        model_file=model,
+        coordinator=node,
+        plan={"llama_server_args": [], "placements": [], "predicted_tokens_per_s": 10.0},
+        port=port,
+        **fields,
+    )
+    deployment.set_api_key("k")
+    deployment.save(update_fields=["api_key_encrypted"])
+    return deployment

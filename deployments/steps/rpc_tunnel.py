@@ -14,8 +14,8 @@ llamacpp/rpc_guard.py.
 
 from __future__ import annotations
 
-import contextlib
 import asyncio
+import contextlib
 import posixpath
 import secrets
 
@@ -23,9 +23,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from deployments.steps.common import audit_step, load_deployment
 from deployments.models import ResourceClaim
-from deployments.steps.common import load_deployment
+from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, write_secret_file

@@ -12,15 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from asgiref.sync import async_to_sync
-from django.test import AsyncClient, Client
+from django.test import Client
 from django.urls import reverse
 
 from chat.relay import ChatInputError, parse_conversation, relay
-from deployments.models import Deployment, DeploymentState
-from modelfiles.models import ModelFile
-
-KEY = "s3cret-key-of-the-deployment"
+from deployments.models import DeploymentState
+from tests.chat_fixtures import KEY, chat_deployment, chat_events, post_chat
 
 
 def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
@@ -69,38 +66,6 @@ def _delta(text: str, finish=None, **extra) -> str:
     return json.dumps(
         {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}], **extra}
     )
-
-
-def _deployment(node, port: int, state=DeploymentState.RUNNING, name="tiny") -> Deployment:
-    model = ModelFile.objects.create(name=name, node=node, path=f"/m/{name}.gguf")
-    deployment = Deployment.objects.create(
-        name=f"{name} deployment", model_file=model, coordinator=node, plan={}, port=port, state=state
-    )
-    deployment.store_api_key(KEY)
-    return deployment
-
-
-def _post(user, deployment, messages):
-    """POST the conversation as `user` and read the whole answer, in one event loop (as under daphne)."""
-
-    async def go():
-        client = AsyncClient()
-        await client.aforce_login(user)
-        response = await client.post(
-            reverse("chat:deployment", args=[deployment.pk]),
-            data=json.dumps({"messages": messages}),
-            content_type="application/json",
-        )
-        if response.streaming:
-            response.body = b"".join([chunk async for chunk in response.streaming_content])
-        return response
-
-    return async_to_sync(go)()
-
-
-def _events(response) -> list[dict]:
-    text = response.body.decode()
-    return [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,13 +127,13 @@ def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator
     seen: list[dict] = []
     server = _stand_in([_delta("Once"), _delta(" upon"), _delta(" a time", finish="stop")], seen)
     try:
-        deployment = _deployment(local_node, server.server_address[1], name="Family, model")
+        deployment = chat_deployment(local_node, server.server_address[1], name="Family, model")
         assert deployment.chat_answered_at is None
         messages = [{"role": "user", "content": "Tell me a story"}]
-        response = _post(operator_user, deployment, messages)
+        response = post_chat(operator_user, deployment, messages)
         assert response.status_code == 200 and response["Content-Type"] == "text/event-stream"
         assert response["Cache-Control"] == "no-cache"
-        events = _events(response)
+        events = chat_events(response)
     finally:
         server.shutdown()
         server.server_close()
@@ -190,9 +155,9 @@ def test_llama_servers_refusal_is_shown_as_its_reason(local_node, operator_user)
     seen: list[dict] = []
     server = _stand_in([], seen)
     try:
-        deployment = _deployment(local_node, server.server_address[1])
+        deployment = chat_deployment(local_node, server.server_address[1])
         deployment.store_api_key("an old key")
-        response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+        response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
     finally:
         server.shutdown()
         server.server_close()
@@ -207,8 +172,8 @@ def test_a_llama_server_that_does_not_answer_is_a_clear_error(local_node, operat
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # free again once closed: nobody listens there
-    deployment = _deployment(local_node, port)
-    response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+    deployment = chat_deployment(local_node, port)
+    response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
     assert response.status_code == 502
     assert response.json()["error"].startswith(f"llama-server at http://127.0.0.1:{port} did not answer")
 
@@ -218,8 +183,8 @@ def test_a_llama_server_that_does_not_answer_is_a_clear_error(local_node, operat
     "state", [DeploymentState.CONFIRMED, DeploymentState.LAUNCHING, DeploymentState.STOPPED]
 )
 def test_a_deployment_that_is_not_running_says_so(local_node, operator_user, state):
-    deployment = _deployment(local_node, 9, state=state)
-    response = _post(operator_user, deployment, [{"role": "user", "content": "hi"}])
+    deployment = chat_deployment(local_node, 9, state=state)
+    response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
     assert response.status_code == 409
     label = deployment.get_state_display().lower()
     assert response.json() == {"error": f"tiny deployment is {label}: chat works while it is running."}
@@ -227,8 +192,8 @@ def test_a_deployment_that_is_not_running_says_so(local_node, operator_user, sta
 
 @pytest.mark.django_db(transaction=True)
 def test_viewers_may_not_chat_and_chat_is_post_only(local_node, viewer_user, operator_client):
-    deployment = _deployment(local_node, 9)
-    assert _post(viewer_user, deployment, [{"role": "user", "content": "hi"}]).status_code == 403
+    deployment = chat_deployment(local_node, 9)
+    assert post_chat(viewer_user, deployment, [{"role": "user", "content": "hi"}]).status_code == 403
     viewer = Client()
     viewer.force_login(viewer_user)
     page = viewer.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
@@ -238,8 +203,8 @@ def test_viewers_may_not_chat_and_chat_is_post_only(local_node, viewer_user, ope
 
 @pytest.mark.django_db(transaction=True)
 def test_a_bad_conversation_is_refused_with_its_reason(local_node, operator_user):
-    deployment = _deployment(local_node, 9)
-    response = _post(operator_user, deployment, [{"role": "user", "content": "  "}])
+    deployment = chat_deployment(local_node, 9)
+    response = post_chat(operator_user, deployment, [{"role": "user", "content": "  "}])
     assert response.status_code == 400 and response.json() == {"error": "Type a message first."}
 
 
@@ -251,7 +216,7 @@ def test_a_page_that_goes_away_ends_the_answer_at_llama_server_too(
     seen: list[dict] = []
     server = _stand_in([_delta(f"word{i} ") for i in range(100)], seen, pause=0.1)
     try:
-        deployment = _deployment(local_node, server.server_address[1])
+        deployment = chat_deployment(local_node, server.server_address[1])
         web = Client()
         web.force_login(operator_user)
         cookies = {name: morsel.value for name, morsel in web.cookies.items()}
@@ -294,8 +259,8 @@ def test_a_database_that_cannot_note_the_first_answer_does_not_break_the_chat(
     seen: list[dict] = []
     server = _stand_in([_delta("Still"), _delta(" here", finish="stop")], seen)
     try:
-        deployment = _deployment(local_node, server.server_address[1])
-        events = _events(_post(operator_user, deployment, [{"role": "user", "content": "Hello"}]))
+        deployment = chat_deployment(local_node, server.server_address[1])
+        events = chat_events(post_chat(operator_user, deployment, [{"role": "user", "content": "Hello"}]))
     finally:
         server.shutdown()
         server.server_close()

@@ -16,25 +16,9 @@ from deployments.steps.checks import measure_body
 from jobs.context import JobFailed
 from jobs.on_node import without_key, write_secret_file
 from llamacpp.reaper import runs_our_program
-from modelfiles.models import ModelFile
+from tests.deploy_fixtures import StepContext, step_deployment
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Ctx:
-    """The part of jobs.context.JobContext a step body uses, with the log kept in a list."""
-
-    def __init__(self, job_params: dict, node=None, transport=None):
-        self.job = type("J", (), {"params": job_params, "created_by": None, "created_by_id": None})()
-        self.node = node
-        self.transport = transport
-        self.lines: list[str] = []
-
-    async def log(self, text: str, stream: str = "system") -> None:
-        self.lines.append(text)
-
-    def cancelled(self) -> bool:
-        return False
 
 
 def _serve(answer: dict) -> ThreadingHTTPServer:
@@ -67,26 +51,11 @@ def _serve(answer: dict) -> ThreadingHTTPServer:
     return server
 
 
-def _deployment(node, port: int = 8080, **fields) -> Deployment:
-    model = ModelFile.objects.create(name=f"m{port}", node=node, path=f"/m/tiny-{port}.gguf")
-    deployment = Deployment.objects.create(
-        name="tiny",
-        model_file=model,
-        coordinator=node,
-        plan={"llama_server_args": [], "placements": [], "predicted_tokens_per_s": 10.0},
-        port=port,
-        **fields,
-    )
-    deployment.set_api_key("k")
-    deployment.save(update_fields=["api_key_encrypted"])
-    return deployment
-
-
 def test_measure_without_timings_fails_with_a_readable_reason(local_node):
     server = _serve({"content": "once upon a time"})
     try:
-        deployment = _deployment(local_node, port=server.server_address[1])
-        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        ctx = StepContext({"deployment": deployment.pk}, node=local_node)
         with pytest.raises(JobFailed, match="without speed timings"):
             asyncio.run(measure_body(ctx))
     finally:
@@ -97,8 +66,8 @@ def test_measure_without_timings_fails_with_a_readable_reason(local_node):
 def test_measure_records_the_speed_llama_server_reports(local_node):
     server = _serve({"timings": {"predicted_per_second": 12.5, "prompt_per_second": 80.0}})
     try:
-        deployment = _deployment(local_node, port=server.server_address[1])
-        result = asyncio.run(measure_body(Ctx({"deployment": deployment.pk}, node=local_node)))
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        result = asyncio.run(measure_body(StepContext({"deployment": deployment.pk}, node=local_node)))
     finally:
         server.shutdown()
         server.server_close()
@@ -110,8 +79,8 @@ def test_measure_records_the_speed_llama_server_reports(local_node):
 def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again(local_node):
     server = _serve({"timings": {"predicted_per_second": 4.0, "prompt_per_second": 80.0}})
     try:
-        deployment = _deployment(local_node, port=server.server_address[1])
-        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        ctx = StepContext({"deployment": deployment.pk}, node=local_node)
         asyncio.run(measure_body(ctx))
     finally:
         server.shutdown()
@@ -123,7 +92,7 @@ def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again
 
 
 def test_processes_recorded_by_two_steps_are_both_kept(local_node):
-    deployment = _deployment(local_node)
+    deployment = step_deployment(local_node)
     stale_copy = Deployment.objects.get(pk=deployment.pk)
     deployment.add_process("rpc-server@a", {"node": local_node.name, "role": "rpc-server", "pid": 1})
     stale_copy.add_process("llama-server@a", {"node": local_node.name, "role": "llama-server", "pid": 2})
@@ -135,7 +104,7 @@ def test_processes_recorded_by_two_steps_are_both_kept(local_node):
 def test_processes_are_grouped_by_their_node(local_node):
     from deployments.monitor import processes_by_node
 
-    deployment = _deployment(local_node)
+    deployment = step_deployment(local_node)
     deployment.add_process("rpc-server@x", {"node": local_node.name, "role": "rpc-server", "pid": 1})
     deployment.add_process("gone@y", {"node": "deleted-node", "role": "rpc-server", "pid": 2})
     groups = processes_by_node(deployment)
@@ -216,7 +185,7 @@ def test_the_reap_button_refuses_a_port_an_active_deployment_claims(local_node, 
     from jobs.models import JobState
 
     proc, port = local_rpc_server
-    deployment = _deployment(local_node, state=DeploymentState.LAUNCHING)
+    deployment = step_deployment(local_node, state=DeploymentState.LAUNCHING)
     ResourceClaim.objects.create(node=local_node, resource=f"port:{port}", deployment=deployment)
     job = _reap_job(local_node, port, proc.pid)
     assert job.state == JobState.FAILED and "claimed by deployment" in job.result
@@ -257,7 +226,7 @@ def test_the_monitor_does_not_take_a_reused_pid_for_our_server(local_node, other
     from deployments.models import DeploymentState
     from deployments.monitor import check_deployment
 
-    deployment = _deployment(local_node, port=_free_port(), state=DeploymentState.RUNNING)
+    deployment = step_deployment(local_node, port=_free_port(), state=DeploymentState.RUNNING)
     deployment.add_process(
         "rpc-server@x",
         {"node": local_node.name, "role": "rpc-server", "pid": other_program.pid, "port": 1, "log": "/nope"},
@@ -280,7 +249,7 @@ def test_the_monitor_checks_every_deployment_in_one_event_loop(local_node, monke
     real = monitor.run_to_completion
     monkeypatch.setattr(monitor, "run_to_completion", lambda make: runs.append(1) or real(make))
     for port in (_free_port(), _free_port()):
-        _deployment(local_node, port=port, state=DeploymentState.RUNNING)
+        step_deployment(local_node, port=port, state=DeploymentState.RUNNING)
     assert len(monitor.check_all()) == 2  # nobody answers on those ports: both degraded
     assert runs == [1]
 
@@ -301,7 +270,7 @@ def test_the_monitor_stores_process_status_and_metrics_and_the_page_only_reads_t
     proc, rpc_port = local_rpc_server
     server = _serve({})
     try:
-        deployment = _deployment(local_node, port=server.server_address[1], state=DeploymentState.RUNNING)
+        deployment = step_deployment(local_node, port=server.server_address[1], state=DeploymentState.RUNNING)
         deployment.add_process(
             f"rpc-server@{local_node.name}",
             {"node": local_node.name, "role": "rpc-server", "pid": proc.pid, "port": rpc_port, "log": "/l"},
@@ -382,7 +351,7 @@ def test_a_key_file_is_written_from_memory_0600_and_nothing_passes_through_the_c
 
         monkeypatch.setattr(LocalTransport, name, watched)
     path = tmp_path / "d7-llama-server-8080.key"
-    ctx = Ctx({}, node=local_node, transport=LocalTransport())
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
     previous = os.umask(0)
     try:
         asyncio.run(write_secret_file(ctx, str(path), "the-api-key"))

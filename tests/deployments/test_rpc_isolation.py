@@ -24,7 +24,6 @@ import time
 
 import httpx
 import pytest
-from deployments.calibrate_job import wait_listening
 from django.conf import settings
 
 from audit.models import AuditEvent

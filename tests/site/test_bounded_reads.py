@@ -2,8 +2,9 @@
 and a stand-in llama-server that answers the chat and the measure step with far more than they read. Each
 says what it cut, and the console's memory stays small (tracemalloc's peak while it reads).
 
-The transports' own bounds (line length, bytes kept per command) are tested in tests/remote/test_local_transport.py
-and tests/remote/test_ssh_transport.py against a real process and a real sshd.
+The transports' own bounds (line length, bytes kept per command) are tested in
+tests/remote/test_local_transport.py and tests/remote/test_ssh_transport.py against a real process and a
+real sshd.
 """
 
 # ruff: noqa: F811 - fixtures are imported from tests/job_fixtures.py and used as parameters
@@ -23,10 +24,8 @@ from jobs.context import JobFailed
 from jobs.models import JobLogLine, JobState
 from jobs.runner import run_job
 from remote import bounded_http
-from tests.chat.test_chat import _deployment as chat_deployment
-from tests.chat.test_chat import _events, _post
-from tests.deployments.test_lifecycle_steps import Ctx
-from tests.deployments.test_lifecycle_steps import _deployment as step_deployment
+from tests.chat_fixtures import chat_deployment, chat_events, post_chat
+from tests.deploy_fixtures import StepContext, step_deployment
 from tests.job_fixtures import channel_layer, local_node, make_command_job  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.security, pytest.mark.timeout(180), pytest.mark.django_db(transaction=True)]
@@ -44,7 +43,7 @@ def _flooding_server(
     sent = {"bytes": 0}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - the http.server name
+        def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -108,7 +107,7 @@ def test_the_chat_reads_the_first_bytes_of_an_endless_error_and_never_a_whole_en
     server, sent = _flooding_server(500, b'{"error": {"message": "out of memory ', b"x" * 65536)
     try:
         deployment = chat_deployment(local_node, server.server_address[1])
-        response, peak = _peak(lambda: _post(operator_user, deployment, message))
+        response, peak = _peak(lambda: post_chat(operator_user, deployment, message))
     finally:
         server.shutdown()
         server.server_close()
@@ -122,12 +121,12 @@ def test_the_chat_reads_the_first_bytes_of_an_endless_error_and_never_a_whole_en
     try:
         deployment.port = server.server_address[1]
         deployment.save(update_fields=["port"])
-        response, peak = _peak(lambda: _post(operator_user, deployment, message))
+        response, peak = _peak(lambda: post_chat(operator_user, deployment, message))
     finally:
         server.shutdown()
         server.server_close()
     assert response.status_code == 200
-    events = _events(response)
+    events = chat_events(response)
     limit = bounded_http.MAX_LINE_BYTES
     assert events == [
         {"error": f"llama-server sent a line longer than {limit} bytes; the answer stops here."}
@@ -141,7 +140,7 @@ def test_the_measure_step_reads_at_most_a_mebibyte_of_answer(local_node):
     server, sent = _flooding_server(200, b'{"content": "', b"z" * 65536)
     try:
         deployment = step_deployment(local_node, port=server.server_address[1])
-        ctx = Ctx({"deployment": deployment.pk}, node=local_node)
+        ctx = StepContext({"deployment": deployment.pk}, node=local_node)
 
         def measure():
             with pytest.raises(JobFailed) as failed:
@@ -164,7 +163,7 @@ def test_a_measure_answer_that_is_not_a_json_object_is_a_readable_failure(local_
     try:
         deployment = step_deployment(local_node, port=server.server_address[1])
         with pytest.raises(JobFailed, match="not a JSON object"):
-            asyncio.run(measure_body(Ctx({"deployment": deployment.pk}, node=local_node)))
+            asyncio.run(measure_body(StepContext({"deployment": deployment.pk}, node=local_node)))
     finally:
         server.shutdown()
         server.server_close()
