@@ -288,9 +288,9 @@ def _refusal(node) -> str:
         return f"{node.name} has no llama.cpp build: build or register one on its page first."
     if not node.devices.exists():
         return f"{node.name} has no devices on record: probe it first."
-    # A deployment holds claims on its nodes' ports and devices from the moment it prepares until it stops
-    # or fails (deployments/models/claims.py): any claim on the node is a deployment using it.
-    claim = node.claims.select_related("deployment").first()
+    # A deployment claims its nodes' ports and devices from the moment it prepares until it stops or fails
+    # (deployments/models/claims.py); the node's claims are reached without importing that app.
+    claim = node.claims.active().select_related("deployment").first()
     if claim is not None:
         return (
             f"{node.name} serves deployment {claim.deployment}: a calibration would disturb it and needs its "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from django import forms
 
-from deployments.models import ACTIVE_STATES, ResourceClaim
+from deployments.models import ResourceClaim
 from nodes.models import Node
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -95,9 +95,8 @@ def _ports_held(node: Node) -> dict[int, str]:
     """Ports of this node that active deployments claim: {port: the deployment holding it}."""
 
     held = {}
-    claims = ResourceClaim.objects.filter(
-        node=node, resource__startswith="port:", deployment__state__in=ACTIVE_STATES
-    ).select_related("deployment")
+    claims = ResourceClaim.objects.active().filter(node=node, resource__startswith="port:")
+    claims = claims.select_related("deployment")
     for claim in claims:
         held[int(claim.resource.split(":", 1)[1])] = str(claim.deployment)
     return held

@@ -84,7 +84,10 @@ def open_transport(node) -> Transport:
     """The transport for a job's node (not yet connected: use it with `async with`); the console's own host
     when the job has no node. Synchronous: the factory may read the node's credential from the database."""
     if node is None:
-        return LocalTransport(command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S)
+        return LocalTransport(
+            command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
+            output_limit=settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES,
+        )
     if _node_transport is None:
         raise TransportError(f"No transport can reach {node}: the nodes app is not installed.")
     return _node_transport(node)

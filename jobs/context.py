@@ -90,7 +90,7 @@ class JobContext:
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         # Past the budget, lines are neither logged nor kept; the last of them are, after a note, since how
         # a command ended is what a person reads first.
-        budget = OutputBudget()
+        budget = OutputBudget(settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES)
         unkept: deque[OutputLine] = deque(maxlen=TAIL_LINES)
         command = self.transport.command(argv, timeout=timeout, env=env, input=input)
         self._command = command

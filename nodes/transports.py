@@ -20,7 +20,10 @@ def transport_for(node) -> Transport:
     Call from synchronous code (or through sync_to_async): it reads the node's credential from the database.
     """
     if node.is_local:
-        return LocalTransport(command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S)
+        return LocalTransport(
+            command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
+            output_limit=settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES,
+        )
     return NodeSSHTransport(target_for_node(node), node.pk)
 
 
@@ -64,6 +67,7 @@ def target_for_node(node) -> SSHTarget:
         connect_timeout=settings.RAMDECK_SSH_CONNECT_TIMEOUT_S,
         keepalive_interval=settings.RAMDECK_SSH_KEEPALIVE_S,
         command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
+        output_limit=settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES,
     )
     credential = node.credential
     if credential is None:

@@ -242,23 +242,13 @@ class LineSplitter:
         return text
 
 
-def output_limit() -> int:
-    """RAMDECK_COMMAND_OUTPUT_MAX_BYTES, or the default outside Django (scripts, pure tests)."""
-    try:
-        from django.conf import settings
-
-        return int(settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES)
-    except Exception:
-        return DEFAULT_OUTPUT_MAX_BYTES
-
-
 class OutputBudget:
     """How much of one command's output the console keeps (collected for parsing, or written to a job's
     log): lines until `limit` bytes, then none; the rest is counted, and `note` says what was not kept.
     The command itself runs on to its end (its output is read and dropped, so it never blocks on a pipe)."""
 
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit = output_limit() if limit is None else int(limit)
+    def __init__(self, limit: int = DEFAULT_OUTPUT_MAX_BYTES) -> None:
+        self.limit = int(limit)
         self.kept = 0
         self.dropped_bytes = 0
         self.dropped_lines = 0
@@ -356,9 +346,9 @@ def daemon_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
     return "\n".join(lines)
 
 
-async def collect_lines(command: Command) -> list[OutputLine]:
-    """A command's output lines, read to its end, at most the output budget of them (then a note)."""
-    budget = OutputBudget()
+async def collect_lines(command: Command, limit: int = DEFAULT_OUTPUT_MAX_BYTES) -> list[OutputLine]:
+    """A command's output lines, read to its end, at most `limit` bytes of them (then a note)."""
+    budget = OutputBudget(limit)
     lines = [line async for line in command.lines() if budget.keep(line)]
     if budget.truncated:
         lines.append(OutputLine("err", budget.note()))
@@ -379,7 +369,7 @@ async def run_to_end(
     `where` (" on HOST") makes the failure message say which node it was.
     """
     command = transport.command(argv, timeout=timeout, input=input)
-    lines = await collect_lines(command)
+    lines = await collect_lines(command, getattr(transport, "output_limit", DEFAULT_OUTPUT_MAX_BYTES))
     result = command.result
     result.lines = lines
     if check and not result.ok:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 import psutil
 
 from remote.base import (
+    DEFAULT_OUTPUT_MAX_BYTES,
     EXIT_NOT_FOUND,
     Command,
     CommandResult,
@@ -54,8 +55,10 @@ class LocalTransport:
     # The console's own host: no network between it and itself.
     rtt_ms: float | None = 0.0
 
-    def __init__(self, *, command_timeout: float | None = None) -> None:
+    def __init__(self, *, command_timeout: float | None = None, output_limit: int | None = None) -> None:
         self.command_timeout = command_timeout or DEFAULT_TIMEOUT_S
+        # Bytes of one command's output kept (remote.base.OutputBudget).
+        self.output_limit = output_limit or DEFAULT_OUTPUT_MAX_BYTES
 
     async def __aenter__(self) -> LocalTransport:
         return self

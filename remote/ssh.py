@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import asyncssh
 
 from remote.base import (
+    DEFAULT_OUTPUT_MAX_BYTES,
     EXIT_NOT_FOUND,
     Command,
     CommandResult,
@@ -71,6 +72,8 @@ class SSHTarget:
     keepalive_interval: float = 15.0
     keepalive_count_max: int = 3
     command_timeout: float = 3 * 3600.0
+    # Bytes of one command's output the console keeps (remote.base.OutputBudget).
+    output_limit: int = DEFAULT_OUTPUT_MAX_BYTES
 
     @property
     def label(self) -> str:
@@ -139,6 +142,7 @@ class SSHTransport:
 
     def __init__(self, target: SSHTarget) -> None:
         self.target = target
+        self.output_limit = target.output_limit
         self._conn: asyncssh.SSHClientConnection | None = None
         self._client: _PinningClient | None = None
         # Network round trip to the node, from the TCP handshake of this connection.

@@ -17,6 +17,16 @@ class ClaimConflict(Exception):
     """A port or device of the plan is held by another active deployment. The message names it."""
 
 
+class ClaimQuerySet(models.QuerySet):
+    def active(self) -> ClaimQuerySet:
+        """Claims of deployments that are active: the rows are deleted when a deployment stops or fails,
+        and this keeps a row that outlived its deployment from counting."""
+        # Imported here: deployments/models/deployment.py imports this module.
+        from deployments.models.deployment import ACTIVE_STATES
+
+        return self.filter(deployment__state__in=ACTIVE_STATES)
+
+
 class ResourceClaim(models.Model):
     """A node's port or device held by one active deployment; the unique constraint is the guarantee.
 
@@ -29,6 +39,8 @@ class ResourceClaim(models.Model):
     resource = models.CharField(max_length=60)
     deployment = models.ForeignKey("deployments.Deployment", on_delete=models.CASCADE, related_name="claims")
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = ClaimQuerySet.as_manager()
 
     class Meta:
         ordering = ["node__name", "resource"]

@@ -16,7 +16,8 @@ def _owner_of(node, port: int, pid: int) -> str:
     """Which active deployment holds this port or PID of the node ("" when none does)."""
 
     claim = (
-        ResourceClaim.objects.filter(node=node, resource=f"port:{port}", deployment__state__in=ACTIVE_STATES)
+        ResourceClaim.objects.active()
+        .filter(node=node, resource=f"port:{port}")
         .select_related("deployment")
         .first()
     )

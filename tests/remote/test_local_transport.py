@@ -262,10 +262,10 @@ async def test_a_secret_is_written_from_memory_with_mode_0600_whatever_the_umask
 
 
 @pytest.mark.security
-async def test_a_process_that_prints_without_end_is_cut_and_memory_stays_bounded(local, settings):
+async def test_a_process_that_prints_without_end_is_cut_and_memory_stays_bounded():
     import tracemalloc
 
-    settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES = 2**20
+    local = LocalTransport(output_limit=2**20)
     flood = "head -c 16777216 /dev/zero | tr '\\0' x; echo; yes 'a line of output' | head -c 8388608"
     tracemalloc.start()
     try:

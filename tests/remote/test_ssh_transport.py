@@ -350,16 +350,17 @@ async def test_a_secret_is_written_from_memory_into_a_file_that_is_0600_from_its
 
 
 @pytest.mark.security
-async def test_a_node_that_prints_without_end_is_cut_and_memory_stays_bounded(lab, lab_host, settings):
+async def test_a_node_that_prints_without_end_is_cut_and_memory_stays_bounded(lab, lab_host):
     """24 MiB of output, 16 of them one line without a newline: the console keeps the first 1 MiB (the
     budget set here), each line at most 64 KiB, and says what it cut."""
     import tracemalloc
 
-    settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES = 2**20
+    target = target_for(lab, lab_host)
+    target.output_limit = 2**20
     flood = "head -c 16777216 /dev/zero | tr '\\0' x; echo; yes 'a line of output' | head -c 8388608"
     tracemalloc.start()
     try:
-        async with SSHTransport(target_for(lab, lab_host)) as ssh:
+        async with SSHTransport(target) as ssh:
             result = await ssh.run(["sh", "-c", flood], timeout=120)
         _, peak = tracemalloc.get_traced_memory()
     finally:
