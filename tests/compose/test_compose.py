@@ -296,7 +296,7 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
         assert f"{NODE}: host key {offered} is approved." in web_log
         counts = stack.console_query(
             "import json; from nodes.models import Node, Credential; "
-            "from deployments.models import ModelFile; print(json.dumps("
+            "from modelfiles.models import ModelFile; print(json.dumps("
             "[Node.objects.count(), Credential.objects.count(), ModelFile.objects.count()]))"
         )
         assert counts == [2, 1, 1]
