@@ -123,6 +123,7 @@ def rpc_server_step(deployment: Deployment, node: Node, host, tag: str, **params
     )
 
 
+@pytest.mark.llamacpp
 def test_the_rule_goes_in_before_the_rpc_server_starts_and_out_when_the_step_fails(lab, lab_host):
     binaries = require_llamacpp()
     node = lab_node(lab, lab_host, name="old-pc")
@@ -251,6 +252,7 @@ def user_readable_llamacpp(host) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+@pytest.mark.llamacpp
 def test_a_calibration_that_can_neither_tunnel_nor_fence_skips_the_link_and_opens_nothing(
     lab, lab_hosts, settings, tmp_path, monkeypatch
 ):
