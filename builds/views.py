@@ -23,7 +23,7 @@ def _build_page(request, node: Node, form: BuildForm, status: int = 200):
         {
             "node": node,
             "builds": node.builds.all()[:20],
-            "jobs": Job.objects.filter(node=node, kind="build")[:10],
+            "jobs": Job.objects.filter(node=node, kind="build").select_related("node")[:10],
             "form": form,
             "can_operate": can_operate(request.user),
         },

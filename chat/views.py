@@ -30,7 +30,7 @@ from chat.relay import ChatInputError, _error_text, _json_or_text, event, parse_
 from deployments.endpoint import endpoint_url
 from deployments.models import Deployment, DeploymentState
 from llamacpp.args import model_alias
-from ramdeck_site.roles import OPERATOR, role_required
+from ramdeck_site.roles import CHAT, role_required
 from remote.bounded_http import IDENTITY, MAX_ERROR_BYTES, AnswerTooLarge, capped_lines, read_prefix
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ async def _stream(client: httpx.AsyncClient, upstream: httpx.Response, pk: int) 
 
 
 @require_POST
-@role_required(OPERATOR)
+@role_required(CHAT)
 async def deployment_chat(request, pk: int):
     deployment, key = await sync_to_async(_load)(pk)
     if deployment.state not in CHAT_STATES:

@@ -61,6 +61,7 @@ class DashboardConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsock
         context = {
             **dashboard_live.live_context(),
             "oob": True,
+            "user": user,
             "can_operate": can_operate(user),
             # The reap buttons post with the CSRF cookie's secret, which Django accepts as the form token.
             "csrf_token": self.scope.get("cookies", {}).get(settings.CSRF_COOKIE_NAME, ""),

@@ -1,6 +1,6 @@
 """Users and their roles, managed inside the console (admins only): list, add, change the role, deactivate.
 
-A role is one of the three groups (ramdeck_site/roles.py). Every change is audited. An admin cannot take
+A role is one of the four groups (ramdeck_site/roles.py). Every change is audited. An admin cannot take
 away their own admin role or deactivate themselves, and the last active admin stays one: the console is
 never left without someone who can manage it. A superuser (made by `manage.py ensure_admin` or
 `createsuperuser`) is an admin whatever its groups say, so its role is not offered for change here.
@@ -20,11 +20,12 @@ from django.views.decorators.http import require_POST
 
 from audit import history
 from ramdeck_site import lockout
-from ramdeck_site.roles import ADMIN, OPERATOR, ROLES, VIEWER, role_of, role_required
+from ramdeck_site.roles import ADMIN, CHAT, OPERATOR, ROLES, VIEWER, highest_role, role_of, role_required
 
 User = get_user_model()
 ROLE_CHOICES = [
     (VIEWER, "Viewer: sees everything, changes nothing"),
+    (CHAT, "Chat: a viewer who may also chat with running models and see their endpoint and key"),
     (OPERATOR, "Operator: probes, builds, plans, deploys and stops"),
     (ADMIN, "Admin: also nodes, credentials, host keys, users"),
 ]
@@ -141,7 +142,7 @@ def _stored_role(user) -> str | None:
     if user.is_superuser:
         return ADMIN
     names = {group.name for group in user.groups.all()}
-    return next((role for role in (ADMIN, OPERATOR, VIEWER) if role in names), None)
+    return highest_role(names)
 
 
 @role_required(ADMIN)

@@ -122,7 +122,8 @@ class JobLogConsumer(UserBoundConsumer, AsyncWebsocketConsumer):
         job = Job.objects.select_related("node", "created_by").filter(pk=self.job_id).first()
         if job is None:
             return None, None
-        context = {"job": job, "oob": True, "can_operate": can_operate(self.scope["user"])}
+        user = self.scope["user"]
+        context = {"job": job, "oob": True, "user": user, "can_operate": can_operate(user)}
         return render_to_string("jobs/job_detail.html#summary", context), job.state
 
 

@@ -195,6 +195,10 @@ class Job(models.Model):
     def get_absolute_url(self) -> str:
         return reverse("jobs:detail", args=[self.pk])
 
+    def may_be_opened_by(self, user) -> bool:
+        """Whether the job's page opens for `user` (templates ask before linking to it: `user|may:job`)."""
+        return may_read_log(user, self)
+
     @property
     def is_active(self) -> bool:
         return self.state in ACTIVE_STATES

@@ -62,7 +62,7 @@ def _grouped_jobs(form: JobFilterForm):
     runs = Job.objects.filter(parent__isnull=True)
     if match:
         runs = runs.filter(Q(pk__in=Job.objects.filter(match).values("parent_id")) | match)
-    steps = Job.objects.select_related("created_by").order_by("created_at", "pk")
+    steps = Job.objects.select_related("created_by", "node").order_by("created_at", "pk")
     return runs.select_related("node", "created_by").prefetch_related(Prefetch("children", queryset=steps))
 
 

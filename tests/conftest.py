@@ -98,6 +98,12 @@ def viewer_user(db):
 
 
 @pytest.fixture
+def chat_user(db):
+    """A family member who only chats: a viewer who may also chat with running deployments."""
+    return UserFactory(username="cleo-chat", role="chat")
+
+
+@pytest.fixture
 def stranger_user(db):
     """Logged in, but in no role: sees nothing."""
     return UserFactory(username="sam-stranger")
@@ -121,6 +127,11 @@ def operator_client(client, operator_user):
 @pytest.fixture
 def viewer_client(client, viewer_user):
     return _client_for(client, viewer_user)
+
+
+@pytest.fixture
+def chat_client(client, chat_user):
+    return _client_for(client, chat_user)
 
 
 @pytest.fixture(scope="session", autouse=True)

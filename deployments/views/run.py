@@ -18,7 +18,7 @@ from deployments.lifecycle import actions as lifecycle
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
 from jobs.models import Job, JobLogLine, refuse_local_node
 from llamacpp.args import model_alias
-from ramdeck_site.roles import OPERATOR, VIEWER, can_operate, role_required
+from ramdeck_site.roles import CHAT, OPERATOR, VIEWER, can_chat, can_operate, role_required
 
 
 def _get_deployment(pk: int) -> Deployment:
@@ -37,7 +37,7 @@ def refuse_on_console_host(request, deployment: Deployment, what: str) -> None:
 
 
 def _steps(deployment: Deployment) -> list[dict]:
-    steps = list(deployment.steps.select_related("job").order_by("order", "pk"))
+    steps = list(deployment.steps.select_related("job", "job__node").order_by("order", "pk"))
     tails = log_tails([step.job for step in steps], 6)
     return [{"step": step, "job": step.job, "tail": tails[step.job_id]} for step in steps]
 
@@ -64,6 +64,8 @@ def run_context(user, deployment: Deployment) -> dict:
     measured = deployment.measured_decode_tps
     steps = _steps(deployment)
     return {
+        # Templates ask `user|may:"route"` before offering an action; the websocket re-render has no request.
+        "user": user,
         "deployment": deployment,
         "steps": steps,
         # rpc-servers an admin let listen on every interface: they have no authentication.
@@ -90,6 +92,9 @@ def run_context(user, deployment: Deployment) -> dict:
         "can_operate": can_operate(user),
         # The API key, the RPC mode and self-healing of a deployment on the console's own host: admins only.
         "may_control": can_operate(user) and not lifecycle.local_refusal(deployment, user),
+        # The API key is shown to the chat role too (a family member's chat program needs it), with the same
+        # exception: the console's own host's is the admins'.
+        "may_see_key": can_chat(user) and not lifecycle.local_refusal(deployment, user),
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
@@ -154,9 +159,10 @@ def deployment_processes(request, pk: int):
     )
 
 
-@role_required(OPERATOR)
+@role_required(CHAT)
 def deployment_api_key(request, pk: int):
-    """The API key, for operators only (admins only on the console's own host); every reveal is audited."""
+    """The API key, for the chat role and above (admins only on the console's own host); every reveal is
+    audited."""
     deployment = _get_deployment(pk)
     refuse_on_console_host(request, deployment, "API keys of deployments")
     key = deployment.api_key() if deployment.api_key_encrypted else ""

@@ -66,7 +66,7 @@ def node_detail(request, name: str):
     node = get_node(name)
     context = {
         **hardware_context(node),
-        "jobs": Job.objects.filter(node=node)[:10],
+        "jobs": Job.objects.filter(node=node).select_related("node")[:10],
         "deployments": node.coordinated_deployments.all()[:10],
         "model_files": node.model_files.all(),
     }

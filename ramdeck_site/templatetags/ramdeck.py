@@ -6,6 +6,8 @@ import ipaddress
 
 from django import template
 
+from ramdeck_site import roles
+
 register = template.Library()
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
@@ -23,6 +25,20 @@ def bytes(value) -> str:
         amount /= 1024
         unit += 1
     return f"{amount:.0f} {_UNITS[unit]}" if unit == 0 else f"{amount:.1f} {_UNITS[unit]}"
+
+
+@register.filter
+def may(user, what) -> bool:
+    """`{% if user|may:"deployments:stop" %}`: the one question a template asks before it shows a button, a
+    form or a link to an action (ramdeck_site/roles.py `may_use`). Given an object instead of a route name
+    (`{% if user|may:job %}`), whether its page opens for the user, as the object itself says
+    (`may_be_opened_by`: a job's log on the console's own host is the admins'). Pages rendered outside a
+    request (the websocket re-renders) put `user` in their context."""
+    if not user:
+        return False
+    if isinstance(what, str):
+        return roles.may_use(user, what)
+    return what.may_be_opened_by(user)
 
 
 @register.filter

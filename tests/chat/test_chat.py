@@ -18,6 +18,7 @@ from django.urls import reverse
 from chat.relay import ChatInputError, parse_conversation, relay
 from deployments.models import DeploymentState
 from tests.chat_fixtures import KEY, chat_deployment, chat_events, post_chat
+from tests.factories import NodeFactory
 
 
 def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
@@ -197,8 +198,47 @@ def test_viewers_may_not_chat_and_chat_is_post_only(local_node, viewer_user, ope
     viewer = Client()
     viewer.force_login(viewer_user)
     page = viewer.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
-    assert 'id="chat-viewer-note"' in page and 'id="chat-form"' not in page
+    assert 'id="chat-viewer-note"' in page and 'id="chat-form"' not in page and "Chat with it" not in page
     assert operator_client.get(reverse("chat:deployment", args=[deployment.pk])).status_code == 405
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_chat_role_chats_sees_the_endpoint_and_its_key_and_nothing_more(
+    local_node, chat_user, chat_client
+):
+    seen: list[dict] = []
+    server = _stand_in([_delta("Hello", finish="stop")], seen)
+    try:
+        deployment = chat_deployment(local_node, server.server_address[1])
+        response = post_chat(chat_user, deployment, [{"role": "user", "content": "hi"}])
+        assert response.status_code == 200
+        assert [e["delta"] for e in chat_events(response) if "delta" in e] == ["Hello"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    page = chat_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert (
+        'id="chat-form"' in page
+        and 'href="#chat" data-action="chat:deployment">Chat with it<' in page
+        and 'id="endpoint-url"' in page
+    )
+    # Nothing that changes the cluster: no button, and a refusal when asked anyway.
+    for button in ("stop-button", "restart-button", "deploy-button", "redeploy-button", "self-heal-button"):
+        assert f'id="{button}"' not in page
+    assert (
+        chat_client.post(reverse("deployments:stop", args=[deployment.pk]), {"confirm": "yes"}).status_code
+        == 403
+    )
+    assert chat_client.post(reverse("deployments:restart", args=[deployment.pk])).status_code == 403
+    # The key of a deployment elsewhere than on the console's own host is shown, as to an operator.
+    elsewhere = chat_deployment(NodeFactory(name="attic", address="10.77.1.9"), 8080, name="other")
+    page = chat_client.get(reverse("deployments:run", args=[elsewhere.pk])).content.decode()
+    assert "Show API key" in page
+    assert KEY in chat_client.get(reverse("deployments:api_key", args=[elsewhere.pk])).content.decode()
+    # The console's own host's key stays the admins'.
+    assert chat_client.get(reverse("deployments:api_key", args=[deployment.pk])).status_code == 403
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING
 
 
 @pytest.mark.django_db(transaction=True)

@@ -21,7 +21,7 @@ def test_an_admin_sees_every_user_with_their_role(admin_client, operator_user, v
     assert ">operator<" in page and ">viewer<" in page
 
 
-@pytest.mark.parametrize("who", ["operator_client", "viewer_client"])
+@pytest.mark.parametrize("who", ["operator_client", "chat_client", "viewer_client"])
 def test_only_admins_manage_users(request, who):
     client = request.getfixturevalue(who)
     assert client.get(reverse("users:list")).status_code == 403
@@ -41,6 +41,26 @@ def test_an_admin_adds_an_operator_who_can_log_in(admin_client):
     assert event.changes == {"username": "olga", "role": "operator"} and event.actor_name == "alice-admin"
     assert event.sentence == "alice-admin added user olga: role: operator; username: olga"
     assert olga.is_active and olga.check_password(PASSWORD)
+
+
+def test_an_admin_gives_a_family_member_the_chat_role_and_can_take_it_back(admin_client, viewer_user):
+    form = admin_client.get(reverse("users:create")).content.decode()
+    assert 'value="chat"' in form and "Chat: a viewer who may also chat" in form
+    response = admin_client.post(
+        reverse("users:create"),
+        {"username": "kid", "email": "", "role": "chat", "password1": PASSWORD, "password2": PASSWORD},
+    )
+    assert response.status_code == 302
+    kid = User.objects.get(username="kid")
+    assert role_of(kid) == "chat"
+    assert "chat" in admin_client.get(reverse("users:list")).content.decode()
+    url = reverse("users:edit", args=[viewer_user.pk])
+    assert admin_client.post(url, {"role": "chat", "is_active": "on"}).status_code == 302
+    viewer_user.refresh_from_db()
+    assert role_of(viewer_user) == "chat"
+    assert AuditEvent.objects.filter(action="user.update").last().changes == {"role": ["viewer", "chat"]}
+    assert admin_client.post(url, {"role": "viewer", "is_active": "on"}).status_code == 302
+    assert role_of(User.objects.get(pk=viewer_user.pk)) == "viewer"
 
 
 def test_a_weak_or_mismatched_password_re_renders_the_form(admin_client):

@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 
 from deployments.models import Deployment
@@ -199,20 +200,26 @@ def _deployment(measured: float | None, predicted: float = 100.0, **node_fields)
 
 
 @pytest.mark.django_db
-def test_the_deployment_page_shows_the_error_and_which_node_to_calibrate_again(viewer_client):
+def test_the_deployment_page_shows_the_error_and_which_node_to_calibrate_again(operator_client, viewer_user):
     deployment = _deployment(measured=46.0, calibrated_at=timezone.now())
     NodeFactory._meta.model.objects.filter(name="pc").update(calibrated_at=timezone.now())
     assert deployment.speed_error == pytest.approx(-0.54)
     # Everything measured: the node the prediction leaned on most is the one to check.
     assert deployment.recalibration_advice() == ["pc"]
+    viewer = Client()
+    viewer.force_login(viewer_user)
     for url in (deployment.get_absolute_url(), f"/deployments/{deployment.pk}/run/"):
-        page = viewer_client.get(url).content.decode()
+        page = operator_client.get(url).content.decode()
         assert "Measured 46.0 tok/s against 100.0 predicted" in page
         # A visible (red) badge, not grey text, with the likely reason and the way to re-calibrate.
         assert '<span class="badge bad" id="speed-flag">Prediction missed by -54%</span>' in page
         assert "slower than the planner expected, by more than 25%" in page
         assert "<strong>pc</strong>: its figures are fresh, but the prediction leans on them most" in page
-        assert '<a href="/nodes/pc/#hardware" class="recalibrate">Re-calibrate pc</a>' in page
+        link = 'href="/nodes/pc/#hardware" class="recalibrate" data-action="calibration:node"'
+        assert f"{link}>Re-calibrate pc</a>" in page
+        # A viewer reads the reason, and is not sent to a calibration it may not start.
+        page = viewer.get(url).content.decode()
+        assert "<strong>pc</strong>: its figures are fresh" in page and "Re-calibrate" not in page
 
 
 @pytest.mark.django_db

@@ -9,7 +9,7 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 
 from ramdeck_site.asgi import application
 
-ROLES = ("anonymous", "viewer", "operator", "admin")
+ROLES = ("anonymous", "viewer", "chat", "operator", "admin")
 
 
 def http_routes(resolver=None, namespace: str = "", prefix: str = "") -> list[tuple[str, URLPattern]]:

@@ -1,7 +1,7 @@
 """The role matrix: every route of the URL configuration and every websocket route, for each of anonymous,
-viewer, operator and admin, against the outcome that RULES (below, the one table) says. The routes come from
-`get_resolver()` and from the ASGI application's websocket router, so a route added without a rule fails
-`test_every_route_has_a_rule` (and its own matrix cells) with its name.
+viewer, chat, operator and admin, against the outcome that RULES (below, the one table) says. The routes
+come from `get_resolver()` and from the ASGI application's websocket router, so a route added without a
+rule fails `test_every_route_has_a_rule` (and its own matrix cells) with its name.
 
 Pages are fetched with GET; routes that only take POST (Django's `require_POST`) are sent an empty POST,
 which is enough to tell "refused" from "let through" (a let-through POST re-renders its form with errors,
@@ -11,13 +11,16 @@ redirects to what it started, or says what is missing). Outcomes: "login" is a r
 
 from __future__ import annotations
 
+from html.parser import HTMLParser
+from urllib.parse import urlparse
+
 import pytest
 from channels.db import database_sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.db import transaction
 from django.test import Client
-from django.urls import URLPattern, reverse
+from django.urls import Resolver404, URLPattern, resolve, reverse
 
 from deployments.models import Deployment, StaleProcess
 from jobs.models import Job, JobState
@@ -36,8 +39,10 @@ def _all(outcome):
     return dict.fromkeys(ROLES, outcome)
 
 
-def _rule(anonymous, viewer, operator, admin):
-    return {"anonymous": anonymous, "viewer": viewer, "operator": operator, "admin": admin}
+def _rule(anonymous, viewer, operator, admin, *, chat=None):
+    """The chat role is a viewer who may also chat: it gets the viewer's outcome unless `chat` says."""
+    chat = viewer if chat is None else chat
+    return {"anonymous": anonymous, "viewer": viewer, "chat": chat, "operator": operator, "admin": admin}
 
 
 # Route → role → outcome. Websocket routes are keyed by their path pattern ("ws/...").
@@ -47,7 +52,7 @@ RULES: dict[str, dict[str, object]] = {
     # Site pages.
     "dashboard": _rule(LOGIN, 200, 200, 200),
     "dashboard_live": _rule(LOGIN, 200, 200, 200),  # the dashboard's regions, polled while its socket is down
-    "login": _all(200) | {"viewer": 302, "operator": 302, "admin": 302},  # logged in: on to the dashboard
+    "login": _all(302) | {"anonymous": 200},  # logged in: on to the dashboard
     "logout": _rule(LOGIN, 302, 302, 302),  # POST
     "password_change": _rule(LOGIN, 200, 200, 200),
     "password_change_done": _rule(LOGIN, 302, 302, 302),
@@ -94,10 +99,10 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:processes": _rule(LOGIN, 200, 200, 200),
     # The matrix's deployment uses the console's own host (desk): its API key, RPC mode and self-healing are
     # the admins'; on other nodes, the operators' (tests/nodes/test_console_host_safety.py).
-    "deployments:api_key": _rule(LOGIN, 403, 403, 200),
+    "deployments:api_key": _rule(LOGIN, 403, 403, 200),  # chat: the console's own host's key is the admins'
     "deployments:deploy": _rule(LOGIN, 403, 302, 302),
     "deployments:stop": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm stops
-    "chat:deployment": _rule(LOGIN, 403, 409, 409),  # POST; the matrix's deployment is not running
+    "chat:deployment": _rule(LOGIN, 403, 409, 409, chat=409),  # POST; the matrix's deployment is not running
     "deployments:rpc_mode": _rule(LOGIN, 403, 403, 302),  # POST; back to the run page with a message
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
@@ -242,6 +247,99 @@ def test_every_route_answers_each_role_as_the_rules_say(db, world):
             elif got in (LOGIN, 403) and changed:
                 wrong.append(f"{key} as {role}: refused ({got}), yet something changed")
     assert not wrong, "Routes answering otherwise than RULES says:\n" + "\n".join(wrong)
+
+
+# --- What each role is offered ------------------------------------------------------------------------------
+
+
+class _Offers(HTMLParser):
+    """Every URL a page offers (links, forms, htmx requests) and every action a link names as where it leads
+    (`data-action`, a route name: "Chat with it" jumps to the chat form, "Re-calibrate" to a node page)."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls: list[tuple[str, str]] = []
+        self.actions: list[tuple[str, str]] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for name in ("href", "action", "hx-get", "hx-post", "formaction"):
+            if attrs.get(name):
+                self.urls.append((f"<{tag} {name}>", attrs[name]))
+        if attrs.get("data-action"):
+            self.actions.append((f"<{tag} data-action>", attrs["data-action"]))
+
+
+def _route_key(url: str) -> str | None:
+    path = urlparse(url).path
+    if not path.startswith("/") or path.startswith("/static/"):
+        return None
+    try:
+        match = resolve(path)
+    except Resolver404:
+        return None
+    return match.view_name if match.url_name else None
+
+
+def _pages_for(role: str) -> list[tuple[str, URLPattern]]:
+    """The pages (GET, 200 by RULES) a role opens, outside Django's admin (Django's own templates)."""
+    return [(key, pattern) for key, pattern in HTTP_ROUTES
+            if RULES.get(key, {}).get(role) == 200 and not key.startswith("admin")]  # fmt: skip
+
+
+def _offered_refusals(world) -> list[str]:
+    wrong = []
+    for role in ROLES[1:]:
+        client = Client()
+        client.force_login(world["users"][role])
+        for key, pattern in _pages_for(role):
+            url = url_of(key, pattern, world)
+            response = client.get(url)
+            if response.status_code != 200 or "html" not in response.headers.get("Content-Type", ""):
+                continue
+            offers = _Offers()
+            offers.feed(response.content.decode())
+            targets = [(what, _route_key(target), target) for what, target in offers.urls]
+            targets += [(what, route, route) for what, route in offers.actions]
+            for what, route, target in targets:
+                if route in RULES and RULES[route][role] in (LOGIN, 403):
+                    wrong.append(f"{key} as {role}: {what} {target} ({route}: {RULES[route][role]})")
+    return wrong
+
+
+def test_the_may_filter_asks_the_role_each_view_declares_and_refuses_unknown_routes(db):
+    from ramdeck_site.roles import route_roles
+    from ramdeck_site.templatetags.ramdeck import may
+
+    assert route_roles()["chat:deployment"] == "chat" and route_roles()["deployments:stop"] == "operator"
+    chat = UserFactory(username="kid", role="chat")
+    assert may(chat, "chat:deployment") and may(chat, "deployments:api_key")
+    assert not may(chat, "deployments:stop") and not may(chat, "calibration:node")
+    assert not may(None, "chat:deployment")
+    with pytest.raises(ValueError, match="No route named 'deployments:chat'"):
+        may(chat, "deployments:chat")
+
+
+def test_no_page_offers_a_role_a_link_or_a_form_that_refuses_it(db, world):
+    """Every page each role may open, rendered as that role: no link, form or htmx request on it leads to a
+    route RULES says refuses that role. Once as the world is (a confirmed deployment), once with the
+    deployment running and slower than predicted (the endpoint, the chat, the advice to re-calibrate)."""
+    wrong = _offered_refusals(world)
+    deployment = world["deployment"]
+    predicted = deployment.plan["predicted_tokens_per_s"]
+    Deployment.objects.filter(pk=deployment.pk).update(state="running", measured_decode_tps=predicted / 4)
+    running = _offered_refusals(world)
+    assert not wrong + running, "Pages offering what refuses the role:\n" + "\n".join(wrong + running)
+    # The running deployment's page did offer the running actions to those who may use them.
+    pages = {}
+    for role in ("viewer", "chat", "operator"):
+        client = Client()
+        client.force_login(world["users"][role])
+        pages[role] = client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert "Chat with it" not in pages["viewer"] and "Re-calibrate" not in pages["viewer"]
+    assert "Chat with it" in pages["chat"] and 'id="chat-form"' in pages["chat"]
+    assert "Re-calibrate" not in pages["chat"] and 'id="stop-button"' not in pages["chat"]
+    assert "Re-calibrate" in pages["operator"] and 'id="stop-button"' in pages["operator"]
 
 
 # --- Websockets -------------------------------------------------------------------------------------------
