@@ -39,6 +39,7 @@ PHRASES = {
     "deployment.confirm": "confirmed the plan of {object}",
     "deployment.deploy": "deployed {object}",
     "deployment.stop": "stopped {object}",
+    "deployment.recalibrate": "stopped {object} to calibrate a node and start it again",
     "deployment.redeploy": "redeployed {object}",
     "deployment.refused": "was refused deploying {object}",
     "deployment.failed": "marked {object} failed",

@@ -53,7 +53,7 @@ from django.conf import settings
 
 from calibration import link as calibrate_link
 from calibration.fit import CalibrationModel, FixedCosts, Run, comparable, cpu_ticks, fit, rpc_share
-from calibration.store import store
+from calibration.store import refusal, store
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
 from jobs.on_node import run_dir, tail_lines, wait_listening, write_secret_file
@@ -282,23 +282,6 @@ async def timed_run(
     return run
 
 
-def _refusal(node) -> str:
-    """Why this node cannot be calibrated now, or ""."""
-    if node.current_build is None:
-        return f"{node.name} has no llama.cpp build: build or register one on its page first."
-    if not node.devices.exists():
-        return f"{node.name} has no devices on record: probe it first."
-    # A deployment claims its nodes' ports and devices from the moment it prepares until it stops or fails
-    # (deployments/models/claims.py); the node's claims are reached without importing that app.
-    claim = node.claims.active().select_related("deployment").first()
-    if claim is not None:
-        return (
-            f"{node.name} serves deployment {claim.deployment}: a calibration would disturb it and needs its "
-            "RPC port. Stop the deployment first."
-        )
-    return ""
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 3)
 
@@ -354,7 +337,7 @@ async def calibrate_body(ctx) -> str:
     node = ctx.node
     if node is None:
         raise JobFailed("A calibration needs a node.")
-    reason = await db(_refusal)(node)
+    reason = await db(refusal)(node)
     if reason:
         raise JobFailed(reason)
     build = await db(lambda: node.current_build)()

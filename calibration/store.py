@@ -75,11 +75,37 @@ def store(node, results: dict) -> list[str]:
     return lines
 
 
+def serving(node) -> list:
+    """The deployments that hold the node now: from the moment one prepares until it stops or fails
+    (deployments/models/claims.py), reached through the node's claims without importing that app."""
+    claims = node.claims.active().select_related("deployment").order_by("deployment_id")
+    return list({claim.deployment_id: claim.deployment for claim in claims}.values())
+
+
+def refusal(node, *, besides=None) -> str:
+    """Why this node cannot be calibrated now, or "". `besides`: a deployment that stops before the
+    calibration (the run page's "stop, calibrate, start again"), whose hold on the node does not count."""
+    if node.current_build is None:
+        return f"{node.name} has no llama.cpp build: build or register one on its page first."
+    if not node.devices.exists():
+        return f"{node.name} has no devices on record: probe it first."
+    others = [d for d in serving(node) if besides is None or d.pk != besides.pk]
+    if others:
+        return (
+            f"{node.name} serves deployment {others[0].name}: a calibration would disturb it and needs its "
+            "RPC port. Stop the deployment first."
+        )
+    return ""
+
+
 def start_calibration(node, *, user=None):
-    """Queue a calibration of `node` unless one is already queued or running; the job, or None."""
+    """Queue a calibration of `node` unless one is already queued or running, or it cannot run now (the
+    caller says why, from `refusal`): a job sure to fail is never created. The job, or None."""
     with transaction.atomic():
         Node.objects.select_for_update().filter(pk=node.pk).first()
         if Job.objects.active().filter(node=node, kind=CALIBRATE).exists():
+            return None
+        if refusal(node):
             return None
         job = Job.objects.create(kind=CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user)
         job.enqueue()

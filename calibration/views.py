@@ -9,8 +9,8 @@ from django.views.decorators.http import require_POST
 
 from audit import history
 from calibration.forms import BandwidthOverrideForm
-from calibration.store import start_calibration
-from jobs.models import may_use_local_node
+from calibration.store import refusal, serving, start_calibration
+from jobs.models import may_use_local_node, refuse_local_node
 from nodes.models import Node
 from nodes.views.nodes import get_node, start_node_job
 from ramdeck_site.roles import ADMIN, OPERATOR, role_required
@@ -23,6 +23,11 @@ def calibrate_now(request, name: str):
     if not node.enabled or node.pending_host_key:
         messages.error(request, f"{node.name} is disabled or awaits host-key approval: nothing runs there.")
         return redirect(node)
+    refuse_local_node(request.user, node, "Calibrations", request=request)  # a 403 before any other reason
+    if reason := refusal(node):
+        # Said here, with no job: one that fails at once would only sit among the dashboard's failed jobs.
+        messages.error(request, reason)
+        return redirect(node)
     return start_node_job(
         request, node, start_calibration, action="node.calibrate", what="calibration", doing="Calibrating"
     )
@@ -33,10 +38,13 @@ def calibrate_now(request, name: str):
 def calibrate_all(request):
     """One calibration job per enabled node that has a build and devices; Celery runs them in parallel."""
 
-    started, skipped = [], []
+    started, skipped, busy = [], [], []
     with transaction.atomic():
         for node in Node.objects.filter(enabled=True, pending_host_key="").prefetch_related("devices"):
             if node.current_build is None or not node.devices.all():
+                continue
+            if deployments := serving(node):
+                busy.append(f"{node.name} (serves {', '.join(d.name for d in deployments)})")
                 continue
             if not may_use_local_node(request.user, node):
                 skipped.append(node.name)  # The console's own host: admins only (jobs/models.py).
@@ -50,6 +58,12 @@ def calibrate_all(request):
         messages.success(request, f"Calibrating {', '.join(started)} in parallel.")
     else:
         messages.info(request, "No node to calibrate: each needs a llama.cpp build and a probe first.")
+    if busy:
+        messages.warning(
+            request,
+            f"Not calibrated: {', '.join(busy)}. A running deployment's page offers to stop it, calibrate "
+            "its nodes and start it again.",
+        )
     if skipped:
         messages.warning(
             request,

@@ -32,6 +32,13 @@ class DeploymentsConfig(AppConfig):
             needs_transport=False,
             on_end=f"{runs}.undeploy_ended",
         )
+        kinds.register(
+            "recalibrate",
+            "Stop, calibrate, start again",
+            f"{runs}.recalibrate_body",
+            needs_transport=False,
+            on_end=f"{runs}.recalibrate_ended",
+        )
         # The steps. A lost rpc_server or llama_server step leaves its daemon running (adopted): the
         # rollback that follows ends it by the PID the deployment recorded, after checking it is still ours.
         kinds.register("reap", "Reap stale processes", f"{steps}.reap.reap_body", queue=kinds.CONTROL)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from audit.history import record
+from calibration.store import refusal as calibration_refusal
 from deployments import live
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep, RpcMode
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
@@ -34,6 +35,9 @@ MID_DEPLOY_STATES = (DeploymentState.PREPARING, DeploymentState.LAUNCHING, Deplo
 # Job kinds of a deployment (registered in DeploymentsConfig.ready()): the two runs, and the kind of each
 # step by its name on the deployment page.
 DEPLOY, UNDEPLOY, HEAL = "deploy", "undeploy", "heal"
+# One run that stops a running deployment, calibrates one of its nodes and deploys the same plan again
+# (runs.py `recalibrate_body`): on the default queue, since a calibration takes minutes.
+RECALIBRATE = "recalibrate"
 # Runs that start processes (a Stop cancels them first).
 LAUNCHING_RUNS = (DEPLOY, HEAL)
 STEP_KINDS = {
@@ -45,6 +49,7 @@ STEP_KINDS = {
     "measure": "measure",
     "stop": "stop",
     "rollback": "stop",
+    "calibrate": "calibrate",
 }
 # A lost stop run is started again this many times at most; then the deployment fails, naming it.
 MAX_UNDEPLOY_RUNS = 3
@@ -158,8 +163,8 @@ def refusal(deployment: Deployment) -> str:
 
 
 def runs_of(deployment: Deployment, kind: str | None = None):
-    """The deploy, heal and undeploy jobs of a deployment, newest first."""
-    kinds = [kind] if kind else [DEPLOY, HEAL, UNDEPLOY]
+    """The deploy, heal, undeploy and recalibrate jobs of a deployment, newest first."""
+    kinds = [kind] if kind else [DEPLOY, HEAL, UNDEPLOY, RECALIBRATE]
     return Job.objects.filter(kind__in=kinds, params__deployment=deployment.pk).order_by("-created_at", "-pk")
 
 
@@ -388,6 +393,8 @@ def stop_deployment(deployment: Deployment, actor=None, *, then_redeploy: bool =
     if reason := local_refusal(deployment, actor):
         record(actor, "deployment.refused", deployment, changes={"reason": reason})
         return False, reason
+    if active_run(deployment, RECALIBRATE) is not None:
+        return False, "It is being stopped to calibrate a node and started again: cancel that run to stop it."
     with transaction.atomic():
         if (current := active_run(deployment, UNDEPLOY)) is not None:
             if current.state == JobState.QUEUED:
@@ -438,3 +445,37 @@ def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]
         record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})
         started, message = start_deploy(fresh, actor)
     return fresh, started, message
+
+
+def recalibrate_refusal(deployment: Deployment, node: Node | None, actor=None) -> str:
+    """Why "stop, calibrate, start again" of `node` cannot run now, or "" when it can."""
+    if node is None or node.pk not in {n.pk for n in deployment_nodes(deployment)}:
+        return "Choose a node this deployment uses."
+    if deployment.state not in (DeploymentState.RUNNING, DeploymentState.DEGRADED):
+        state = deployment.get_state_display().lower()
+        return f"{deployment.name} is {state}: calibrate {node.name} from its own page."
+    if reason := local_refusal(deployment, actor):
+        return reason
+    if active_run(deployment, RECALIBRATE) or active_run(deployment, UNDEPLOY):
+        return f"{deployment.name} is already being stopped."
+    return calibration_refusal(node, besides=deployment)
+
+
+def stop_calibrate_start(deployment: Deployment, node: Node | None, actor=None) -> tuple[bool, str]:
+    """The node page's "Stop X, calibrate, start again": one run that stops the deployment, calibrates the
+    node and deploys the same plan again (runs.py `recalibrate_body`), so a calibration is never queued to
+    fail at once because the node serves a deployment. Refused with a reason before anything changes."""
+    if reason := recalibrate_refusal(deployment, node, actor):
+        record(actor, "deployment.refused", deployment, changes={"reason": reason})
+        return False, reason
+    with transaction.atomic():
+        if not deployment.mark_stopping(
+            reason=f"Stopped to calibrate {node.name}; the same plan starts again."
+        ):
+            return False, f"This deployment is {deployment.get_state_display().lower()}: nothing to stop."
+        title = f"Stop {deployment.name}, calibrate {node.name}, start again"
+        run = new_run(deployment, RECALIBRATE, title, actor=actor, calibrate=node.pk)
+        record(actor, "deployment.recalibrate", deployment, changes={"node": node.name, "run": run.pk})
+        run.enqueue()
+    then = f"then calibrating {node.name}, then starting the same plan again"
+    return True, f"Stopping {deployment.name}, {then}."

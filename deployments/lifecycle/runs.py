@@ -25,6 +25,7 @@ from deployments.lifecycle.actions import (
     MID_DEPLOY_STATES,
     UNDEPLOY,
     active_run,
+    add_step,
     redeploy,
     runs_of,
     start_undeploy,
@@ -37,6 +38,7 @@ from jobs.aio import db
 from jobs.context import JobCancelled, JobContext, JobFailed
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState
+from nodes.models import Node
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,64 @@ async def undeploy_body(ctx: JobContext) -> str:
         await ctx.log(f"Redeployed as {fresh}: {message}")
         return f"Stopped; redeployed as {fresh}."
     return "Stopped; every process it started is ended and its ports are free."
+
+
+# --------------------------------------------------------------------------------------------------
+# recalibrate (stop, calibrate a node, start the same plan again)
+# --------------------------------------------------------------------------------------------------
+
+
+def _calibrate_step(deployment: Deployment, run: Job) -> Job:
+    node = Node.objects.get(pk=run.params["calibrate"])
+    order = (deployment.steps.order_by("-order").values_list("order", flat=True).first() or 0) + 1
+    return add_step(deployment, run, order, "calibrate", node, f"Calibrate {node.name}")
+
+
+async def recalibrate_body(ctx: JobContext) -> str:
+    """Stop the deployment as Stop does, calibrate the node once its processes are ended and its claims
+    released, then deploy the same plan again (as Restart does: a new deployment, this one's history kept).
+    It starts again even when the calibration fails: the household gets its model back, with old figures."""
+    deployment = await load_deployment(ctx)
+    await wait_for_deploy_run(ctx, deployment)
+    state = await db(_state_of)(deployment)
+    if state != DeploymentState.STOPPING:
+        return f"Nothing to do: the deployment is {state}."
+    failures = await teardown(ctx, deployment, "stop")
+    if failures:
+        await db(deployment.fail)("stop", "; ".join(failures))
+        await db(audit_run)(deployment, "deployment.stop_failed", {"reason": failures})
+        raise JobFailed("Stopping did not end everything, so nothing was calibrated: " + "; ".join(failures))
+    if await db(deployment.mark_stopped)():
+        await db(audit_run)(deployment, "deployment.stopped", {"ports_free": True})
+    step = await db(_calibrate_step)(deployment, ctx.job)
+    calibrated = await ctx.run_child(step)
+    actor = await db(lambda: ctx.job.created_by or deployment.created_by)()
+    fresh, started, message = await db(redeploy)(deployment, actor)
+    await ctx.log(f"Started again as {fresh}: {message}")
+    if calibrated.state != JobState.SUCCEEDED:
+        raise JobFailed(
+            f"Calibrating {calibrated.node_name} did not succeed ({calibrated.result or calibrated.state}); "
+            f"the plan started again as {fresh} with the figures it had."
+        )
+    if not started:
+        raise JobFailed(f"Calibrated {calibrated.node_name}, but the plan did not start again: {message}")
+    return f"Stopped, calibrated {calibrated.node_name}, started again as {fresh}."
+
+
+def recalibrate_ended(run: Job) -> None:
+    """A recalibrate run that ended before it stopped the deployment (its worker was lost, it was cancelled)
+    leaves it stopping with its claims held: a stop run takes over, and starts the plan again unless a
+    person cancelled."""
+    if run.state in (JobState.SUCCEEDED, JobState.FAILED):
+        return
+    deployment = (
+        Deployment.objects.filter(pk=run.params.get("deployment")).select_related("coordinator").first()
+    )
+    if deployment is None or deployment.state not in (*MID_DEPLOY_STATES, DeploymentState.STOPPING):
+        return
+    if active_run(deployment, UNDEPLOY) is not None:
+        return
+    start_undeploy(deployment, restart=run.state != JobState.CANCELLED)
 
 
 def _deploy_run_state(deployment: Deployment) -> Job | None:

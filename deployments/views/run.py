@@ -18,6 +18,7 @@ from deployments.lifecycle import actions as lifecycle
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
 from jobs.models import Job, JobLogLine, refuse_local_node
 from llamacpp.args import model_alias
+from nodes.models import Node
 from ramdeck_site.roles import CHAT, OPERATOR, VIEWER, can_chat, can_operate, role_required
 
 
@@ -218,6 +219,19 @@ def deployment_restart(request, pk: int):
         )
     else:
         messages.error(request, message)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@require_POST
+@role_required(OPERATOR)
+def deployment_recalibrate(request, pk: int):
+    """Stop the deployment, calibrate one of its nodes (POST `node`, its name), start the same plan again:
+    one run, audited (lifecycle.stop_calibrate_start). Offered on the node page where Calibrate would
+    otherwise queue a job sure to fail."""
+    deployment = _get_deployment(pk)
+    node = Node.objects.filter(name=request.POST.get("node", "")).first()
+    started, message = lifecycle.stop_calibrate_start(deployment, node, request.user)
+    (messages.success if started else messages.error)(request, message)
     return redirect("deployments:run", pk=deployment.pk)
 
 

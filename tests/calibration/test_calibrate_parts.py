@@ -7,8 +7,10 @@ import pytest
 
 from builds.models import Build
 from calibration.fit import Run, comparable, cpu_ticks, fit, rpc_share
-from calibration.job import _refusal
+from calibration.store import refusal as _refusal
+from calibration.store import start_calibration
 from deployments.models import Deployment, DeploymentState, ResourceClaim
+from jobs.models import Job
 from modelfiles.models import ModelFile
 from tests.factories import DeviceFactory, NodeFactory
 
@@ -100,5 +102,11 @@ def test_a_node_is_calibrated_only_with_a_build_devices_and_no_running_deploymen
     )
     ResourceClaim.objects.create(node=node, resource="port:50052", deployment=deployment)
     assert "serves deployment chat" in _refusal(node) and "Stop the deployment first" in _refusal(node)
+    assert _refusal(node, besides=deployment) == ""  # the one that stops first does not count
+    # Never a job sure to fail: nothing is queued while the deployment holds the node.
+    assert start_calibration(node) is None and not Job.objects.filter(kind="calibrate").exists()
     Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.STOPPED)
     assert _refusal(node) == ""
+    assert start_calibration(node) is not None
+    assert start_calibration(node) is None  # one at a time per node
+    assert Job.objects.filter(kind="calibrate").count() == 1

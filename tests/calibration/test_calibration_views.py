@@ -91,6 +91,8 @@ def test_an_operator_calibrates_a_node_and_lands_on_the_job(
     operator_client, no_broker, django_capture_on_commit_callbacks
 ):
     device = calibrated_cpu()
+    node = device.node
+    Build.objects.create(node=node, source_kind="existing", rpc_server_path="/r", llama_server_path="/l")
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("calibration:node", args=[device.node.name]))
     job = Job.objects.get(kind="calibrate", node=device.node)

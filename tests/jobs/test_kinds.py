@@ -10,8 +10,8 @@ from django.apps import apps
 from jobs import kinds
 
 # Each kind with the app that registers it in its AppConfig.ready().
-DEPLOYMENT_KINDS = ("deploy", "heal", "undeploy", "reap", "rpc_server", "rpc_tunnel", "llama_server",
-                    "verify", "measure", "stop")  # fmt: skip
+DEPLOYMENT_KINDS = ("deploy", "heal", "undeploy", "recalibrate", "reap", "rpc_server", "rpc_tunnel",
+                    "llama_server", "verify", "measure", "stop")  # fmt: skip
 EXPECTED = {
     "command": "jobs",
     "probe": "nodes",

@@ -105,6 +105,7 @@ RULES: dict[str, dict[str, object]] = {
     "chat:deployment": _rule(LOGIN, 403, 409, 409, chat=409),  # POST; the matrix's deployment is not running
     "deployments:rpc_mode": _rule(LOGIN, 403, 403, 302),  # POST; back to the run page with a message
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
+    "deployments:recalibrate": _rule(LOGIN, 403, 302, 302),  # an empty form: back with "choose a node"
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
     "deployments:self_heal": _rule(LOGIN, 403, 403, 302),
     "builds:node": _rule(LOGIN, 200, 200, 200),
