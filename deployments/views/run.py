@@ -19,7 +19,7 @@ from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMo
 from jobs.models import Job, JobLogLine, refuse_local_node
 from llamacpp.args import model_alias
 from nodes.models import Node
-from ramdeck_site.roles import CHAT, OPERATOR, VIEWER, can_chat, can_operate, role_required
+from ramdeck_site.roles import CHAT, OPERATOR, VIEWER, can_operate, may_use, role_required
 
 
 def _get_deployment(pk: int) -> Deployment:
@@ -64,6 +64,7 @@ def run_context(user, deployment: Deployment) -> dict:
     predicted = plan.get("predicted_tokens_per_s")
     measured = deployment.measured_decode_tps
     steps = _steps(deployment)
+    on_console_host = bool(lifecycle.local_refusal(deployment, user))
     return {
         # Templates ask `user|may:"route"` before offering an action; the websocket re-render has no request.
         "user": user,
@@ -92,10 +93,11 @@ def run_context(user, deployment: Deployment) -> dict:
         ),
         "can_operate": can_operate(user),
         # The API key, the RPC mode and self-healing of a deployment on the console's own host: admins only.
-        "may_control": can_operate(user) and not lifecycle.local_refusal(deployment, user),
+        # From the roles the views declare (ramdeck_site/roles.py `may_use`), as the templates' `may` filter.
+        "may_control": may_use(user, "deployments:rpc_mode") and not on_console_host,
         # The API key is shown to the chat role too (a family member's chat program needs it), with the same
         # exception: the console's own host's is the admins'.
-        "may_see_key": can_chat(user) and not lifecycle.local_refusal(deployment, user),
+        "may_see_key": may_use(user, "deployments:api_key") and not on_console_host,
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
