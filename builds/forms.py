@@ -81,6 +81,7 @@ class BuildForm(forms.Form):
             ("auto", "Detect"),
             ("cpu", "CPU"),
             ("cuda", "CUDA"),
+            ("rocm", "ROCm (AMD)"),
             ("metal", "Metal"),
             ("vulkan", "Vulkan"),
         ]

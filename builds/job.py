@@ -12,7 +12,8 @@ nothing is compiled (the cache); otherwise cmake reconfigures and ninja rebuilds
 that writes into a shared directory runs under `flock`, so nodes that share a file system do not clash.
 
 Job params: {"source": "tarball"|"git"|"existing", "tarball": console-local path, "tarball_sha256",
-"git_url", "git_ref", "backend": "auto"|"cpu"|"cuda"|"metal"|"vulkan", "rebuild": bool, "path": bin dir}."""
+"git_url", "git_ref", "backend": "auto"|"cpu"|"cuda"|"rocm"|"metal"|"vulkan", "rebuild": bool,
+"path": bin dir}. Backends, their flags and what each needs on the node: builds/backends.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from builds.backends import (
+    PREREQ_SCRIPT,
+    choose_backend,
+    cmake_env,
+    cmake_flags,
+    missing_prerequisites,
+    parse_prerequisites,
+    vulkan_instead,
+)
 from builds.models import Build, BuildSource
 from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
 from jobs.aio import db
@@ -33,77 +43,6 @@ from llamacpp.logs import parse_rpc_banner_version, parse_server_version
 from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
 from remote.text import printable
-
-COMMON_FLAGS = [
-    "-DGGML_RPC=ON",
-    "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    # Recent trees download llama-server's web UI from Hugging Face at build time; nodes on an offline LAN
-    # cannot, and the console talks to the server's API only.
-    "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DCMAKE_BUILD_TYPE=Release",
-]
-
-
-BACKEND_FLAGS = {"cpu": [], "metal": [], "cuda": ["-DGGML_CUDA=ON"], "vulkan": ["-DGGML_VULKAN=ON"]}
-
-
-# Prints "name=path" per tool ("name=" when missing). Constant text: no input is formatted into it.
-_PREREQ_SCRIPT = (
-    "for t in cmake ninja make c++ g++ clang++ cc tar git nvcc flock nproc; do "
-    'printf "%s=%s\\n" "$t" "$(command -v $t 2>/dev/null)"; done; '
-    'printf "os=%s\\n" "$(uname -s)"; printf "arch=%s\\n" "$(uname -m)"; '
-    'printf "home=%s\\n" "$HOME"; '
-    'if xcode-select -p >/dev/null 2>&1; then echo "xcode=yes"; else echo "xcode="; fi'
-)
-
-
-def parse_prerequisites(text: str) -> dict[str, str]:
-    found = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            found[key.strip()] = value.strip()
-    return found
-
-
-def missing_prerequisites(found: dict[str, str], *, source: str, backend: str) -> list[str]:
-    """What the node lacks for this build, each named as a person would install it."""
-    missing = []
-    if source == "existing":
-        return missing
-    if not found.get("cmake"):
-        missing.append("cmake")
-    if not (found.get("ninja") or found.get("make")):
-        missing.append("ninja or make")
-    if not any(found.get(c) for c in ("c++", "g++", "clang++")):
-        missing.append("a C++ compiler (g++ or clang++)")
-    if source == "tarball" and not found.get("tar"):
-        missing.append("tar")
-    if source == "git" and not found.get("git"):
-        missing.append("git")
-    if backend == "cuda" and not found.get("nvcc"):
-        missing.append("nvcc (the CUDA toolkit) for the NVIDIA GPU")
-    if found.get("os") == "Darwin" and not found.get("xcode"):
-        missing.append("Xcode command line tools (xcode-select --install)")
-    return missing
-
-
-def choose_backend(requested: str, found: dict[str, str], device_kinds: set[str]) -> str:
-    if requested and requested != "auto":
-        return requested
-    if found.get("os") == "Darwin":
-        return "metal"
-    if "cuda" in device_kinds:
-        return "cuda"
-    if "vulkan" in device_kinds:
-        return "vulkan"
-    return "cpu"
-
-
-def cmake_flags(backend: str) -> list[str]:
-    return [*COMMON_FLAGS, *BACKEND_FLAGS.get(backend, [])]
 
 
 def cache_has_flags(cmake_cache: str, flags: list[str]) -> bool:
@@ -125,6 +64,7 @@ class Layout:
     root: str
     tree: str
     build_dir: str
+    backend: str = "cpu"
 
     @property
     def bin_dir(self) -> str:
@@ -200,8 +140,7 @@ async def _git_tree(ctx, found: dict[str, str], root: str, params: dict) -> tupl
     return tree, "", ref
 
 
-async def _compile(ctx, found: dict[str, str], layout: Layout, backend: str, rebuild: bool) -> str:
-    flags = cmake_flags(backend)
+async def _compile(ctx, found: dict[str, str], layout: Layout, flags: list[str], rebuild: bool) -> str:
     # Current trees keep the RPC server in tools/rpc, older ones in examples/rpc (as `rpc-server`).
     rpc_target = "ggml-rpc-server"
     for folder in ("tools", "examples"):
@@ -220,10 +159,8 @@ async def _compile(ctx, found: dict[str, str], layout: Layout, backend: str, reb
     lock = f"{layout.build_dir}.lock"
     generator = ["-G", "Ninja"] if found.get("ninja") else []
     await ctx.log(f"configuring: cmake {' '.join(flags)}")
-    await ctx.run(
-        _locked(found, lock, ["cmake", "-S", layout.tree, "-B", layout.build_dir, *generator, *flags]),
-        timeout=1800,
-    )
+    configure = ["cmake", "-S", layout.tree, "-B", layout.build_dir, *generator, *flags]
+    await ctx.run(_locked(found, lock, [*cmake_env(layout.backend, found), *configure]), timeout=1800)
     cores = (
         await ctx.transport.run(["sh", "-c", "nproc 2>/dev/null || sysctl -n hw.ncpu"], timeout=30)
     ).stdout
@@ -268,12 +205,18 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
 async def build_body(ctx) -> str:
     params = ctx.job.params or {}
     source = params.get("source", "tarball")
-    found = parse_prerequisites((await ctx.transport.run(["sh", "-c", _PREREQ_SCRIPT], timeout=60)).stdout)
+    found = parse_prerequisites((await ctx.transport.run(["sh", "-c", PREREQ_SCRIPT], timeout=60)).stdout)
     kinds = await db(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
     backend = choose_backend(params.get("backend", "auto"), found, kinds)
-    missing = missing_prerequisites(found, source=source, backend=backend)
+    # The AMD GPUs' targets the probe found (rocm-smi's GFX Version): a ROCm build compiles for those only.
+    targets = [t for t in (ctx.node.facts or {}).get("amdgpu_targets") or [] if isinstance(t, str)]
+    missing = missing_prerequisites(found, source=source, backend=backend, gpu_targets=targets)
     if missing:
-        raise JobFailed(f"{ctx.node.name} lacks what the build needs: {', '.join(missing)}")
+        raise JobFailed(
+            f"{ctx.node.name} lacks what the {backend} build needs: {'; '.join(missing)}."
+            + vulkan_instead(found, backend)
+        )
+    flags = cmake_flags(backend, targets)
     await ctx.log(f"prerequisites present ({found.get('os')} {found.get('arch')}); backend {backend}")
 
     if source == "existing":
@@ -289,8 +232,8 @@ async def build_body(ctx) -> str:
             fields = {"source": params.get("git_url") or settings.RAMDECK_LLAMACPP_GIT_URL, "ref": ref}
         else:
             raise JobFailed(f"unknown build source {source!r}")
-        layout = Layout(root, tree, posixpath.join(tree, f"build-{backend}"))
-        await _compile(ctx, found, layout, backend, bool(params.get("rebuild")))
+        layout = Layout(root, tree, posixpath.join(tree, f"build-{backend}"), backend)
+        await _compile(ctx, found, layout, flags, bool(params.get("rebuild")))
         probed = await probe_binaries(ctx, layout.bin_dir)
         header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))
         probed["rpc_protocol"] = probed["rpc_protocol"] or parse_rpc_protocol_header(header)
@@ -306,7 +249,7 @@ async def build_body(ctx) -> str:
         node=ctx.node,
         source_kind=BuildSource(source),
         backend=backend,
-        flags=cmake_flags(backend) if source != "existing" else [],
+        flags=flags if source != "existing" else [],
         version=probed["version"],
         rpc_binary=probed["rpc_binary"],
         rpc_protocol=probed["rpc_protocol"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from builds.backends import PREREQ_SCRIPT, cmake_env, os_family, vulkan_instead
 from builds.job import (
     cache_has_flags,
     choose_backend,
@@ -278,3 +279,126 @@ def test_a_git_source_is_cloned_at_its_ref_and_built(lab, lab_host, tmp_path, se
     assert (build.source_kind, build.source, build.ref) == (BuildSource.GIT, str(repo), "b9999")
     assert build.build_dir == str(tmp_path / "root" / "git" / "llama.cpp" / "build-cpu")
     assert build.rpc_protocol == "7.0.0"
+
+
+# -- GPU backends: ROCm and Vulkan ------------------------------------------------------------------------
+
+ROCM_NODE = (
+    LINUX_ALL
+    + """\
+distro=ubuntu debian
+hipconfig=/opt/rocm/bin/hipconfig
+hip_clang=/opt/rocm/llvm/bin
+hip_path=/opt/rocm
+hipblas=/opt/rocm/lib/cmake/hipblas
+rocblas=/opt/rocm/lib/cmake/rocblas
+vulkan_headers=
+spirv_headers=
+vulkan_icd=
+"""
+)
+
+FEDORA_VULKAN_NODE = (
+    LINUX_ALL
+    + """\
+distro=fedora
+glslc=
+vulkaninfo=/usr/bin/vulkaninfo
+vulkan_headers=
+spirv_headers=
+vulkan_icd= radeon_icd.x86_64.json lvp_icd.x86_64.json
+"""
+)
+
+
+def test_a_rocm_node_is_built_with_hip_for_the_targets_the_probe_found():
+    found = parse_prerequisites(ROCM_NODE)
+    assert choose_backend("auto", found, {"cpu", "rocm"}) == "rocm"
+    assert missing_prerequisites(found, source="tarball", backend="rocm", gpu_targets=["gfx1100"]) == []
+    flags = cmake_flags("rocm", ["gfx1100", "gfx1030", "gfx1100"])
+    assert "-DGGML_HIP=ON" in flags and "-DAMDGPU_TARGETS=gfx1030;gfx1100" in flags
+    assert "-DGGML_RPC=ON" in flags
+    # CMake finds HIP's clang through HIPCXX and HIP_PATH, as llama.cpp's build guide says.
+    assert cmake_env("rocm", found) == ["env", "HIPCXX=/opt/rocm/llvm/bin/clang", "HIP_PATH=/opt/rocm"]
+    assert cmake_env("cpu", found) == []
+
+
+def test_a_rocm_node_without_the_hip_sdk_is_told_the_packages_of_its_os():
+    found = parse_prerequisites(LINUX_ALL + "distro=arch\n")
+    missing = missing_prerequisites(found, source="tarball", backend="rocm", gpu_targets=["gfx1030"])
+    assert missing == ["ROCm's HIP compiler, hipconfig (sudo pacman -S rocm-hip-sdk)"]
+    no_blas = parse_prerequisites(ROCM_NODE.replace("hipblas=/opt/rocm/lib/cmake/hipblas", "hipblas="))
+    assert missing_prerequisites(no_blas, source="tarball", backend="rocm", gpu_targets=["gfx1030"]) == [
+        "hipBLAS and rocBLAS (sudo apt-get install libhipblas-dev librocblas-dev)"
+    ]
+    [why] = missing_prerequisites(parse_prerequisites(ROCM_NODE), source="git", backend="rocm")
+    assert why.startswith("the AMD GPU's target (gfx…): the probe found none")
+
+
+def test_a_vulkan_node_is_told_each_missing_piece_with_its_package():
+    found = parse_prerequisites(FEDORA_VULKAN_NODE)
+    assert choose_backend("auto", found, {"cpu", "vulkan"}) == "vulkan"
+    assert "-DGGML_VULKAN=ON" in cmake_flags("vulkan")
+    assert missing_prerequisites(found, source="tarball", backend="vulkan") == [
+        "glslc, the shader compiler (sudo dnf install glslc)",
+        "the Vulkan headers and loader (sudo dnf install vulkan-headers vulkan-loader-devel)",
+        "the SPIR-V headers (sudo dnf install spirv-headers-devel)",
+    ]
+    mac = parse_prerequisites(MAC_NO_CLT)
+    assert "a Vulkan driver (brew install molten-vk)" in missing_prerequisites(
+        mac, source="tarball", backend="vulkan"
+    )
+    # An OS we do not know gets every family's names.
+    [driver, *_] = missing_prerequisites(parse_prerequisites(LINUX_ALL), source="tarball", backend="vulkan")
+    assert "Debian/Ubuntu: sudo apt-get install mesa-vulkan-drivers" in driver
+    assert "Fedora: sudo dnf install mesa-vulkan-drivers" in driver and "Arch: sudo pacman -S" in driver
+
+
+def test_a_rocm_node_that_can_build_vulkan_is_told_so():
+    found = parse_prerequisites(
+        LINUX_ALL + "distro=debian\nvulkan_icd= radeon_icd.x86_64.json\nglslc=/usr/bin/glslc\n"
+        "vulkan_headers=/usr/include/vulkan/vulkan.h\nspirv_headers=/usr/include/spirv/unified1/spirv.hpp\n"
+    )
+    assert "choose Vulkan on the build form" in vulkan_instead(found, "rocm")
+    assert vulkan_instead(parse_prerequisites(ROCM_NODE), "rocm") == ""
+
+
+def test_the_prerequisite_script_runs_here_and_names_this_debian():
+    import subprocess
+
+    result = subprocess.run(["sh", "-c", PREREQ_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    found = parse_prerequisites(result.stdout)
+    assert os_family(found) == "debian"
+    assert found["cmake"] and "vulkan_icd" in found and "spirv_headers" in found and "hipconfig" in found
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+@pytest.mark.django_db(transaction=True)
+def test_a_vulkan_build_on_a_node_without_the_vulkan_sdk_names_what_to_install(lab, lab_host):
+    """The lab host is this Debian machine, which has no glslc or Vulkan headers: the real prerequisite
+    script, run over SSH, makes the job fail before anything is uploaded, naming Debian's packages."""
+    node = lab_node(lab, lab_host)
+    job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball", "backend": "vulkan"}))
+    assert job.state == JobState.FAILED
+    assert f"{node.name} lacks what the vulkan build needs" in job.result
+    assert "glslc, the shader compiler (sudo apt-get install glslc)" in job.result
+    assert "(sudo apt-get install libvulkan-dev)" in job.result
+    assert "uploading" not in log_text(job)
+    assert not Build.objects.exists()
+
+
+@pytest.mark.lab
+@pytest.mark.timeout(120)
+@pytest.mark.django_db(transaction=True)
+def test_a_rocm_node_is_never_built_for_the_cpu_and_is_told_what_rocm_needs(lab, lab_host):
+    from nodes.models import Device
+
+    node = lab_node(lab, lab_host, facts={"amdgpu_targets": ["gfx1100"]})
+    Device.objects.create(node=node, name="ROCm0", kind="rocm", total_bytes=24 << 30, free_bytes=23 << 30)
+    job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball", "backend": "auto"}))
+    assert job.state == JobState.FAILED
+    assert f"{node.name} lacks what the rocm build needs" in job.result
+    assert "ROCm's HIP compiler, hipconfig (sudo apt-get install hipcc libamdhip64-dev" in job.result
+    assert not Build.objects.exists()
