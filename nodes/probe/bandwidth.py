@@ -100,6 +100,60 @@ AMD_GBS: dict[str, float] = {
     "mi210": 1638.0,
     "mi100": 1229.0,
     "mi50": 1024.0,
+    "rx 9070 xt": 644.6,
+    "rx 9070": 644.6,
+    "rx 9060 xt": 322.3,
+    "rx 7900 gre": 576.0,
+    "rx 7700 xt": 432.0,
+    "rx 7600 xt": 288.0,
+    "rx 6750 xt": 432.0,
+    "rx 6700": 320.0,
+    "rx 6650 xt": 280.0,
+    "rx 6600 xt": 256.0,
+    "rx 6600": 224.0,
+    "rx 5700 xt": 448.0,
+    "rx 5700": 448.0,
+    "rx 5600 xt": 288.0,
+    "rx 590": 256.0,
+    "rx 580": 256.0,
+    "rx 570": 224.0,
+    "vega 64": 484.0,
+    "vega 56": 410.0,
+    "pro w7900": 864.0,
+    "pro w7800": 576.0,
+    "pro w6800": 512.0,
+}
+
+# Intel's discrete cards (Arc), by the name Vulkan drivers give them ("Intel(R) Arc(tm) A770 Graphics").
+INTEL_GBS: dict[str, float] = {
+    "arc a770": 560.0,
+    "arc a750": 512.0,
+    "arc a580": 512.0,
+    "arc a380": 186.0,
+    "arc a310": 124.0,
+    "arc b580": 456.0,
+    "arc b570": 380.0,
+    "arc pro a60": 384.0,
+    "arc pro b60": 456.0,
+}
+
+# Integrated GPUs read the system's RAM, so their figure is that memory's: the typical configuration each
+# chip ships with (Strix Halo's 256-bit LPDDR5X, a laptop's dual-channel LPDDR5). Unknown ones take the CPU
+# table's figure for the same machine.
+INTEGRATED_GBS: dict[str, float] = {
+    "radeon 8060s": 256.0,
+    "radeon 8050s": 256.0,
+    "radeon 890m": 120.0,
+    "radeon 880m": 120.0,
+    "radeon 780m": 90.0,
+    "radeon 760m": 90.0,
+    "radeon 680m": 80.0,
+    "radeon 660m": 70.0,
+    "arc 140v": 136.0,
+    "arc 130v": 136.0,
+    "arc graphics": 90.0,
+    "iris xe": 68.0,
+    "uhd graphics": 50.0,
 }
 
 # Typical achievable CPU bandwidth by platform family (dual channel unless noted).
@@ -121,12 +175,14 @@ CPU_GBS: list[tuple[str, float, str]] = [
 DEFAULT_CPU_GBS = 30.0
 
 
-_NOISE = re.compile(r"\b(nvidia|geforce|amd|ati|radeon|instinct|tesla|quadro)\b|\[|\]")
+_NOISE = re.compile(r"\b(nvidia|geforce|amd|ati|radeon|instinct|tesla|quadro|intel)\b|\[|\]")
 
 
 def _normalise(name: str) -> str:
-    """Lower case without vendor words, so "NVIDIA GeForce RTX 3090" and "rtx 3090" compare equal."""
-    return re.sub(r"\s+", " ", _NOISE.sub(" ", name.lower())).strip()
+    """Lower case without vendor words and marks, so "NVIDIA GeForce RTX 3090" and "rtx 3090" compare equal,
+    and "Intel(R) Arc(tm) A770 Graphics" and "arc a770"."""
+    text = re.sub(r"\((r|tm)\)", " ", name.lower())
+    return re.sub(r"\s+", " ", _NOISE.sub(" ", text)).strip()
 
 
 def _lookup(table: dict[str, float], name: str) -> float | None:
@@ -143,8 +199,17 @@ def apple_bandwidth(chip: str) -> float | None:
 
 
 def gpu_bandwidth(name: str) -> float | None:
-    """An NVIDIA or AMD card by its marketing name, as nvidia-smi or rocm-smi print it."""
-    return _lookup(NVIDIA_GBS, name) or _lookup(AMD_GBS, name)
+    """An NVIDIA, AMD or Intel card by its marketing name, as nvidia-smi, rocm-smi or Vulkan print it."""
+    return _lookup(NVIDIA_GBS, name) or _lookup(AMD_GBS, name) or _lookup(INTEL_GBS, name)
+
+
+def integrated_bandwidth(name: str, cpu_model: str) -> tuple[float, str]:
+    """An integrated GPU's figure: its chip's usual memory, else the CPU's (it is the same memory)."""
+    gbs = _lookup(INTEGRATED_GBS, name)
+    if gbs is not None:
+        return gbs, f"{name}, the system memory it usually ships with"
+    gbs, why = cpu_bandwidth(cpu_model)
+    return gbs, f"shares the system memory: {why}"
 
 
 def cpu_bandwidth(model: str) -> tuple[float, str]:

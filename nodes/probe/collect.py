@@ -88,7 +88,8 @@ def _fill_from_psutil(report: ProbeReport) -> None:
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count()
     )
     for device in report.devices:
-        if device.kind == "cpu":
+        # An integrated GPU stands for the system's RAM (nodes/probe/gpus.py): the same figures.
+        if device.kind == "cpu" or (device.kind == "vulkan" and device.unified_memory):
             device.total_bytes, device.free_bytes = total, available
 
 

@@ -3,7 +3,7 @@
 One POSIX shell script (`PROBE_SCRIPT`) runs on the node in a single round trip and prints sections
 headed `@@@ <name>`; it branches on `uname -s` itself, so Linux and macOS need no second trip. Its only
 input, the RPC port, arrives as "$1". `build_report` turns the sections into a `ProbeReport` whose devices
-are named as llama.cpp names them (CUDA0.., ROCm0.., MTL0, CPU).
+are named as llama.cpp names them (CUDA0.., ROCm0.., Vulkan0.., MTL0, CPU).
 """
 
 from __future__ import annotations
@@ -15,29 +15,17 @@ from dataclasses import asdict, dataclass, field
 from llamacpp.args import BINARIES, LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
 from llamacpp.logs import parse_llama_version
 from nodes.probe.bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
+from nodes.probe.devices import DeviceInfo
+from nodes.probe.gpus import add_vulkan, parse_gfx_targets
 from nodes.probe.script import PROBE_SCRIPT
 from remote.listeners import Listener, holders_of, parse_lsof, parse_ss
 
-__all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report"]
+__all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report", "parse_gfx_targets"]
 
 MIB = 1024**2
 SECTION = "@@@ "
 # cgroup v1 reports "no limit" as a huge page-aligned number; anything above this is unlimited.
 _UNLIMITED = 1 << 60
-
-
-@dataclass
-class DeviceInfo:
-    name: str  # As llama.cpp names it: CUDA0, ROCm0, MTL0, CPU.
-    kind: str  # cpu | cuda | rocm | metal | vulkan (nodes.models.DeviceKind values)
-    description: str
-    total_bytes: int
-    free_bytes: int
-    unified_memory: bool = False
-    bandwidth_gbs: float | None = None
-    # Apple Silicon: the iogpu wired limit an operator set (what Metal may wire at most); None: macOS's own
-    # default applies. The planner takes the usable share from it and the clamp (memory_model.py).
-    wired_limit_bytes: int | None = None
 
 
 @dataclass
@@ -60,6 +48,8 @@ class ProbeReport:
     binaries: dict[str, str] = field(default_factory=dict)  # name -> path
     llama_version: str = ""
     llama_commit: str = ""
+    # The AMD GPUs' compile targets (gfx1100, ...): a ROCm build compiles for these (builds/backends.py).
+    amdgpu_targets: list[str] = field(default_factory=list)
     rpc_port: int | None = None
     rpc_port_pid: int | None = None
     rpc_port_process: str = ""
@@ -445,10 +435,14 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         report.devices.append(
             DeviceInfo(f"CUDA{index}", "cuda", name, total_b, free_b, False, gpu_bandwidth(name))
         )
-    for index, name, total_b, free_b in parse_rocm_smi(sections.get("rocm-smi", "")):
+    amd = parse_rocm_smi(sections.get("rocm-smi", ""))
+    for index, name, total_b, free_b in amd:
         report.devices.append(
             DeviceInfo(f"ROCm{index}", "rocm", name, total_b, free_b, False, gpu_bandwidth(name))
         )
+    if amd:
+        report.amdgpu_targets = parse_gfx_targets(sections.get("rocm-smi", ""), sections.get("kfd", ""))
+    add_vulkan(report, sections, cuda_or_rocm=bool(gpus or amd))
     _set_port_holder(report, parse_ss(sections.get("listeners", "")))
 
 

@@ -54,6 +54,34 @@ Darwin)
   sec rocm-smi
   if command -v rocm-smi >/dev/null 2>&1; then
     rocm-smi --showproductname --showmeminfo vram --json 2>/dev/null
+    # The GPUs' targets (gfx1100, ...) as the kernel's KFD topology states them, for rocm-smi releases whose
+    # product name lacks "GFX Version". Shell builtins only.
+    sec kfd
+    for f in /sys/class/kfd/kfd/topology/nodes/*/properties; do
+      [ -r "$f" ] || continue
+      while read -r key value; do [ "$key" = gfx_target_version ] && echo "$value"; done < "$f"
+    done
+  fi
+  # Vulkan's devices (llama.cpp's Vulkan backend names them Vulkan0..), and the GPUs on the PCI bus with an
+  # amdgpu card's VRAM from sysfs, read with shell builtins; lspci names them when vulkaninfo is missing.
+  sec vulkaninfo
+  if command -v vulkaninfo >/dev/null 2>&1; then
+    vulkaninfo --summary 2>/dev/null
+  fi
+  sec drm
+  for c in /sys/class/drm/card*; do
+    case "${c##*/}" in *-*) continue ;; esac
+    d=$c/device
+    [ -r "$d/vendor" ] && [ -r "$d/device" ] || continue
+    read -r vendor < "$d/vendor"; read -r device < "$d/device"
+    total=0 used=0
+    [ -r "$d/mem_info_vram_total" ] && read -r total < "$d/mem_info_vram_total"
+    [ -r "$d/mem_info_vram_used" ] && read -r used < "$d/mem_info_vram_used"
+    echo "${c##*/} $vendor $device $total $used"
+  done
+  sec lspci
+  if ! command -v vulkaninfo >/dev/null 2>&1 && command -v lspci >/dev/null 2>&1; then
+    lspci -nn 2>/dev/null
   fi
   # Who listens on the port. `ss` asks the kernel over netlink for listening sockets on that port only,
   # which is far cheaper than reading /proc/net/tcp (the kernel walks its whole socket table to print it).

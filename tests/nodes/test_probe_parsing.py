@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
 import pytest
 
-from nodes.probe import bandwidth
+from nodes.probe import bandwidth, gpus
 from nodes.probe import parse as probe
 from remote.listeners import parse_ss
 from tests.paths import DATA as TEST_DATA
@@ -180,6 +181,21 @@ def test_amd_gpus_become_rocm_devices():
     ]
 
 
+def test_amd_gpus_carry_their_compile_targets_from_rocm_smi_or_the_kfd_topology():
+    text = recorded("linux_debian12_x86_64.txt").replace(
+        "@@@ rocm-smi\n", "@@@ rocm-smi\n" + recorded("rocm_smi.json")
+    )
+    report = probe.build_report(text, rpc_port=50052)
+    assert report.amdgpu_targets == ["gfx1030", "gfx1100"]
+    assert report.facts()["amdgpu_targets"] == ["gfx1030", "gfx1100"]
+    # The classic text of an older rocm-smi has no GFX Version: the kernel's numbers stand in (the CPU's
+    # node says 0; 90010 is the MI210's gfx90a).
+    classic = recorded("rocm_smi_classic.txt")
+    assert probe.parse_gfx_targets(classic, "0\n90010\n") == ["gfx90a"]
+    assert probe.parse_gfx_targets("GPU[0]\t\t: GFX Version: \t\tgfx1101\n") == ["gfx1101"]
+    assert probe.build_report(recorded("linux_debian12_x86_64.txt"), rpc_port=50052).amdgpu_targets == []
+
+
 def test_meminfo_and_cgroup_values():
     assert probe.parse_meminfo("MemTotal: 100 kB\nMemAvailable: 40 kB\n") == (102400, 40960)
     assert probe.parse_cgroup_bytes("max") is None
@@ -294,3 +310,104 @@ def test_a_cgroup_v1_limit_counts_the_working_set_and_the_cpu_quota_is_reported(
 def test_cpu_quotas_and_the_period_they_are_granted_per(sections, cores, period_ms):
     assert probe.cgroup_cpu_quota(sections) == cores
     assert probe.cgroup_cpu_period_ms(sections) == period_ms
+
+
+# -- Vulkan and integrated GPUs ------------------------------------------------------------------------------
+
+
+def linux_with(**sections: str) -> probe.ProbeReport:
+    """The recorded Debian probe with the named sections (vulkaninfo, drm, lspci, rocm-smi) filled in."""
+    extra = "".join(f"@@@ {name.replace('_', '-')}\n{recorded(file)}\n" for name, file in sections.items())
+    text = recorded("linux_debian12_x86_64.txt").replace("@@@ rocm-smi\n", "@@@ rocm-smi\n\n" + extra, 1)
+    if "rocm_smi" in sections:
+        text = text.replace("@@@ rocm-smi\n\n@@@ rocm-smi", "@@@ rocm-smi", 1)
+    return probe.build_report(text, rpc_port=50052)
+
+
+def test_vulkaninfo_summary_lists_every_physical_device_in_the_loaders_order():
+    amd = gpus.parse_vulkaninfo_summary(recorded("vulkaninfo_summary_amd_rx7900xtx.txt"))
+    assert [(d.index, d.name, d.device_type, d.vendor) for d in amd] == [
+        (0, "AMD Radeon RX 7900 XTX (RADV NAVI31)", "PHYSICAL_DEVICE_TYPE_DISCRETE_GPU", "AMD"),
+        (1, "llvmpipe (LLVM 17.0.6, 256 bits)", "PHYSICAL_DEVICE_TYPE_CPU", ""),
+    ]
+    assert (amd[0].vendor_id, amd[0].device_id, amd[0].driver) == ("0x1002", "0x744c", "radv")
+    # llama.cpp takes the GPUs only: Mesa's CPU driver is the CPU itself.
+    assert [d.name for d in gpus.llama_vulkan_devices(amd)] == ["AMD Radeon RX 7900 XTX (RADV NAVI31)"]
+    assert (
+        gpus.llama_vulkan_devices(gpus.parse_vulkaninfo_summary(recorded("vulkaninfo_summary_llvmpipe.txt")))
+        == []
+    )
+    # One GPU under two drivers (RADV and AMDVLK share the deviceUUID) is one device, as llama.cpp keeps one.
+    twice = amd[:1] + [dataclasses.replace(amd[0], index=2, driver="AMD open-source driver")]
+    assert len(gpus.llama_vulkan_devices(twice)) == 1
+
+
+def test_an_amd_card_without_rocm_is_vulkan0_with_its_vram_from_sysfs():
+    report = linux_with(vulkaninfo="vulkaninfo_summary_amd_rx7900xtx.txt", drm="drm_amd_rx7900xtx.txt")
+    assert [d.name for d in report.devices] == ["CPU", "Vulkan0"]
+    vulkan = report.devices[1]
+    assert (vulkan.kind, vulkan.description) == ("vulkan", "AMD Radeon RX 7900 XTX (RADV NAVI31)")
+    assert (vulkan.total_bytes, vulkan.free_bytes) == (25753026560, 25753026560 - 1116504064)
+    assert vulkan.bandwidth_gbs == 960.0 and not vulkan.unified_memory
+    # Without the amdgpu files its memory waits for the build's banner, and the page says so.
+    bare = linux_with(vulkaninfo="vulkaninfo_summary_amd_rx7900xtx.txt")
+    assert (bare.devices[1].total_bytes, bare.devices[1].free_bytes) == (0, 0)
+    assert any("not known until a Vulkan build's rpc-server reports it" in w for w in bare.warnings)
+
+
+def test_an_intel_integrated_gpu_shares_the_systems_ram_and_is_counted_once():
+    report = linux_with(vulkaninfo="vulkaninfo_summary_intel_iris_xe.txt", drm="drm_intel_iris_xe.txt")
+    [igpu] = report.devices  # no CPU beside it: one memory, like a Mac's MTL0
+    assert (igpu.name, igpu.kind, igpu.unified_memory) == ("Vulkan0", "vulkan", True)
+    assert igpu.description == "Intel(R) Iris(R) Xe Graphics (ADL GT2)"
+    assert (igpu.total_bytes, igpu.free_bytes) == (report.ram_total_bytes, report.ram_available_bytes)
+    assert igpu.bandwidth_gbs == 68.0
+    assert any("integrated GPU that shares the system's RAM" in w for w in report.warnings)
+    assert not any(w.startswith("CPU bandwidth") for w in report.warnings)
+
+
+def test_mesa_llvmpipe_alone_adds_no_device():
+    report = linux_with(vulkaninfo="vulkaninfo_summary_llvmpipe.txt")
+    assert [d.name for d in report.devices] == ["CPU"]
+    assert any("that is the CPU itself, counted once" in w for w in report.warnings)
+
+
+def test_a_rocm_node_does_not_list_its_gpu_again_under_vulkan():
+    report = linux_with(rocm_smi="rocm_smi.json", vulkaninfo="vulkaninfo_summary_amd_rx7900xtx.txt")
+    assert [d.name for d in report.devices] == ["CPU", "ROCm0", "ROCm1"]
+    assert any("this node builds CUDA or ROCm" in w for w in report.warnings)
+
+
+def test_an_intel_gpu_without_vulkaninfo_is_named_with_the_packages_to_install():
+    report = linux_with(lspci="lspci_nn_intel_iris_xe.txt", drm="drm_intel_iris_xe.txt")
+    assert [d.name for d in report.devices] == ["CPU"]
+    [warning] = [w for w in report.warnings if "vulkaninfo is not installed" in w]
+    assert warning.startswith("Intel GPU Intel Corporation Alder Lake-P GT2 [Iris Xe Graphics] found")
+    assert "mesa-vulkan-drivers vulkan-tools" in warning
+    # Without lspci, sysfs's vendor ID still tells an Intel GPU is there.
+    assert gpus.pci_gpus("", gpus.parse_drm(recorded("drm_intel_iris_xe.txt"))) == [
+        ("Intel", "PCI device 0x46a6")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "gbs"),
+    [
+        ("AMD Radeon RX 7900 XTX (RADV NAVI31)", 960.0),
+        ("AMD Radeon RX 7600 XT (RADV NAVI33)", 288.0),
+        ("AMD Radeon RX 6600 (RADV NAVI23)", 224.0),
+        ("AMD Radeon RX 9070 XT (RADV GFX1201)", 644.6),
+        ("Intel(R) Arc(tm) A770 Graphics (DG2)", 560.0),
+        ("Intel(R) Arc(tm) B580 Graphics (BMG G21)", 456.0),
+        ("Intel(R) Arc(tm) A380 Graphics (DG2)", 186.0),
+    ],
+)
+def test_common_amd_and_intel_cards_have_their_published_bandwidth(name, gbs):
+    assert bandwidth.gpu_bandwidth(name) == gbs
+
+
+def test_integrated_gpus_take_their_memorys_figure_or_the_cpus():
+    assert bandwidth.integrated_bandwidth("AMD Radeon 8060S Graphics (RADV GFX1151)", "")[0] == 256.0
+    assert bandwidth.integrated_bandwidth("Intel(R) Arc(tm) Graphics (MTL)", "")[0] == 90.0
+    gbs, why = bandwidth.integrated_bandwidth("AMD Radeon Graphics (RADV GFX1103_R1)", "AMD Ryzen 7 7840U")
+    assert (gbs, why) == (65.0, "shares the system memory: Ryzen 7000/8000/9000, dual-channel DDR5")

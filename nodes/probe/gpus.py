@@ -1,0 +1,221 @@
+"""GPUs beyond nvidia-smi's: Vulkan devices, the GPUs on the PCI bus, and AMD GPUs' compile targets, from what
+the probe script printed (pure, no Django).
+
+`vulkaninfo --summary` lists every Vulkan physical device; llama.cpp's Vulkan backend does not use them
+all. It takes the discrete and integrated GPUs in the order the loader lists them, one per GPU when two
+drivers expose the same one (same deviceUUID), and only when there is none the first device that is not a
+CPU; Mesa's llvmpipe (a CPU device) is never taken by default (ggml-vulkan.cpp, `ggml_vk_instance_init`).
+Its devices are named Vulkan0, Vulkan1, … in that order, and so are ours.
+
+The summary states no memory. A discrete AMD card's VRAM comes from the amdgpu driver's sysfs files (the
+probe's `drm` section: "cardN vendor device vram_total vram_used"), matched by PCI vendor and device ID; an
+integrated GPU draws on the system's RAM, so it is modelled as sharing it (`add_vulkan`). What stays unknown
+is filled in by the build's own rpc-server banner (builds/).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from nodes.probe.bandwidth import gpu_bandwidth, integrated_bandwidth
+from nodes.probe.devices import DeviceInfo
+
+GPU_TYPES = ("PHYSICAL_DEVICE_TYPE_DISCRETE_GPU", "PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU")
+CPU_TYPE = "PHYSICAL_DEVICE_TYPE_CPU"
+INTEGRATED = "PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU"
+VENDORS = {"0x1002": "AMD", "0x8086": "Intel", "0x10de": "NVIDIA"}
+
+
+@dataclass(frozen=True)
+class VulkanDevice:
+    index: int  # the loader's GPU<index> in vulkaninfo
+    name: str
+    device_type: str
+    vendor_id: str  # "0x1002"
+    device_id: str  # "0x744c"
+    uuid: str
+    driver: str
+
+    @property
+    def integrated(self) -> bool:
+        return self.device_type == INTEGRATED
+
+    @property
+    def vendor(self) -> str:
+        return VENDORS.get(self.vendor_id, "")
+
+
+def parse_vulkaninfo_summary(text: str) -> list[VulkanDevice]:
+    """Every physical device of `vulkaninfo --summary`, in the loader's order."""
+    devices: list[VulkanDevice] = []
+    block: dict[str, str] | None = None
+    blocks: list[tuple[int, dict[str, str]]] = []
+    in_devices = False
+    for line in text.splitlines():
+        if line.strip() == "Devices:":
+            in_devices = True
+            continue
+        if not in_devices:
+            continue
+        header = re.fullmatch(r"GPU(\d+):", line.strip())
+        if header and not line.startswith(("\t", " ")):
+            block = {}
+            blocks.append((int(header.group(1)), block))
+            continue
+        key, sep, value = line.partition("=")
+        if block is not None and sep and line.startswith(("\t", " ")):
+            block[key.strip()] = value.strip()
+    for index, values in blocks:
+        devices.append(
+            VulkanDevice(
+                index=index,
+                name=values.get("deviceName", ""),
+                device_type=values.get("deviceType", ""),
+                vendor_id=values.get("vendorID", "").lower(),
+                device_id=values.get("deviceID", "").lower(),
+                uuid=values.get("deviceUUID", ""),
+                driver=values.get("driverName", ""),
+            )
+        )
+    return devices
+
+
+def llama_vulkan_devices(devices: list[VulkanDevice]) -> list[VulkanDevice]:
+    """The devices llama.cpp's Vulkan backend uses by default, in its order: Vulkan0 is the first."""
+    chosen: list[VulkanDevice] = []
+    for device in devices:
+        if device.device_type in GPU_TYPES and not any(c.uuid and c.uuid == device.uuid for c in chosen):
+            chosen.append(device)
+    if not chosen:
+        chosen = [d for d in devices if d.device_type != CPU_TYPE][:1]
+    return chosen
+
+
+@dataclass(frozen=True)
+class DrmCard:
+    card: str
+    vendor_id: str
+    device_id: str
+    vram_total: int
+    vram_used: int
+
+
+def parse_drm(text: str) -> list[DrmCard]:
+    """The probe's `drm` section: "card1 0x1002 0x744c 25753026560 1116504064" per GPU."""
+    cards = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[3].isdigit() and parts[4].isdigit():
+            cards.append(DrmCard(parts[0], parts[1].lower(), parts[2].lower(), int(parts[3]), int(parts[4])))
+    return cards
+
+
+def vram_of(device: VulkanDevice, cards: list[DrmCard]) -> tuple[int, int] | None:
+    """(total, free) VRAM of a discrete GPU from its driver's sysfs files, when the driver exports them."""
+    for card in cards:
+        if (card.vendor_id, card.device_id) == (device.vendor_id, device.device_id) and card.vram_total:
+            return card.vram_total, max(0, card.vram_total - card.vram_used)
+    return None
+
+
+_LSPCI_GPU = re.compile(r"\[(0300|0302|0380)\]: (?P<name>.+?) \[(?P<vendor>[0-9a-f]{4}):[0-9a-f]{4}\]")
+
+
+def pci_gpus(lspci: str, cards: list[DrmCard]) -> list[tuple[str, str]]:
+    """(vendor, name) of each GPU on the PCI bus: lspci -nn's display controllers, or sysfs's vendor IDs
+    when lspci is not installed."""
+    found = []
+    for line in lspci.splitlines():
+        match = _LSPCI_GPU.search(line)
+        if match:
+            found.append((VENDORS.get("0x" + match["vendor"], match["vendor"]), match["name"]))
+    if not found:
+        found = [(VENDORS[c.vendor_id], f"PCI device {c.device_id}") for c in cards if c.vendor_id in VENDORS]
+    return found
+
+
+def parse_gfx_targets(rocm_smi: str, kfd: str = "") -> list[str]:
+    """The GPUs' gfx targets: rocm-smi's "GFX Version" (JSON or text), else the KFD topology's
+    `gfx_target_version` numbers (major*10000 + minor*100 + stepping: 110000 is gfx1100, 90010 gfx90a; the
+    CPU's node says 0)."""
+    targets = re.findall(r"GFX Version\"?\s*:\s*\"?\s*(gfx[0-9a-f]+)", rocm_smi, flags=re.I)
+    if not targets:
+        for value in kfd.split():
+            if value.isdigit() and int(value):
+                number = int(value)
+                major, minor, stepping = number // 10000, number // 100 % 100, number % 100
+                targets.append(f"gfx{major}{minor}{stepping:x}")
+    return sorted({t.lower() for t in targets})
+
+
+_VULKAN_PACKAGES = (
+    "Debian/Ubuntu and Fedora: mesa-vulkan-drivers vulkan-tools; Arch: vulkan-intel or vulkan-radeon, "
+    "vulkan-tools"
+)
+
+
+def add_vulkan(report: Any, sections: dict[str, str], *, cuda_or_rocm: bool) -> None:
+    """The GPUs llama.cpp's Vulkan backend would use, named as it names them (nodes/probe/vulkan.py).
+
+    A node with NVIDIA or AMD GPUs under CUDA or ROCm is built for those, and such a build has no Vulkan
+    devices: theirs are not listed twice. An integrated GPU reads the system's RAM: it is modelled as sharing
+    it, like Apple's unified memory, so it replaces the CPU device (one memory, counted once; the planner
+    gives a coordinator's CPU its share of that pool)."""
+    cards = parse_drm(sections.get("drm", ""))
+    listed = parse_vulkaninfo_summary(sections.get("vulkaninfo", ""))
+    chosen = llama_vulkan_devices(listed)
+    if cuda_or_rocm:
+        if chosen:
+            names = ", ".join(d.name for d in chosen)
+            report.warnings.append(f"Vulkan devices ({names}) are not listed: this node builds CUDA or ROCm.")
+        return
+    if not sections.get("vulkaninfo", "").strip():
+        for vendor, name in pci_gpus(sections.get("lspci", ""), cards):
+            if vendor in ("Intel", "AMD"):
+                report.warnings.append(
+                    f"{vendor} GPU {name} found, but vulkaninfo is not installed, so llama.cpp's Vulkan "
+                    f"backend cannot be checked: install the Vulkan driver and tools ({_VULKAN_PACKAGES}), "
+                    "then probe again."
+                )
+        return
+    if listed and not chosen:
+        report.warnings.append(
+            "Vulkan lists only a CPU device (such as Mesa's llvmpipe): that is the CPU itself, counted once."
+        )
+    cpu = next((d for d in report.devices if d.name == "CPU"), None)
+    for number, device in enumerate(chosen):
+        name = f"Vulkan{number}"
+        if device.integrated:
+            gbs, why = integrated_bandwidth(device.name, report.cpu_model)
+            report.devices.append(
+                DeviceInfo(
+                    name,
+                    "vulkan",
+                    device.name,
+                    report.ram_total_bytes,
+                    report.ram_available_bytes,
+                    unified_memory=True,
+                    bandwidth_gbs=gbs,
+                )
+            )
+            report.warnings.append(f"{name} bandwidth {gbs:g} GB/s is an estimate ({why}).")
+            if cpu in report.devices:
+                # The CPU's own estimate was about this same memory: the integrated GPU stands for it now.
+                report.devices.remove(cpu)
+                report.warnings[:] = [w for w in report.warnings if not w.startswith("CPU bandwidth")]
+                report.warnings.append(
+                    f"{name} is an integrated GPU that shares the system's RAM: it is planned as that one "
+                    "memory, in place of the CPU."
+                )
+            continue
+        vram = vram_of(device, cards)
+        if vram is None:
+            report.warnings.append(
+                f"{name} ({device.name}): its memory is not known until a Vulkan build's rpc-server "
+                "reports it."
+            )
+        total, free = vram or (0, 0)
+        gbs = gpu_bandwidth(device.name)
+        report.devices.append(DeviceInfo(name, "vulkan", device.name, total, free, False, gbs))
