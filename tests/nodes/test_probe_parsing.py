@@ -411,3 +411,26 @@ def test_integrated_gpus_take_their_memorys_figure_or_the_cpus():
     assert bandwidth.integrated_bandwidth("Intel(R) Arc(tm) Graphics (MTL)", "")[0] == 90.0
     gbs, why = bandwidth.integrated_bandwidth("AMD Radeon Graphics (RADV GFX1103_R1)", "AMD Ryzen 7 7840U")
     assert (gbs, why) == (65.0, "shares the system memory: Ryzen 7000/8000/9000, dual-channel DDR5")
+
+
+def test_the_probe_reads_each_cards_ids_and_vram_from_sysfs_and_skips_connectors(tmp_path):
+    """The script's drm loop, run by the real shell over a copy of sysfs's layout."""
+    files = {
+        "card0/device/vendor": "0x8086",
+        "card0/device/device": "0x46a6",
+        "card1/device/vendor": "0x1002",
+        "card1/device/device": "0x744c",
+        "card1/device/mem_info_vram_total": "25753026560",
+        "card1/device/mem_info_vram_used": "1116504064",
+        "card1-DP-1/status": "connected",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    script = probe.PROBE_SCRIPT
+    loop = script[script.index("  sec drm") : script.index("  sec lspci")].replace(
+        "/sys/class/drm/", f"{tmp_path}/"
+    )
+    result = subprocess.run(["sh", "-c", "sec() { :; }\n" + loop], capture_output=True, text=True, check=True)
+    assert result.stdout == "card0 0x8086 0x46a6 0 0\ncard1 0x1002 0x744c 25753026560 1116504064\n"
+    assert recorded("drm_amd_rx7900xtx.txt") in result.stdout
