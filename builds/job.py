@@ -39,10 +39,14 @@ from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarba
 from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp.args import RPC_SERVER_BINARIES as RPC_BINARIES
-from llamacpp.logs import parse_rpc_banner_version, parse_server_version
+from llamacpp.logs import parse_rpc_banner, parse_server_version
 from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
 from remote.text import printable
+
+# How long the rpc-server runs to print its banner, and how many of its devices a Build keeps.
+BANNER_SECONDS = 5
+MAX_BANNER_DEVICES = 32
 
 
 def cache_has_flags(cmake_cache: str, flags: list[str]) -> bool:
@@ -185,21 +189,52 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
     version = parse_server_version("\n".join(line.text for line in version_out.lines))
     if not version:
         raise JobFailed(f"{llama} --version did not print a version; is it a llama.cpp build?")
-    # The banner is the only place an installed RPC server states its protocol: start it for two seconds
-    # on loopback (a random high port) and read it.
+    # The banner is the only place an installed RPC server states its protocol and the devices it serves
+    # with their memory: start it once on loopback (a random high port) and read it. A GPU backend takes a
+    # second or two to initialise its devices before it prints them, hence the few seconds.
     port = str(40000 + secrets.randbelow(20000))
     rpc = posixpath.join(bin_dir, rpc_binary)
     banner = await ctx.transport.run(
-        ["timeout", "2", "stdbuf", "-oL", rpc, "-H", "127.0.0.1", "-p", port], timeout=30
+        ["timeout", str(BANNER_SECONDS), "stdbuf", "-oL", rpc, "-H", "127.0.0.1", "-p", port], timeout=30
     )
-    protocol = parse_rpc_banner_version("\n".join(line.text for line in banner.lines))
+    info = parse_rpc_banner("\n".join(line.text for line in banner.lines))
     return {
         "version": version,
         "rpc_binary": rpc_binary,
-        "rpc_protocol": protocol,
+        "rpc_protocol": info["version"] or "",
+        "devices": banner_devices(info),
         "rpc": rpc,
         "llama": llama,
     }
+
+
+_BACKEND_PREFIXES = {"CUDA": "cuda", "ROCm": "rocm", "Vulkan": "vulkan", "MTL": "metal"}
+
+
+def backend_of(devices: list[dict]) -> str:
+    """The backend a build was made with, from the devices its banner lists (CUDA0 → cuda; the CPU alone
+    → cpu)."""
+    for device in devices:
+        for prefix, backend in _BACKEND_PREFIXES.items():
+            if device["name"].startswith(prefix):
+                return backend
+    return "cpu"
+
+
+def banner_devices(info: dict) -> list[dict] | None:
+    """The devices of a parsed banner as a Build stores them (printable text, cut to size); None when the
+    banner lists none (an older release), so nothing is refused for want of a list."""
+    if not info["devices"]:
+        return None
+    return [
+        {
+            "name": printable(d["name"], 40),
+            "description": printable(d["description"], 200),
+            "total_mib": d["total_mib"],
+            "free_mib": d["free_mib"],
+        }
+        for d in info["devices"][:MAX_BANNER_DEVICES]
+    ]
 
 
 async def build_body(ctx) -> str:
@@ -245,6 +280,9 @@ async def build_body(ctx) -> str:
     if not probed["rpc_protocol"]:
         raise JobFailed("could not tell the RPC protocol version of this build")
 
+    if source == "existing" and probed["devices"] is not None:
+        # An install the console did not build: its backend is what its rpc-server serves, not a guess.
+        backend = backend_of(probed["devices"])
     build = await db(Build.objects.create)(
         node=ctx.node,
         source_kind=BuildSource(source),
@@ -253,6 +291,7 @@ async def build_body(ctx) -> str:
         version=probed["version"],
         rpc_binary=probed["rpc_binary"],
         rpc_protocol=probed["rpc_protocol"],
+        devices=probed["devices"],
         rpc_server_path=probed["rpc"],
         llama_server_path=probed["llama"],
         job_id=ctx.job.pk,
@@ -262,6 +301,13 @@ async def build_body(ctx) -> str:
         f"recorded build #{build.pk}: {probed['rpc_binary']} RPC {probed['rpc_protocol']}, "
         f"{probed['version']}"
     )
+    if probed["devices"] is None:
+        await ctx.log(
+            "its rpc-server's banner lists no devices (an older release): plans on it are not checked"
+        )
+    else:
+        offered = ", ".join(f"{d['name']} ({d['free_mib']} MiB free)" for d in probed["devices"])
+        await ctx.log(f"its rpc-server offers {offered}; the planner may place on these and the CPU")
     return (
         f"llama.cpp {probed['version']} with {probed['rpc_binary']} (RPC {probed['rpc_protocol']}), {backend}"
     )

@@ -31,6 +31,10 @@ class Build(models.Model):
     rpc_binary = models.CharField(max_length=40, default="ggml-rpc-server")
     rpc_protocol = models.CharField(max_length=20, blank=True, help_text="RPC protocol version, e.g. 7.0.0.")
     build_dir = models.CharField(max_length=1000, blank=True)
+    # What its rpc-server's banner listed at registration: [{"name", "description", "total_mib", "free_mib"}].
+    # The planner may place on these (and the CPU, which every build has); None: not known (a build recorded
+    # before this was read, or a release whose banner lists no devices).
+    devices = models.JSONField(null=True, blank=True)
     rpc_server_path = models.CharField(max_length=1000)
     llama_server_path = models.CharField(max_length=1000)
     job_id = models.IntegerField(null=True, blank=True, help_text="The build job that produced it.")
@@ -38,6 +42,17 @@ class Build(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-pk"]
+
+    def offered_devices(self) -> set[str] | None:
+        """The device names this build serves: its banner's, and the CPU, whose backend every build has (the
+        rpc-server lists it only when it has no GPU, since it serves its GPUs by default). None: unknown."""
+        if self.devices is None:
+            return None
+        return {"CPU", *(str(d.get("name", "")) for d in self.devices if isinstance(d, dict))}
+
+    def banner_device(self, name: str) -> dict | None:
+        """What the banner said of one device ({"total_mib", "free_mib", ...}), if it listed it."""
+        return next((d for d in self.devices or [] if isinstance(d, dict) and d.get("name") == name), None)
 
     def __str__(self) -> str:
         what = self.version or self.ref or self.source_kind

@@ -8,18 +8,26 @@ from django.conf import settings
 from nodes.models import Node
 from planning import planner
 
+MIB = 1024**2
 
-def planner_device(node: Node, d) -> planner.Device:
+
+def planner_device(node: Node, d, build=None) -> planner.Device:
     source = d.bandwidth_source
     # ggml-rpc-server reports all of the machine's RAM for a CPU, whatever limit the probe found: llama.cpp's
     # own default split follows that.
     physical = (node.facts or {}).get("ram_physical_bytes") if d.kind == "cpu" else None
+    total, free = d.total_bytes, min(d.free_bytes, d.total_bytes)
+    banner = build.banner_device(d.name) if build is not None and not total else None
+    if banner:
+        # A GPU whose memory the probe could not read (a Vulkan card without amdgpu's sysfs files): what the
+        # build's own rpc-server said at registration.
+        total, free = banner["total_mib"] * MIB, min(banner["free_mib"], banner["total_mib"]) * MIB
     return planner.Device(
         node=node.name,
         name=d.name,
         kind=d.kind,
-        total_bytes=d.total_bytes,
-        free_bytes=min(d.free_bytes, d.total_bytes),
+        total_bytes=total,
+        free_bytes=free,
         bandwidth_gbs=d.effective_bandwidth_gbs or planner.DEFAULT_BANDWIDTH_GBS.get(d.kind, 20.0),
         unified=d.unified_memory,
         wired_limit_bytes=d.wired_limit_bytes or 0,
@@ -39,6 +47,7 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
     out = []
     for node in [coordinator, *[n for n in nodes if n.pk != coordinator.pk]]:
         rows = list(node.devices.all())
+        build = node.current_build
         calibrated = node.calibrated_at is not None and not any(
             d.measurement_state == "hardware_changed" for d in rows
         )
@@ -47,7 +56,7 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
             planner.Node(
                 name=node.name,
                 address=node.rpc_endpoint_host,
-                devices=tuple(planner_device(node, d) for d in rows),
+                devices=tuple(planner_device(node, d, build) for d in rows),
                 coordinator=node.pk == coordinator.pk,
                 rpc_port=node.rpc_port,
                 rtt_ms=rtt,

@@ -1,13 +1,14 @@
 """A deployment's life as jobs: a `deploy` job whose steps (child jobs) are reap → rpc_server → llama_server →
 verify → measure; an `undeploy` job whose steps are `stop` jobs, one per node.
 
-`start_deploy` is what the Deploy button calls: it refuses with a reason (no build, RPC protocols differ,
-ports or devices held by another deployment), moves the deployment to preparing (claims included, in one
-transaction), creates the run and every step as queued jobs so the page shows the whole run at once, and
-enqueues the run on commit. `stop_deployment` (the Stop button) moves the deployment to stopping, asks a
-deploy run still going to cancel, and enqueues an undeploy job on the control queue, which waits for that
-run to end, then ends by PID what the deployment started. The bodies of both runs are
-deployments/lifecycle/runs.py; the runner (jobs/runner.py) supervises them and their steps alike.
+`start_deploy` is what the Deploy button calls: it refuses with a reason (no build, RPC protocols differ, a
+device the node's build does not offer, ports or devices held by another deployment), moves the deployment
+to preparing (claims included, in one transaction), creates the run and every step as queued jobs so the
+page shows the whole run at once, and enqueues the run on commit. `stop_deployment` (the Stop button) moves
+the deployment to stopping, asks a deploy run still going to cancel, and enqueues an undeploy job on the
+control queue, which waits for that run to end, then ends by PID what the deployment started. The bodies
+of both runs are deployments/lifecycle/runs.py; the runner (jobs/runner.py) supervises them and their steps
+alike.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 
 from audit.history import record
+from builds.offers import plan_device_refusal
 from calibration.store import refusal as calibration_refusal
 from deployments import live
 from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep, RpcMode
@@ -154,7 +156,7 @@ def refusal(deployment: Deployment) -> str:
         if build is None:
             return f"{node.name} has no llama.cpp build: build or register one on its page first."
         protocols[node.name] = build.rpc_protocol
-    return protocol_mismatch(protocols)
+    return protocol_mismatch(protocols) or plan_device_refusal(plan)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 from django_htmx.http import reswap
 
 from audit import history
+from builds.offers import plan_device_refusal
 from deployments.charts import bars
 from deployments.endpoint import EndpointForm, bind_host, endpoint_form
 from deployments.forms import PlanForm
@@ -115,16 +116,19 @@ def _stale_reasons(form: PlanForm) -> list[str]:
 def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
     plan, error = _compute_plan(model, form)
     fits = bool(plan and plan["fits"])
+    # A plan on a device its node's build lacks is shown, with why it cannot be confirmed.
+    refused = plan_device_refusal(plan) if fits else ""
+    confirmable = fits and not form.errors and not refused
     return {
         "model": model,
         "form": form,
         "plan": plan,
-        "error": error,
+        "error": error or refused,
         "bars": bars.plan_bars(plan) if fits else None,
         "commands": command_lines(model, plan) if fits else None,
         "stale_reasons": _stale_reasons(form),
-        "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
-        "confirmable": fits and not form.errors,
+        "confirm_fields": _confirm_fields(form) if confirmable else [],
+        "confirmable": confirmable,
         "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
         "endpoint_form": _endpoint_form(request.GET, plan),
     }
@@ -156,6 +160,10 @@ def plan_confirm(request, pk: int):
     if plan is None or not plan["fits"]:
         context = _preview_context(request, model, form)
         context["error"] = error or ("" if form.errors else "This plan does not fit.")
+        return render(request, "deployments/plan_preview.html", context, status=409)
+    if refused := plan_device_refusal(plan):
+        context = _preview_context(request, model, form)
+        context["error"] = refused
         return render(request, "deployments/plan_preview.html", context, status=409)
     coordinator = next(n for n in Node.objects.filter(name=plan["coordinator"]))
     endpoint = EndpointForm(request.POST, coordinator=coordinator)
