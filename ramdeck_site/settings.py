@@ -589,9 +589,12 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    # A 500 is logged once, with its traceback and the reference its page shows (ramdeck_site/errors.py).
+    "filters": {"skip_logged_server_errors": {"()": "ramdeck_site.errors.SkipLoggedServerErrors"}},
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["stderr"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {
+        "django.request": {"filters": ["skip_logged_server_errors"]},
         "asyncssh": {"level": "WARNING"},
         "daphne": {"level": "WARNING"},
         "django.channels.server": {"level": "WARNING"},

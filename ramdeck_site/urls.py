@@ -22,3 +22,6 @@ urlpatterns = [
     path("", include("chat.urls")),
     path("admin/", admin.site.urls),
 ]
+
+# Logs the error with a reference the page shows (ramdeck_site/errors.py).
+handler500 = "ramdeck_site.errors.server_error"

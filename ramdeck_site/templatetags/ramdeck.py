@@ -85,3 +85,12 @@ def plain_http_warning(context, what: str = "this secret") -> dict:
         return {"exposed": False, "what": what}
     exposed = not request.is_secure() and not _loopback(request.META.get("REMOTE_ADDR"))
     return {"exposed": exposed, "what": what}
+
+
+@register.filter
+def nav_section(match) -> str:
+    """The top bar's section of a page: its app's namespace, else its URL name; "" when no route matched
+    (a 404 for an unknown address has no `resolver_match`, and the page must still render)."""
+    if match is None:
+        return ""
+    return match.app_name or match.url_name or ""
