@@ -44,6 +44,11 @@ PHRASES = {
     "deployment.refused": "was refused deploying {object}",
     "deployment.failed": "marked {object} failed",
     "deployment.recovered": "saw {object} recover",
+    "deployment.running": "saw {object} running",
+    "deployment.stopped": "ended every process of {object}",
+    "deployment.degraded": "saw {object} stop working",
+    "deployment.heal_started": "started an attempt to heal {object}",
+    "deployment.healed": "healed {object}",
     "deployment.heal_failed": "could not heal {object}",
     "deployment.stop_failed": "could not stop {object}",
     "deployment.self_heal": "switched self-healing of {object}",
@@ -54,8 +59,21 @@ EMPTY = "—"
 _BYTES_REPR = re.compile(r"^b(['\"])(.*)\1$", re.S)
 
 
+# The console's own parts, which act without a person (deployments/monitor.py, lifecycle/healing.py, …).
+SYSTEM_ACTORS = {
+    "": "the console",
+    "console": "the console",
+    "monitor": "the console's monitor",
+    "self-heal": "the console's self-healing",
+    "retention": "the console's clean-up",
+}
+
+
 def actor_of(event) -> str:
-    return event.actor_name or "the console"
+    name = event.actor_name or ""
+    if getattr(event, "actor_id", None) is None and name in SYSTEM_ACTORS:
+        return SYSTEM_ACTORS[name]
+    return name or "the console"
 
 
 # Model names (Django's lower-cased class names) as people say them.

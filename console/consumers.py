@@ -59,7 +59,7 @@ class DashboardConsumer(UserBoundConsumer, CoalescedRenderConsumer, AsyncWebsock
     def render(self) -> str:
         user = self.scope["user"]
         context = {
-            **dashboard_live.live_context(),
+            **dashboard_live.live_context(user=user),
             "oob": True,
             "user": user,
             "can_operate": can_operate(user),

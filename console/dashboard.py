@@ -10,14 +10,17 @@ from datetime import timedelta
 from django.utils import timezone
 
 from deployments.charts import bars, sparkline
-from deployments.models import ACTIVE_STATES, Deployment, SpeedSample, StaleProcess
+from deployments.lifecycle.actions import local_refusal
+from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 from jobs.models import Job, JobState
 from nodes.models import Node
+from ramdeck_site.roles import can_operate
 
 FAILED_JOBS_SINCE = timedelta(days=1)
 FAILED_JOBS_SHOWN = 10
 # The templates that render the regions, each with its own id (swapped out of band when live).
 REGIONS = (
+    "console/dashboard/_memory.html",
     "console/dashboard/_deployments.html",
     "console/dashboard/_gauges.html",
     "console/dashboard/_failed_jobs.html",
@@ -48,15 +51,35 @@ def failed_jobs(now):
     )
 
 
-def live_context(now=None) -> dict:
+def not_working_rows(deployments: list[Deployment], user) -> list[dict]:
+    """Each degraded deployment with what went wrong in a sentence, and whether `user` may restart it."""
+    return [
+        {
+            "deployment": d,
+            "sentence": d.trouble(),
+            "may_restart": user is not None and can_operate(user) and not local_refusal(d, user),
+        }
+        for d in deployments
+    ]
+
+
+def live_context(now=None, user=None) -> dict:
+    """The regions' context; `user` decides which buttons are offered."""
     now = now or timezone.now()
     deployments = list(
         Deployment.objects.filter(state__in=ACTIVE_STATES).select_related("model_file", "coordinator")
     )
+    # A degraded deployment is not working (a process of it ended, a node went away): it is told apart,
+    # with a sentence and a Restart button, not listed as running.
+    degraded = [d for d in deployments if d.state == DeploymentState.DEGRADED]
     nodes = Node.objects.filter(enabled=True).prefetch_related("devices").order_by("name")
+    gauges = bars.device_gauges(nodes, deployments)
     return {
-        "gauges": bars.device_gauges(nodes, deployments),
-        "running": running_rows(deployments, now),
+        "gauges": gauges,
+        # The summary tile's numbers are the bars' own.
+        "memory": bars.gauge_totals(gauges),
+        "running": running_rows([d for d in deployments if d not in degraded], now),
+        "not_working": not_working_rows(degraded, user),
         "failed_jobs": list(failed_jobs(now)),
         # The stale-process region (deployments/stale.html) calls them rows.
         "rows": list(StaleProcess.objects.select_related("node")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth import logout
 from django.contrib.auth import views as auth_views
-from django.db.models import Count, Sum
+from django.db.models import Count
 from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
@@ -19,7 +19,7 @@ from console.first_run import first_run_context
 from deployments.models import ACTIVE_STATES as DEPLOYMENT_ACTIVE_STATES
 from deployments.models import Deployment
 from jobs.models import Job
-from nodes.models import Device, Node
+from nodes.models import Node
 from ramdeck_site.login_audit import AuditedLoginMixin
 from ramdeck_site.roles import VIEWER, can_view, role_required
 
@@ -30,23 +30,17 @@ def dashboard(request):
         return render(request, "console/dashboard.html", {})
     nodes = Node.objects.all()
     reachability = dict(nodes.values_list("reachability").annotate(n=Count("pk")))
-    memory = Device.objects.filter(node__enabled=True).aggregate(
-        total=Sum("total_bytes"), free=Sum("free_bytes")
-    )
     context = {
         "node_count": nodes.count(),
         "enabled_count": nodes.filter(enabled=True).count(),
         "reachable_count": reachability.get("reachable", 0),
         "unreachable_nodes": nodes.filter(enabled=True).exclude(reachability__in=["reachable", "unknown"]),
-        "memory_total": memory["total"] or 0,
-        "memory_free": memory["free"] or 0,
-        "device_count": Device.objects.filter(node__enabled=True).count(),
         "recent_jobs": Job.objects.select_related("node")[:8],
         "active_deployments": Deployment.objects.filter(state__in=DEPLOYMENT_ACTIVE_STATES).select_related(
             "model_file", "coordinator"
         ),
         "recent_events": AuditEvent.objects.all()[:8],
-        **dashboard_live.live_context(),
+        **dashboard_live.live_context(user=request.user),
         **first_run_context(request.user),
     }
     return render(request, "console/dashboard.html", context)
@@ -55,7 +49,7 @@ def dashboard(request):
 @role_required(VIEWER)
 def dashboard_live_regions(request):
     """The dashboard's live regions, out of band: the polling fallback while its websocket is not open."""
-    context = {**dashboard_live.live_context(), "oob": True}
+    context = {**dashboard_live.live_context(user=request.user), "oob": True}
     html = "".join(render_to_string(name, context, request=request) for name in dashboard_live.REGIONS)
     return HttpResponse(html)
 

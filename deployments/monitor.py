@@ -210,16 +210,16 @@ def _prepare(deployment: Deployment) -> Check:
 
 def _apply(deployment: Deployment, seen: Seen) -> str:
     """Store what the check saw, and move the deployment between running and degraded."""
-    deployment.record(
-        live_status={
-            "checked_at": timezone.now().isoformat(),
-            "processes": seen.rows,
-            "metrics": seen.metrics,
-        }
-    )
+    problems = list(seen.dead.values()) or seen.health
+    now = timezone.now().isoformat()
+    status = {"checked_at": now, "processes": seen.rows, "metrics": seen.metrics}
+    if problems:
+        # When it was first seen not working (the dashboard says since when).
+        status["down_since"] = (deployment.live_status or {}).get("down_since") or now
+    if not deployment.record_live_status(status):
+        return ""  # Stopped (or failed) while the monitor looked: what it saw is no longer true.
     if seen.metrics:
         SpeedSample.record(deployment, seen.metrics)
-    problems = list(seen.dead.values()) or seen.health
     if not problems:
         # Everything answers again (a node that was unreachable for a while is back): running again.
         if deployment.state == DeploymentState.DEGRADED and deployment.mark_recovered():

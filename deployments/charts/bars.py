@@ -219,19 +219,33 @@ def held_bytes(deployment, placement: dict) -> int:
     return int(placement.get("used_bytes") or 0)
 
 
-def device_gauges(nodes: Iterable, deployments: Iterable) -> list[dict]:
-    """For each node, its devices as gauges: what each active deployment holds on it (`held_bytes`), the
-    rest free.
+def released_nodes(deployment) -> set[str]:
+    """The nodes where the deployment's processes have ended (the monitor found them gone): it holds no
+    memory there any more, though it has not been stopped."""
+    gone = getattr(deployment, "gone_processes", None)
+    return {row["node"] for row in gone()} if gone else set()
 
-    `nodes` are Node rows with their devices prefetched; `deployments` active Deployment rows. Returns
+
+def device_gauges(nodes: Iterable, deployments: Iterable) -> list[dict]:
+    """For each node, its devices as gauges: what each active deployment holds on it (`held_bytes`; nothing
+    on a node where its processes have ended), what other programs used at the last probe, the rest free.
+
+    Other programs' share is the memory the last probe found in use less what the deployments whose
+    processes had started by then held (the probe saw them too); what a deployment released since (it
+    crashed) is free again, what one took since is no longer free. `nodes` are Node rows with their devices
+    prefetched; `deployments` active Deployment rows. Returns
     [{"node": Node, "devices": [{"device": Device, "bar": Bar}]}]."""
     holding: dict[tuple[str, str], list[tuple[object, int]]] = {}
+    at_probe: dict[tuple[str, str], list[tuple[object, int]]] = {}
     colours: dict[int, str] = {}
     for deployment in deployments:
         colours.setdefault(deployment.pk, f"d{len(colours) % DEPLOYMENT_COLOURS}")
+        released = released_nodes(deployment)
         for p in (deployment.plan or {}).get("placements") or []:
             used = held_bytes(deployment, p)
             if used:
+                at_probe.setdefault((p["node"], p["device"]), []).append((deployment, used))
+            if used and p["node"] not in released:
                 holding.setdefault((p["node"], p["device"]), []).append((deployment, used))
     out = []
     for node in nodes:
@@ -239,9 +253,35 @@ def device_gauges(nodes: Iterable, deployments: Iterable) -> list[dict]:
         for device in node.devices.all():
             held = holding.get((node.name, device.name), [])
             parts = [(colours[d.pk], d.name, used) for d, used in held]
-            bar = stacked_bar(f"{node.name} / {device.name}", device.total_bytes, parts)
+            others = _others_at_probe(node, device, at_probe.get((node.name, device.name), []))
+            bar = stacked_bar(f"{node.name} / {device.name}", device.total_bytes, parts, others_bytes=others)
             for seg, (d, _) in zip(bar.segments, held, strict=False):
                 seg.url = d.get_absolute_url()
             rows.append({"device": device, "bar": bar})
         out.append({"node": node, "devices": rows})
     return out
+
+
+def _others_at_probe(node, device, holders: list[tuple[object, int]]) -> int:
+    """What programs other than the deployments used on `device` when the node was last probed."""
+    probed_free = getattr(device, "free_bytes", None)
+    probed_at = getattr(node, "last_seen_at", None)
+    if probed_free is None:
+        return 0
+    in_use = max(0, int(device.total_bytes) - int(probed_free))
+    ours = sum(
+        used
+        for deployment, used in holders
+        if probed_at is not None
+        and getattr(deployment, "started_at", None) is not None
+        and deployment.started_at <= probed_at
+    )
+    return max(0, in_use - ours)
+
+
+def gauge_totals(gauges: list[dict]) -> dict:
+    """The pool's memory as the gauges draw it: {"total", "free", "devices"} (the dashboard's tile says
+    the same numbers as its bars)."""
+    bars = [row["bar"] for gauge in gauges for row in gauge["devices"]]
+    free = sum(seg.bytes for bar in bars for seg in bar.segments if seg.kind == "free")
+    return {"total": sum(bar.total_bytes for bar in bars), "free": free, "devices": len(bars)}

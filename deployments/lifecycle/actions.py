@@ -196,15 +196,9 @@ def local_refusal(deployment: Deployment, actor) -> str:
 
 
 def new_run(deployment: Deployment, kind: str, title: str, *, actor=None, **params) -> Job:
-    """A run of the deployment, by `actor` (a person pressing a button) or, without one, by the console on
-    behalf of the deployment's creator (a heal, a rollback) unless that creator may not touch one of its
-    nodes (an operator's plan an admin deployed on the console's own host): then by the console alone."""
-    if getattr(actor, "is_authenticated", False):
-        created_by = actor
-    else:
-        created_by = deployment.created_by
-        if created_by is not None and local_refusal(deployment, created_by):
-            created_by = None
+    """A run of the deployment, by `actor` (a person pressing a button) or, without one, by the console
+    itself (a heal, a rollback): its jobs and their audit entries name no person who did not act."""
+    created_by = actor if getattr(actor, "is_authenticated", False) else None
     return Job.objects.create(
         kind=kind,
         node=deployment.coordinator,
@@ -265,10 +259,11 @@ def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> 
             }
         if exposed:
             record(
-                deployment.created_by,
+                run.created_by,
                 "deployment.rpc_exposed",
                 deployment,
                 changes={"node": worker.node.name, "bind": bind, "port": worker.port},
+                actor_name="" if run.created_by_id else "console",
             )
         order += 1
         add_step(

@@ -56,9 +56,14 @@ def _state_of(deployment: Deployment) -> str:
     return deployment.state
 
 
+# The actor of what the console did or saw on its own (a run's outcome, a rollback), not a person's act.
+SYSTEM_ACTOR = "console"
+
+
 def audit_run(deployment: Deployment, action: str, changes: dict) -> None:
-    """An audit entry of a run, in the name of whoever created the deployment."""
-    record(deployment.created_by, action, deployment, changes=changes)
+    """An audit entry of a run's outcome: the console's, not whoever created the deployment (the person's
+    own act, pressing Deploy or Stop, has its entry already)."""
+    record(None, action, deployment, changes=changes, actor_name=SYSTEM_ACTOR)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,12 +93,12 @@ async def run_steps(ctx: JobContext, deployment: Deployment, *, on_failure) -> N
         reason = f"{name} on {done.node_name}: {done.result or done.get_state_display()}"
         await on_failure(ctx, deployment, name, reason)
         raise JobFailed(reason)
+    # The measure step saved its figures on its own copy of the deployment: read them before saying them.
+    await db(deployment.refresh_from_db)(fields=["measured_decode_tps", "measured_prompt_tps"])
     if await db(deployment.mark_running)():
-        await db(audit_run)(
-            deployment,
-            "deployment.running",
-            {"decode_tps": deployment.measured_decode_tps, "prompt_tps": deployment.measured_prompt_tps},
-        )
+        speeds = {"decode_tps": deployment.measured_decode_tps, "prompt_tps": deployment.measured_prompt_tps}
+        # Only what was measured: a figure not taken is left out, not written as "—".
+        await db(audit_run)(deployment, "deployment.running", {k: v for k, v in speeds.items() if v})
 
 
 async def _check_still_deploying(deployment: Deployment) -> None:

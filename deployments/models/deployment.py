@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import IntegrityError, models, transaction
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
@@ -343,6 +344,90 @@ class Deployment(models.Model):
         self.set_api_key(key)
         self.save(update_fields=["api_key_encrypted"])
 
+    def record_live_status(self, status: dict) -> bool:
+        """Store the monitor's look, unless the deployment left running and degraded while it looked (a
+        stop that ended its processes meanwhile has said so itself). Returns whether it was stored."""
+        fields = _reported({"live_status": status})
+        watched = [DeploymentState.RUNNING, DeploymentState.DEGRADED]
+        if not Deployment.objects.filter(pk=self.pk, state__in=watched).update(**fields):
+            return False
+        self.live_status = fields["live_status"]
+        live.changed(self.pk)
+        return True
+
+    def record_process_outcome(self, node: str, pid: int, *, alive: bool, note: str) -> None:
+        """What a stop step saw of one of the deployment's processes (it ended it, found it gone, or could
+        not end it): the status the pages show is corrected now, not at the monitor's next look (which
+        never comes for a deployment that stopped). Read and written under a lock, as add_process."""
+        with transaction.atomic():
+            current = Deployment.objects.select_for_update().only("live_status", "processes").get(pk=self.pk)
+            status = dict(current.live_status or {})
+            rows = status.get("processes")
+            if rows is None:
+                rows = [{**info, "alive": None} for info in (current.processes or {}).values()]
+            now = timezone.now().isoformat()
+            for row in rows:
+                if row.get("node") == node and int(row.get("pid") or 0) == int(pid):
+                    # Uptime and memory were true of a process that is no more.
+                    for stale in ("uptime_s", "rss_bytes", "error"):
+                        row.pop(stale, None)
+                    row.update(alive=alive, outcome=note, outcome_at=now)
+            status["processes"] = rows
+            self.live_status = _reported({"live_status": status})["live_status"]
+            Deployment.objects.filter(pk=self.pk).update(live_status=self.live_status)
+        live.changed(self.pk)
+
+    def process_rows(self) -> list[dict]:
+        """The processes table: the monitor's last look (or the stop steps' word on each process), else the
+        processes as recorded, not checked yet. A process the monitor last saw alive before the deployment
+        ended is not shown alive: nobody has looked since, and the stop ended it or tried to."""
+        status = self.live_status or {}
+        rows = status.get("processes")
+        if rows is None or not status.get("checked_at") and not any(r.get("outcome") for r in rows):
+            rows = [{**info, "alive": None} for info in (self.processes or {}).values()]
+        rows = [dict(row) for row in rows]
+        if self.state in TERMINAL_STATES:
+            for row in rows:
+                if row.get("alive") and not row.get("outcome"):
+                    row.update(alive=None, uptime_s=None, rss_bytes=None)
+                    row["outcome"] = "not checked since the deployment ended"
+        return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"]))
+
+    def gone_processes(self) -> list[dict]:
+        """The processes the monitor found ended (not those on a node it could not reach)."""
+        rows = (self.live_status or {}).get("processes") or []
+        return [row for row in rows if row.get("alive") is False and not row.get("error")]
+
+    @property
+    def serving(self) -> bool:
+        """Whether llama-server may answer: running, or degraded with llama-server not known to be gone."""
+        if self.state == DeploymentState.RUNNING:
+            return True
+        if self.state != DeploymentState.DEGRADED:
+            return False
+        return not any(row.get("role") == "llama-server" for row in self.gone_processes())
+
+    def trouble(self) -> str:
+        """What went wrong with a degraded deployment, as one sentence a person reads."""
+        rows = (self.live_status or {}).get("processes") or []
+        gone = [f"{row['role']} on {row['node']}" for row in self.gone_processes()]
+        unreachable = sorted({row["node"] for row in rows if row.get("error")})
+        parts = []
+        if gone:
+            parts.append(f"{_joined(gone)} stopped running")
+        if unreachable:
+            parts.append(f"{_joined(unreachable)} cannot be reached")
+        if parts:
+            text = " and ".join(parts)
+        else:
+            first = (self.state_reason or "").strip().splitlines()
+            text = first[0].rstrip(".") if first else "it stopped answering"
+        since = (self.live_status or {}).get("down_since")
+        when = ""
+        if since and (moment := parse_datetime(since)):
+            when = f" (noticed at {timezone.localtime(moment):%H:%M})"
+        return f"{self.name} is not working: {text}{when}."
+
 
 # Fields that hold what llama.cpp, its logs, /metrics or a node said (a reason quotes an error, the
 # verification quotes the log, the live status the monitor's look at the processes): printable only, as
@@ -361,6 +446,10 @@ def _reported(fields: dict) -> dict:
         if name in cleaned:
             cleaned[name] = printable_json(cleaned[name], lines=True)
     return cleaned
+
+
+def _joined(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _figures_problem(node) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.conf import settings
 
+from deployments.models import Deployment
+from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp.reaper import (
     ForeignHolder,
@@ -18,22 +20,29 @@ async def stop_body(ctx) -> str:
     """End this deployment's processes on the node by PID, then confirm their ports are free."""
     processes = ctx.job.params.get("processes", [])
     platform = ctx.node.platform
+    # The processes table shows what this step found of each process as soon as it knows.
+    outcome = db(_outcome_recorder(ctx.job.params.get("deployment")))
     done = []
     for info in processes:
         pid = int(info["pid"])
         alive = await ctx.transport.pid_alive(pid)
+        note = "was not running when it was stopped"
         if alive:
             ours, cmdline = await runs_our_program(ctx.transport, platform, pid, info["role"])
             if not ours:
                 await ctx.log(f"PID {pid} now runs another program ({cmdline or 'gone'}); not touched")
                 alive = False
+                note = "had ended: its PID now runs another program"
         if alive:
             await ctx.log(f"ending {info['role']} PID {pid}")
             gone = await ctx.transport.kill(pid, grace=settings.RAMDECK_KILL_GRACE_S)
             if not gone:
+                await outcome(ctx.node.name, pid, alive=True, note="did not end when it was stopped")
                 raise JobFailed(f"{info['role']} PID {pid} on {ctx.node.name} did not end")
+            await outcome(ctx.node.name, pid, alive=False, note="ended by the console")
             done.append(f"{info['role']} PID {pid} ended")
         else:
+            await outcome(ctx.node.name, pid, alive=False, note=note)
             await ctx.log(f"{info['role']} PID {pid} was not running")
             done.append(f"{info['role']} PID {pid} already gone")
         files = [f for f in (info.get("key_file"), *info.get("files", [])) if f]
@@ -49,3 +58,12 @@ async def stop_body(ctx) -> str:
         await ctx.log(note)
         done.append(note)
     return f"{ctx.node.name}: " + ("; ".join(done) or "nothing to stop")
+
+
+def _outcome_recorder(deployment_id: int | None):
+    def record(node: str, pid: int, *, alive: bool, note: str) -> None:
+        deployment = Deployment.objects.filter(pk=deployment_id).first() if deployment_id else None
+        if deployment is not None:
+            deployment.record_process_outcome(node, pid, alive=alive, note=note)
+
+    return record

@@ -138,10 +138,7 @@ def _process_rows(deployment: Deployment) -> tuple[list[dict], dict, object]:
     SSH or HTTP here: the page is polled, and the monitor's beat task does the looking."""
     status = deployment.live_status or {}
     checked_at = parse_datetime(status["checked_at"]) if status.get("checked_at") else None
-    if status.get("processes") is not None and checked_at:
-        return status["processes"], status.get("metrics") or {}, checked_at
-    rows = [{**info, "alive": None} for info in (deployment.processes or {}).values()]
-    return sorted(rows, key=lambda r: (r["role"] != "llama-server", r["node"])), {}, None
+    return deployment.process_rows(), status.get("metrics") or {}, checked_at
 
 
 @role_required(VIEWER)

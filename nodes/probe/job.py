@@ -88,7 +88,7 @@ async def probe(ctx: JobContext) -> str:
     except TransportError as exc:
         await db(record_probe_failure)(node, str(exc), reachability=Reachability.UNREACHABLE)
         raise
-    for line in summary_lines(report):
+    for line in summary_lines(report, build.llama_server_path if build else ""):
         await ctx.log(line)
     devices = await db(apply_probe_report)(node, report)
     if (ctx.job.params or {}).get("register_detected"):
@@ -102,8 +102,9 @@ async def probe(ctx: JobContext) -> str:
     return f"{report.os_name or report.platform}; {names}; RTT {report.rtt_ms:g} ms."
 
 
-def summary_lines(report: ProbeReport) -> list[str]:
-    """What the probe found, for the job log (a person skims it)."""
+def summary_lines(report: ProbeReport, registered: str = "") -> list[str]:
+    """What the probe found, for the job log (a person skims it). `registered`: the llama-server of the
+    node's build, which may be in a folder the probe does not look in."""
     lines = [
         f"System: {report.os_name} ({report.platform}), kernel {report.kernel}, {report.arch}",
         f"CPU: {report.cpu_model or 'unknown'}, {report.cpu_cores} cores",
@@ -126,6 +127,8 @@ def summary_lines(report: ProbeReport) -> list[str]:
     if report.rpc_server_binary or report.binaries.get("llama-server"):
         version = f" (version {report.llama_version})" if report.llama_version else ""
         lines.append(f"llama.cpp: {', '.join(sorted(report.binaries))}{version}")
+    elif registered:
+        lines.append(f"llama.cpp: the registered build, {registered} (not on the PATH)")
     else:
         lines.append("llama.cpp: not found on this node (build it from the node page).")
     if report.rpc_port_in_use:

@@ -26,6 +26,9 @@ def hardware_context(node: Node) -> dict:
     return {
         "node": node,
         "devices": node.devices.all(),
+        # The llama.cpp line comes from the build deployments use, not only from what the probe found on
+        # the PATH (a build in another folder is not on it).
+        "build": node.current_build,
         "active_probe": Job.objects.active().filter(node=node, kind=PROBE).first(),
         "active_calibration": Job.objects.active().filter(node=node, kind="calibrate").first(),
     }

@@ -21,7 +21,9 @@
   // The state badge is re-rendered from the deployment's websocket: read it each time.
   const running = () => {
     const badge = document.getElementById("deployment-state");
-    return Boolean(badge) && (badge.classList.contains("running") || badge.classList.contains("degraded"));
+    // Degraded with llama-server gone is marked data-serving="no": there is nobody to answer.
+    const live = Boolean(badge) && (badge.classList.contains("running") || badge.classList.contains("degraded"));
+    return live && badge.dataset.serving !== "no";
   };
   const refresh = () => {
     const open = running();

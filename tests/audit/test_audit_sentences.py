@@ -79,3 +79,20 @@ def test_a_speed_is_not_mistaken_for_a_token_but_a_token_still_is():
         "confirm_token": "•••",
         "token": "•••",
     }
+
+
+def test_what_the_console_did_on_its_own_is_said_in_its_name_not_a_persons():
+    ran = event("deployment.running", {"decode_tps": 41.5}, object_type="deployment", actor_name="console")
+    assert sentence(ran) == "the console saw deployment this-box running: decode tps: 41.5"
+    down = event("deployment.degraded", {"reason": "llama-server on desk (PID 7) is not running."},
+                 object_type="deployment", actor_name="monitor")  # fmt: skip
+    assert sentence(down).startswith("the console's monitor saw deployment this-box stop working: reason: ")
+    healing = event(
+        "deployment.heal_started", {"attempt": 1}, object_type="deployment", actor_name="self-heal"
+    )
+    assert (
+        sentence(healing)
+        == "the console's self-healing started an attempt to heal deployment this-box: attempt: 1"
+    )
+    # A person who happens to be called "console" is that person.
+    assert sentence(event("node.update", actor_name="console", actor_id=7)).startswith("console changed node")

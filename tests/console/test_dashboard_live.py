@@ -170,4 +170,79 @@ def test_the_dashboard_socket_follows_a_deployments_state(viewer_user):
     first, again = async_to_sync(scenario)()
     row = f'id="dash-deployment-{deployment.pk}"'
     assert row in first and "Running" in first.split(row)[1].split("</li>")[0]
-    assert "Degraded" in again.split(row)[1].split("</li>")[0]
+    # Not working any more: out of the running list, into its own with what happened in a sentence.
+    assert row not in again
+    down = again.split(f'id="dash-down-{deployment.pk}"')[1].split("</li>")[0]
+    assert "Degraded" in down and "tiny @ 512 is not working: llama-server does not answer." in down
+
+
+# -- The memory tile and the bars say the same ------------------------------------------------------------
+
+
+def _free_label(bar) -> int:
+    return next(seg.bytes for seg in bar.segments if seg.kind == "free")
+
+
+@pytest.mark.django_db
+def test_the_memory_tile_and_the_device_bars_give_the_same_free_memory(admin_client):
+    probed = NOW - timedelta(minutes=10)
+    desk = NodeFactory(name="desk", may_coordinate=True, last_seen_at=probed)
+    DeviceFactory(node=desk, name="CPU", total_bytes=16 * GIB, free_bytes=10 * GIB)  # 6 GiB in use then
+    pc = NodeFactory(name="pc", last_seen_at=probed)
+    DeviceFactory(node=pc, name="CPU", total_bytes=8 * GIB, free_bytes=7 * GIB)
+    model = ModelFile.objects.create(name="tiny", node=desk, path="/m/tiny.gguf", profile={})
+    placements = [{"node": "desk", "device": "CPU", "used_bytes": 2 * GIB}]
+    # Started after the probe: its 2 GiB were free then, and are not now.
+    plan = {"placements": placements}
+    Deployment.objects.create(name="after", model_file=model, coordinator=desk, plan=plan,
+                              state=DeploymentState.RUNNING, started_at=NOW)  # fmt: skip
+
+    response = admin_client.get(reverse("dashboard"))
+    gauges, memory = response.context["gauges"], response.context["memory"]
+    bars = {g["node"].name: g["devices"][0]["bar"] for g in gauges}
+    assert _free_label(bars["desk"]) == 8 * GIB  # 16, less 6 in use at the probe, less 2 the deployment holds
+    assert [(s.kind, s.bytes) for s in bars["desk"].segments] == [("d0", 2 * GIB), ("others", 6 * GIB),
+                                                                   ("free", 8 * GIB)]  # fmt: skip
+    assert _free_label(bars["pc"]) == 7 * GIB
+    assert memory == {"total": 24 * GIB, "free": 15 * GIB, "devices": 2}
+    body = response.content.decode()
+    tile = body.split('id="dash-memory"', 1)[1].split("</div></div>", 1)[0]
+    assert "24.0 GiB" in tile and "15.0 GiB free on 2 devices" in tile
+    # The tile is a live region too: the socket and the poll send it with the bars.
+    live = admin_client.get(reverse("dashboard_live")).content.decode()
+    assert 'id="dash-memory" hx-swap-oob="outerHTML"' in live and "15.0 GiB free" in live
+
+
+@pytest.mark.django_db
+def test_a_deployment_running_at_the_probe_is_not_counted_twice_and_a_crashed_one_frees_its_memory(
+    admin_client,
+):
+    probed = NOW - timedelta(minutes=10)
+    desk = NodeFactory(name="desk", may_coordinate=True, last_seen_at=probed)
+    DeviceFactory(node=desk, name="CPU", total_bytes=16 * GIB, free_bytes=10 * GIB)  # it held 4 of the 6
+    model = ModelFile.objects.create(name="tiny", node=desk, path="/m/tiny.gguf", profile={})
+    process = {"node": "desk", "role": "llama-server", "pid": 4242, "port": 8080, "log": "/l"}
+    deployment = Deployment.objects.create(
+        name="before", model_file=model, coordinator=desk, state=DeploymentState.RUNNING,
+        plan={"placements": [{"node": "desk", "device": "CPU", "used_bytes": 4 * GIB}]},
+        started_at=probed - timedelta(minutes=5), processes={"llama-server@desk": process},
+    )  # fmt: skip
+
+    def desk_bar():
+        context = admin_client.get(reverse("dashboard")).context
+        return context["gauges"][0]["devices"][0]["bar"], context["memory"]
+
+    bar, memory = desk_bar()
+    assert [(s.kind, s.bytes) for s in bar.segments] == [
+        ("d0", 4 * GIB),
+        ("others", 2 * GIB),
+        ("free", 10 * GIB),
+    ]
+    assert memory["free"] == 10 * GIB
+
+    # The monitor finds llama-server gone: the deployment holds nothing any more.
+    deployment.record_live_status({"checked_at": NOW.isoformat(), "processes": [{**process, "alive": False}]})
+    deployment.mark_degraded("llama-server on desk (PID 4242) is not running.")
+    bar, memory = desk_bar()
+    assert [(s.kind, s.bytes) for s in bar.segments] == [("others", 2 * GIB), ("free", 14 * GIB)]
+    assert memory["free"] == 14 * GIB

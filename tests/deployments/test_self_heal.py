@@ -64,6 +64,14 @@ def test_a_degraded_deployment_that_opted_in_is_restarted_and_runs_again(deploym
     actions = list(AuditEvent.objects.filter(object_id=str(deployment.pk)).values_list("action", flat=True))
     assert {"deployment.heal_started", "deployment.healed"} <= set(actions)
     assert deployment.claims.exists()
+    # The console healed it, not the person who deployed it: no one pressed a button.
+    assert run.created_by is None and not run.children.exclude(created_by=None).exists()
+    system = AuditEvent.objects.filter(
+        object_id=str(deployment.pk),
+        action__in=["deployment.heal_started", "deployment.healed", "deployment.running"],
+    )
+    assert {(e.actor_id, e.actor_name) for e in system} <= {(None, "self-heal"), (None, "console")}
+    assert deployment.created_by.get_username() not in {e.actor_name for e in system}
 
 
 def test_without_opting_in_nothing_is_attempted(deployment, no_enqueue, steps):
