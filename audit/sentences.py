@@ -49,6 +49,8 @@ PHRASES = {
     "deployment.degraded": "saw {object} stop working",
     "deployment.heal_started": "started an attempt to heal {object}",
     "deployment.healed": "healed {object}",
+    "node.offline": "lost contact with {object}",
+    "node.online": "reached {object} again",
     "deployment.heal_failed": "could not heal {object}",
     "deployment.stop_failed": "could not stop {object}",
     "deployment.self_heal": "switched self-healing of {object}",
@@ -65,6 +67,7 @@ SYSTEM_ACTORS = {
     "console": "the console",
     "monitor": "the console's monitor",
     "self-heal": "the console's self-healing",
+    "probe": "the console's probe",
     "retention": "the console's clean-up",
 }
 

@@ -13,7 +13,8 @@ from deployments.charts import bars, sparkline
 from deployments.lifecycle.actions import local_refusal
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 from jobs.models import Job, JobState
-from nodes.models import Node
+from nodes.models import Node, Reachability
+from nodes.probe.job import PROBE
 from ramdeck_site.roles import can_operate
 
 FAILED_JOBS_SINCE = timedelta(days=1)
@@ -39,13 +40,18 @@ def running_rows(deployments: list[Deployment], now) -> list[dict]:
 
 
 def failed_jobs(now):
-    """Top-level jobs that failed or errored in the last day (a run's failed step is told by its run)."""
+    """Top-level jobs that failed or errored in the last day (a run's failed step is told by its run).
+
+    Not the probes of a node that is offline now (the dashboard's one line about it says so) nor of a node
+    since deleted (its hardware history went with it)."""
     return (
         Job.objects.filter(
             parent__isnull=True,
             state__in=[JobState.FAILED, JobState.ERRORED],
             finished_at__gte=now - FAILED_JOBS_SINCE,
         )
+        .exclude(kind=PROBE, node__isnull=True)
+        .exclude(kind=PROBE, node__reachability=Reachability.UNREACHABLE)
         .select_related("node")
         .order_by("-finished_at", "-pk")[:FAILED_JOBS_SHOWN]
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import posixpath
 import shlex
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from django.conf import settings
@@ -12,7 +13,9 @@ from django.db import models
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
+from django.utils.timesince import timesince
 
+from audit import history
 from llamacpp.rpc_guard import binds_everywhere
 from nodes.validators import validate_host
 from ramdeck_site import crypto
@@ -161,6 +164,9 @@ class Node(models.Model):
     last_error = models.TextField(blank=True)
     facts = models.JSONField(default=dict, blank=True)
     rtt_ms = models.FloatField(null=True, blank=True)
+    # When the console lost contact with it (None while it answers): the dashboard's one line about an
+    # offline node, and the periodic probe's backoff, count from here.
+    unreachable_since = models.DateTimeField(null=True, blank=True)
 
     # What the last calibration measured (calibration/job.py); the devices' own figures are on
     # their rows. `calibration` keeps the raw samples for the node page and for later comparison.
@@ -277,10 +283,63 @@ class Node(models.Model):
             last_error=message,
         )
 
-    def mark_unreachable(self, message: str) -> None:
+    def mark_unreachable(self, message: str, *, probed: bool = False) -> bool:
+        """The console could not reach the node. The first time (it answered before) also records since
+        when and writes one audit entry; later failures only keep the reason current. `probed`: this was
+        a probe's attempt (its time counts for the backoff). Returns whether it went offline now."""
         message = printable(message, LAST_ERROR_LIMIT, lines=True)  # it may quote the node's SSH server
-        self.reachability, self.last_error = Reachability.UNREACHABLE, message
-        Node.objects.filter(pk=self.pk).update(reachability=Reachability.UNREACHABLE, last_error=message)
+        now = timezone.now()
+        fields = {"reachability": Reachability.UNREACHABLE, "last_error": message}
+        if probed:
+            fields["last_probe_at"] = now
+        went_offline = bool(
+            Node.objects.filter(pk=self.pk, unreachable_since__isnull=True).update(unreachable_since=now)
+        )
+        Node.objects.filter(pk=self.pk).update(**fields)
+        for name, value in fields.items():
+            setattr(self, name, value)
+        if went_offline:
+            self.unreachable_since = now
+            node = Node.objects.only("name", "last_seen_at").get(pk=self.pk)
+            seen = node.last_seen_at.isoformat() if node.last_seen_at else None
+            changes = {"reason": message[:300], "last_seen": seen}
+            history.record(None, "node.offline", node, changes=changes, actor_name="console")
+        return went_offline
+
+    def mark_back_online(self) -> None:
+        """It answered again after being offline: the one audit entry of its return (the probe stores the
+        rest). Called by the successful probe, under its lock on the row."""
+        since = Node.objects.filter(pk=self.pk).values_list("unreachable_since", flat=True).first()
+        if since is None:
+            return
+        Node.objects.filter(pk=self.pk).update(unreachable_since=None)
+        self.unreachable_since = None
+        away = timesince(since, timezone.now())
+        changes = {"offline_since": since.isoformat(), "offline_for": away}
+        history.record(None, "node.online", self, changes=changes, actor_name="console")
+
+    @property
+    def offline_sentence(self) -> str:
+        """The dashboard's line about an offline node: "pc2 offline since 21:40, last seen 3 hours ago"."""
+        if self.unreachable_since is None:
+            return ""
+        since = timezone.localtime(self.unreachable_since)
+        today = timezone.localtime(timezone.now()).date()
+        when = f"{since:%H:%M}" if since.date() == today else f"{since:%Y-%m-%d %H:%M}"
+        seen = f"last seen {timesince(self.last_seen_at)} ago" if self.last_seen_at else "never seen"
+        return f"{self.name} offline since {when}, {seen}"
+
+    def next_probe_at(self):
+        """When the periodic probe may look at an offline node again (None: at every round, as any node
+        that answers). The wait doubles with the outage, from the probe interval up to
+        RAMDECK_PROBE_BACKOFF_MAX_S: a machine switched off for the night is looked at a dozen times, not
+        a hundred."""
+        if self.unreachable_since is None or self.last_probe_at is None:
+            return None
+        base = settings.RAMDECK_PROBE_INTERVAL_S
+        away = max(0.0, (self.last_probe_at - self.unreachable_since).total_seconds())
+        wait = min(max(base, away), max(base, settings.RAMDECK_PROBE_BACKOFF_MAX_S))
+        return self.last_probe_at + timedelta(seconds=wait)
 
     def approve_pending_host_key(self, seen_fingerprint: str, by) -> bool:
         """Pin the pending key, but only if it is still the one the admin saw (the fingerprint they were

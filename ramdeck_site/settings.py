@@ -338,6 +338,8 @@ RAMDECK_JOB_LOG_MAX_LINES = env_int("RAMDECK_JOB_LOG_MAX_LINES", 500_000, minimu
 RAMDECK_DATABASE_OUTAGE_S = env_int("RAMDECK_DATABASE_OUTAGE_S", 120, minimum=0)
 
 RAMDECK_PROBE_INTERVAL_S = env_int("RAMDECK_PROBE_INTERVAL_S", 300, minimum=0)
+# An offline node is looked at less often the longer it stays away: the wait doubles up to this.
+RAMDECK_PROBE_BACKOFF_MAX_S = env_int("RAMDECK_PROBE_BACKOFF_MAX_S", 3600, minimum=0)
 RAMDECK_SWEEP_INTERVAL_S = env_int("RAMDECK_SWEEP_INTERVAL_S", 60, minimum=10)
 
 # ---------------------------------------------------------------------------------------------------

@@ -150,6 +150,8 @@ def apply_probe_report(node: Node, report: ProbeReport) -> list[Device]:
         gone = [name for name in existing if name not in seen]
         if gone:
             locked.devices.filter(name__in=gone).delete()
+        locked.mark_back_online()  # after an outage: its one audit entry
+        node.unreachable_since = None
         node.reachability = Reachability.REACHABLE
         node.last_seen_at = node.last_probe_at = now
         node.facts = stored_facts(report)
@@ -163,6 +165,9 @@ def apply_probe_report(node: Node, report: ProbeReport) -> list[Device]:
 
 def record_probe_failure(node: Node, message: str, *, reachability: str | None = None) -> None:
     """A probe that could not finish: keep the devices (last known), mark the node and say why."""
+    if reachability == Reachability.UNREACHABLE:
+        node.mark_unreachable(message, probed=True)  # offline since now, audited once, if it answered before
+        return
     node.last_probe_at = timezone.now()
     node.last_error = printable(message, LAST_ERROR_LIMIT, lines=True)
     fields = ["last_probe_at", "last_error"]

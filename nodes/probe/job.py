@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from django.db import transaction
 
 from audit import history
-from jobs.aio import db
+from jobs.aio import db, run_to_completion
 from jobs.context import JobFailed
 from jobs.models import Job
 from nodes.models import Node, Reachability
 from nodes.probe.collect import ProbeUnsupported, apply_probe_report, collect, record_probe_failure
 from nodes.probe.parse import ProbeReport
-from remote.base import CommandTimeout, TransportError
+from nodes.transports import transport_for
+from remote.base import CommandTimeout, HostKeyChanged, HostKeyUnknown, TransportError
 
 if TYPE_CHECKING:
     from jobs.context import JobContext
@@ -64,6 +67,41 @@ def start_detected_install_build(node: Node, *, user=None, request=None) -> Job 
         history.record(request or user, "build.requested", locked, changes={**params, "detected": True})
         job.enqueue()
     return job
+
+
+def periodic_probe(node: Node, now) -> Job | None:
+    """Celery beat's probe of one node. A node that answers gets a probe job every round. An offline one is
+    only looked at when its backoff has passed (`Node.next_probe_at`), and then quietly: the console opens
+    an SSH connection, without a job, and queues the probe job only once the node answers again. So a
+    machine switched off for the night is one line on the dashboard and one audit entry, not a failed job
+    every few minutes. Returns the probe job, or None."""
+    if node.unreachable_since is not None and not node.is_local:
+        due = node.next_probe_at()
+        # Half a round early counts as due: beat's rounds and the look's own time never line up exactly.
+        if due is not None and now + timedelta(seconds=settings.RAMDECK_PROBE_INTERVAL_S / 2) < due:
+            return None
+        if not answers_again(node):
+            return None
+    return start_probe(node)
+
+
+def answers_again(node: Node) -> bool:
+    """Does the offline node let the console in over SSH now? A refusal keeps the reason current on the
+    node (its transport records it) and counts as a look for the backoff."""
+
+    async def connect(transport) -> None:
+        async with transport:
+            pass
+
+    try:
+        transport = transport_for(node)
+        run_to_completion(lambda: connect(transport))
+    except (HostKeyUnknown, HostKeyChanged):
+        return False  # it answers, with a key an admin must look at: the transport stored it for review
+    except TransportError as exc:
+        node.mark_unreachable(str(exc), probed=True)
+        return False
+    return True
 
 
 async def probe(ctx: JobContext) -> str:

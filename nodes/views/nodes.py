@@ -10,6 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
 from audit import history
+from jobs.models import ACTIVE_STATES as JOB_ACTIVE_STATES
 from jobs.models import Job, refuse_local_node
 from nodes.forms import CredentialForm, NodeFilterForm, NodeForm
 from nodes.models import Credential, Node, Reachability
@@ -111,6 +112,9 @@ def node_delete(request, name: str):
         with transaction.atomic():
             snapshot = {"address": node.address, "transport": node.transport}
             history.record(request, "node.delete", node, changes=snapshot)
+            # Its probes described hardware that is no longer in the pool: they go with it (the audit
+            # history keeps the deletion). One still running ends with no node and is not shown.
+            Job.objects.filter(node=node, kind=PROBE).exclude(state__in=JOB_ACTIVE_STATES).delete()
             node.delete()
     except ProtectedError:
         message = f"{node.name} is used by a model or a deployment; remove those first."

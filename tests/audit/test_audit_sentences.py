@@ -94,5 +94,9 @@ def test_what_the_console_did_on_its_own_is_said_in_its_name_not_a_persons():
         sentence(healing)
         == "the console's self-healing started an attempt to heal deployment this-box: attempt: 1"
     )
+    assert (
+        sentence(event("node.offline", actor_name="console")) == "the console lost contact with node this-box"
+    )
+    assert sentence(event("node.online", actor_name="console")) == "the console reached node this-box again"
     # A person who happens to be called "console" is that person.
     assert sentence(event("node.update", actor_name="console", actor_id=7)).startswith("console changed node")
