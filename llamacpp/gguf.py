@@ -442,6 +442,11 @@ def _swa_layers(fields: dict[str, Any], arch: str, n_layer: int) -> list[bool]:
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# A block's routed experts: llama.cpp's own pattern for them (LLM_FFN_EXPS_REGEX in common/common.h, what
+# --n-cpu-moe moves), so the bytes counted here are the bytes an `-ot` rule moves. Shared experts
+# (`ffn_*_shexp`) and the router (`ffn_gate_inp`) run for every token and count as the block's dense part.
+EXPERTS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+_EXPERTS_RE = re.compile(r"^blk\.\d+" + EXPERTS_PATTERN)
 
 
 @_as_gguf_error
@@ -474,6 +479,7 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
     )
 
     block_bytes = [0] * n_layer
+    expert_bytes = [0] * n_layer
     output_bytes = input_bytes = other_bytes = 0
     has_output = False
     embd_bytes = 0
@@ -485,6 +491,8 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
             match = _BLOCK_RE.match(tensor.name)
             if match and int(match[1]) < n_layer:
                 block_bytes[int(match[1])] += size
+                if _EXPERTS_RE.match(tensor.name):
+                    expert_bytes[int(match[1])] += size
             elif tensor.name == "output.weight":
                 output_bytes += size
                 has_output = True
@@ -530,7 +538,10 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "vocab_size": n_vocab,
         "file_type": file_type,
         "file_type_name": file_type_name,
+        # Every tensor of a block, and (part of it) its routed experts', of which a token reads
+        # expert_used_count of expert_count (planning/costs.py).
         "block_weight_bytes": block_bytes,
+        "block_expert_bytes": expert_bytes,
         "output_bytes": output_bytes,
         "tied_embeddings": not has_output,
         "input_embedding_bytes": input_bytes,

@@ -4,7 +4,8 @@ Random f16 weights and a byte-fallback SPM vocabulary (`<unk>`, `<s>`, `</s>`, t
 and a few word pieces): llama-server loads and serves them (the text is gibberish, the plumbing is real).
 The console uses them where it needs a model of known shape and no download: calibration runs, the compose
 trial's demo model, and the tests. Variants: grouped-query attention, tied embeddings (no `output.weight`),
-and a split into shards.
+a split into shards, and a mixture of experts (Mixtral-style: llama.cpp's `llama` architecture with
+`expert_count`, a router `ffn_gate_inp` and the experts stacked in `ffn_{gate,up,down}_exps`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class TinyLlama:
     tied_embeddings: bool = False
     # More than one: write `NAME-0000k-of-0000N.gguf` shards and return the first.
     shards: int = 1
+    # More than 0: every block's feed-forward is this many experts of n_ff each, n_expert_used per token.
+    n_expert: int = 0
+    n_expert_used: int = 2
     seed: int = 1234
 
 
@@ -67,10 +71,20 @@ def _tensors(spec: TinyLlama, n_vocab: int) -> list[tuple[str, np.ndarray]]:
             (f"blk.{i}.attn_v.weight", weight(n_embd_kv, spec.n_embd)),
             (f"blk.{i}.attn_output.weight", weight(spec.n_embd, spec.n_embd)),
             (f"blk.{i}.ffn_norm.weight", norm()),
-            (f"blk.{i}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd)),
-            (f"blk.{i}.ffn_up.weight", weight(spec.n_ff, spec.n_embd)),
-            (f"blk.{i}.ffn_down.weight", weight(spec.n_embd, spec.n_ff)),
         ]
+        if spec.n_expert:
+            out += [
+                (f"blk.{i}.ffn_gate_inp.weight", weight(spec.n_expert, spec.n_embd)),
+                (f"blk.{i}.ffn_gate_exps.weight", weight(spec.n_expert, spec.n_ff, spec.n_embd)),
+                (f"blk.{i}.ffn_up_exps.weight", weight(spec.n_expert, spec.n_ff, spec.n_embd)),
+                (f"blk.{i}.ffn_down_exps.weight", weight(spec.n_expert, spec.n_embd, spec.n_ff)),
+            ]
+        else:
+            out += [
+                (f"blk.{i}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd)),
+                (f"blk.{i}.ffn_up.weight", weight(spec.n_ff, spec.n_embd)),
+                (f"blk.{i}.ffn_down.weight", weight(spec.n_embd, spec.n_ff)),
+            ]
     out.append(("output_norm.weight", norm()))
     if not spec.tied_embeddings:
         out.append(("output.weight", weight(n_vocab, spec.n_embd)))
@@ -93,6 +107,9 @@ def write_tiny_llama(path: str | Path, spec: TinyLlama | None = None) -> Path:
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
     writer.add_head_count_kv(spec.n_head_kv)
+    if spec.n_expert:
+        writer.add_expert_count(spec.n_expert)
+        writer.add_expert_used_count(spec.n_expert_used)
     writer.add_rope_dimension_count(spec.n_embd // spec.n_head)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)

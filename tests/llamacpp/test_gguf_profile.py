@@ -6,6 +6,7 @@ import struct
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from llamacpp import gguf as gguf_profile
@@ -109,3 +110,39 @@ def test_not_gguf_truncated_and_unsupported_version_are_clear_errors(models, tmp
     empty.write_bytes(b"")
     with pytest.raises(NotGGUF):
         gguf_profile.profile_path(empty)
+
+
+def test_a_mixture_of_experts_tells_its_experts_bytes_from_the_rest_of_each_block(tmp_path):
+    path = write_tiny_llama(tmp_path / "moe.gguf", TinyLlama(n_layer=4, n_expert=8, n_expert_used=2))
+    profile = gguf_profile.profile_path(path)
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    experts = sum(sizes[f"blk.2.ffn_{m}_exps.weight"] for m in ("gate", "up", "down"))
+    assert experts == 3 * 8 * 512 * 256 * 2  # three f16 matrices of n_ff x n_embd per expert
+    assert profile["block_expert_bytes"] == [experts] * 4
+    # The router and the attention stay in the block's dense part.
+    dense = sum(v for k, v in sizes.items() if k.startswith("blk.2.")) - experts
+    assert dense >= sizes["blk.2.ffn_gate_inp.weight"] + sizes["blk.2.attn_q.weight"]
+    assert profile["block_weight_bytes"][2] == dense + experts
+    assert (profile["expert_count"], profile["expert_used_count"]) == (8, 2)
+
+
+def test_shared_experts_count_as_dense_and_a_dense_model_has_no_expert_bytes(models, tmp_path):
+    assert gguf_profile.profile_path(models["gqa"])["block_expert_bytes"] == [0] * 8
+    path = tmp_path / "shexp.gguf"
+    writer = gguf.GGUFWriter(path, "qwen2moe")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(1)
+    matrix = np.zeros((4, 32, 64), dtype=np.float16)
+    writer.add_tensor("blk.0.ffn_up_exps.weight", matrix)
+    writer.add_tensor("blk.0.ffn_up_shexp.weight", np.zeros((32, 64), dtype=np.float16))
+    writer.add_tensor("blk.0.ffn_gate_inp_shexp.weight", np.zeros((1, 64), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    profile = gguf_profile.profile_path(path)
+    assert profile["block_expert_bytes"] == [4 * 32 * 64 * 2]
+    assert profile["block_weight_bytes"] == [4 * 32 * 64 * 2 + 32 * 64 * 2 + 64 * 2]
