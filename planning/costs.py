@@ -11,11 +11,16 @@ tests/planning/test_planner_vs_llamacpp.py):
                (planning/unified_memory.py; `Problem.pool_*`).
 Speed (single-stream decode is memory-bandwidth bound):
     seconds per token = the coordinator's fixed cost of a pass
-                        + sum over devices of (weight bytes + KV bytes it holds) / its bandwidth
+                        + sum over devices of (weight bytes + KV bytes a token reads there) / its bandwidth
+                          (all of a dense block's weights; of a mixture of experts' routed experts only
+                          expert_used_count / expert_count, the experts a token is routed to)
+                        + for every block whose experts sit on another device than the rest of the block:
+                          the RPC cost of each remote device on the way there and back
                         + for every remote node in use: its RPC hop cost
                                                         + RPC_ROUND_TRIPS_PER_TOKEN x its round-trip time
                         + the coordinator's cost of pipeline parallelism, when the split turns it on.
-Bandwidths, the pass cost and the hop cost are what the calibrate job measured (calibration/job.py)
+Memory counts every expert's bytes on the device that holds them. Bandwidths, the pass cost and the hop
+cost are what the calibrate job measured (calibration/job.py)
 where it has; otherwise the table of known chips and the defaults below, and the plan says so.
 `evaluate` prices one split; planning/waterfill.py searches for the best; planning/planner.py turns
 it into a plan."""
@@ -52,6 +57,18 @@ from planning.unified_memory import (
 # copy's size. A GPU allocates all of it; a CPU device allocates it with malloc, and the kernel charges only
 # the pages it writes (see `Slot.lazy` and `input_copy_bytes`).
 PIPELINE_COPIES = 4
+
+
+def expert_fraction(profile: dict[str, Any]) -> float:
+    """The share of a block's routed-expert bytes one token reads: expert_used_count of expert_count."""
+    count, used = int(profile.get("expert_count") or 0), int(profile.get("expert_used_count") or 0)
+    return min(1.0, used / count) if count and used else 1.0
+
+
+def expert_bytes_per_block(profile: dict[str, Any]) -> list[int]:
+    """Bytes of each block's routed experts (0 for a dense model, or a profile read before issue 19)."""
+    experts = profile.get("block_expert_bytes")
+    return [int(b) for b in experts] if experts else [0] * int(profile["block_count"])
 
 
 def kv_cells(settings: Settings) -> tuple[int, int]:
@@ -215,12 +232,19 @@ class Problem:
     coordinator: Node
     cpu: Slot
     slots: list[Slot]
-    block_bytes: list[int]  # weights + KV of each block
+    block_bytes: list[int]  # weights + KV of each block: what it takes in memory
     weights: list[int]
     kv: list[int]
     prefix: np.ndarray  # prefix sums of block_bytes, float64
     cpu_base: int  # input embedding and other non-block tensors, on the coordinator's CPU
     warnings: list[str] = field(default_factory=list)
+    # What a token reads of each block: its dense weights, its KV and its experts' share (`expert_fraction`);
+    # the same as block_bytes for a dense model. Their prefix sums; each block's routed experts, as held in
+    # memory and as read per token.
+    read_bytes: list[float] = field(default_factory=list)
+    read_prefix: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    expert_bytes: list[int] = field(default_factory=list)
+    expert_read: list[float] = field(default_factory=list)
     # A coordinator with unified memory: the index in `slots` of its unified GPU, which shares one pool
     # with the CPU; the CPU's and that GPU's bytes together stay within `pool_capacity` (the pool's limit
     # `pool_limit` minus the margin).
@@ -269,6 +293,16 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     kv = kv_bytes_per_block(profile, settings)
     block_bytes = [w + k for w, k in zip(weights, kv, strict=True)]
     prefix = np.concatenate([[0.0], np.cumsum(np.array(block_bytes, dtype=np.float64))])
+    experts = expert_bytes_per_block(profile)
+    if len(experts) != len(weights):
+        raise ValueError("The profile's block_expert_bytes has not one entry per block.")
+    fraction = expert_fraction(profile)
+    expert_read = [e * fraction if e else 0.0 for e in experts]
+    # A dense block is read whole: the same numbers as block_bytes, so dense models plan exactly as before.
+    read_bytes = [
+        float(b) - e + r if e else float(b) for b, e, r in zip(block_bytes, experts, expert_read, strict=True)
+    ]
+    read_prefix = np.concatenate([[0.0], np.cumsum(np.array(read_bytes, dtype=np.float64))])
 
     def slot(device: Device, node: Node) -> Slot:
         limit, capacity = capacity_bytes(device, settings)
@@ -338,6 +372,10 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         warnings,
         fixed_s=fixed_s,
         pipeline_s=pipeline_s,
+        read_bytes=read_bytes,
+        read_prefix=read_prefix,
+        expert_bytes=experts,
+        expert_read=expert_read,
         **pool,
     )
 
@@ -345,11 +383,19 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
 @dataclass
 class Split:
     """cpu_blocks first blocks on the coordinator's CPU, then `counts[i]` blocks on `order[i]` (slot index);
-    the output layer on the last entry of `order`, or on the CPU when `order` is empty."""
+    the output layer on the last entry of `order`, or on the CPU when `order` is empty.
+
+    `experts`, for a mixture of experts placed apart: for every block, where its routed experts are
+    (EXPERTS_ON_CPU for the coordinator's CPU, else a slot index), given to llama.cpp as `-ot` rules. None:
+    they stay with their block, and no rule is given."""
 
     cpu_blocks: int
     order: list[int]
     counts: list[int]
+    experts: list[int] | None = None
+
+
+EXPERTS_ON_CPU = -1
 
 
 @dataclass(frozen=True)
@@ -363,6 +409,8 @@ class Part:
     kv: int
     compute: int
     holds_output: bool
+    # The blocks whose routed experts it holds, when the split places experts (`Split.experts`).
+    expert_blocks: tuple[int, ...] = ()
 
     @property
     def used_bytes(self) -> int:
@@ -373,60 +421,96 @@ class Part:
 class Evaluation:
     fits: bool
     seconds_per_token: float
-    # One entry per device of the split, the coordinator's CPU first.
+    # One entry per device of the split, the coordinator's CPU first, then the devices of `order`, then those
+    # that hold only experts (in slot order).
     parts: list[Part]
 
 
 def pipeline_parallel(split: Split) -> bool:
     """llama.cpp turns on pipeline parallelism (four copies of the inputs in every compute buffer) when all
-    layers go to more than one device."""
-    return split.cpu_blocks == 0 and len(split.order) > 1
+    layers go to more than one device, and no tensor override (`-ot`) is given (llama_context's
+    `!model.has_tensor_overrides()`)."""
+    return split.cpu_blocks == 0 and len(split.order) > 1 and split.experts is None
 
 
-def _role(is_cpu: bool, start: int, count: int, output: bool, n: int) -> str:
+def _role(is_cpu: bool, start: int, count: int, output: bool, n: int, hosts_more: bool = False) -> str:
     if is_cpu:
-        return "out" if output else ("idle" if count == 0 else "mid")
+        return "out" if output else ("idle" if count == 0 and not hosts_more else "mid")
     if output:
-        return "tail" if count <= 1 and start + count == n else "out"
+        return "tail" if count <= 1 and start + count == n and not hosts_more else "out"
     return "mid"
+
+
+def excursion_s(slot: Slot) -> float:
+    """What a block whose experts are apart pays per token for one device on its way (the experts' device,
+    or the device of the rest of the block it comes back to): a remote one's RPC cost (its hop and round
+    trips: the inputs set, the graph run, the result read back), nothing for a local one."""
+    return slot.overhead_s if slot.remote else 0.0
 
 
 def evaluate(problem: Problem, split: Split) -> Evaluation:
     n = len(problem.block_bytes)
     if split.cpu_blocks + sum(split.counts) != n or len(split.order) != len(split.counts):
         raise ValueError("The split does not place every block exactly once.")
+    if split.experts is not None and (
+        len(split.experts) != n or any(not EXPERTS_ON_CPU <= x < len(problem.slots) for x in split.experts)
+    ):
+        raise ValueError("The split does not place every block's experts exactly once.")
     copies = PIPELINE_COPIES if pipeline_parallel(split) else 1
     out_bytes = int(problem.profile["output_bytes"])
     parts = []
     seconds = 0.0
     fits = True
-    entries = [(problem.cpu, split.cpu_blocks, not split.order)]
+    # (key, slot, blocks, holds the output layer); key: EXPERTS_ON_CPU or the slot index
+    entries = [(EXPERTS_ON_CPU, problem.cpu, split.cpu_blocks, not split.order)]
     entries += [
-        (problem.slots[i], c, k == len(split.order) - 1)
+        (i, problem.slots[i], c, k == len(split.order) - 1)
         for k, (i, c) in enumerate(zip(split.order, split.counts, strict=True))
     ]
+    home = [key for key, _, count, _ in entries for _ in range(count)]
+    experts = split.experts if split.experts is not None else home
+    hosted: dict[int, list[int]] = {}
+    for block, key in enumerate(experts):
+        hosted.setdefault(key, []).append(block)
+    chain = {key for key, *_ in entries}
+    entries += [(i, problem.slots[i], 0, False) for i in sorted(hosted) if i not in chain]
+    ex, ex_read = problem.expert_bytes, problem.expert_read
     start = 0
     seconds += problem.fixed_s + (problem.pipeline_s if copies > 1 else 0.0)
     used_nodes: set[str] = set()
-    for slot, count, output in entries:
-        weights = sum(problem.weights[start : start + count]) + (out_bytes if output else 0)
+    for key, slot, count, output in entries:
+        own = range(start, start + count)
+        holds = hosted.get(key, [])
+        # The block's dense part where the block is, the experts where they are placed.
+        weights = sum(problem.weights[b] - ex[b] for b in own) + sum(ex[b] for b in holds)
+        weights += out_bytes if output else 0
         if slot is problem.cpu:
             weights += problem.cpu_base
         kv = sum(problem.kv[start : start + count])
-        compute = slot.compute_for(_role(slot is problem.cpu, start, count, output, n), copies)
+        hosts_more = any(not start <= b < start + count for b in holds)
+        role = _role(slot is problem.cpu, start, count, output, n, hosts_more)
+        compute = slot.compute_for(role, copies)
         fits = fits and weights + kv + compute <= slot.capacity
-        read = sum(problem.block_bytes[start : start + count]) + (out_bytes if output else 0)
-        own = read / slot.bandwidth
-        if slot.remote and slot.node.name not in used_nodes:
+        read = sum(problem.read_bytes[b] - ex_read[b] for b in own) + sum(ex_read[b] for b in holds)
+        work = (read + (out_bytes if output else 0)) / slot.bandwidth
+        if slot.remote and slot.node.name not in used_nodes and (count or output):
             used_nodes.add(slot.node.name)
-            seconds += slot.time_with_overhead(own)
+            seconds += slot.time_with_overhead(work)
         else:
-            seconds += slot.quota_time(own)
-        parts.append(Part(slot, start, count, weights, kv, compute, output))
+            seconds += slot.quota_time(work)
+        placed = tuple(holds) if split.experts is not None else ()
+        parts.append(Part(slot, start, count, weights, kv, compute, output, placed))
         start += count
+    for block, key in enumerate(experts):
+        if key != home[block]:
+            seconds += excursion_s(_slot_of(problem, key)) + excursion_s(_slot_of(problem, home[block]))
     if problem.pool_slot is not None:
         used = {id(p.slot): p.used_bytes for p in parts}
         fits = fits and problem.pool_used(
             used[id(problem.cpu)], used.get(id(problem.slots[problem.pool_slot]), 0)
         )
     return Evaluation(fits, seconds, parts)
+
+
+def _slot_of(problem: Problem, key: int) -> Slot:
+    return problem.cpu if key == EXPERTS_ON_CPU else problem.slots[key]

@@ -55,6 +55,7 @@ from planning.cluster import (
     validate_cluster,
 )
 from planning.costs import (
+    EXPERTS_ON_CPU,
     PIPELINE_COPIES,
     Evaluation,
     Problem,
@@ -164,7 +165,9 @@ def _llama_names(problem: Problem, split: Split) -> dict[int, tuple[str, str | N
     RPC device names follow llama.cpp's single counter across servers.
     """
     per_node: dict[str, list[int]] = {}
-    for i in split.order:
+    # Devices that hold only experts are listed after the others (with no share of the layers).
+    listed = split.order + expert_hosts(split)
+    for i in listed:
         slot = problem.slots[i]
         if slot.remote:
             per_node.setdefault(slot.node.name, []).append(i)
@@ -175,10 +178,17 @@ def _llama_names(problem: Problem, split: Split) -> dict[int, tuple[str, str | N
             node = problem.slots[i].node
             names[i] = (f"RPC{counter}", f"{node.address}:{node.rpc_port}", k)
             counter += 1
-    for i in split.order:
+    for i in listed:
         if not problem.slots[i].remote:
             names[i] = (problem.slots[i].device.name, None, 0)
     return names
+
+
+def expert_hosts(split: Split) -> list[int]:
+    """Slots that hold experts and no block, in slot order (as `evaluate` lists them)."""
+    if split.experts is None:
+        return []
+    return sorted({i for i in split.experts if i != EXPERTS_ON_CPU} - set(split.order))
 
 
 def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[dict[str, Any]]:
@@ -187,14 +197,20 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
     for part in evaluation.parts:
         slot, first, count, output = part.slot, part.first_block, part.blocks, part.holds_output
         is_cpu = slot is problem.cpu
-        if not is_cpu and count == 0 and not output:
+        if not is_cpu and count == 0 and not output and not part.expert_blocks:
             continue
         llama_device, endpoint, server_index = (
             ("CPU", None, 0) if is_cpu else names[problem.slots.index(slot)]
         )
-        read = sum(problem.block_bytes[first : first + count]) + (
+        read = sum(problem.read_bytes[first : first + count]) + (
             int(problem.profile["output_bytes"]) if output else 0
         )
+        if split.experts is not None:
+            # Its blocks' experts where they are placed, not where the blocks are.
+            own = range(first, first + count)
+            read += sum(problem.expert_read[b] for b in part.expert_blocks) - sum(
+                problem.expert_read[b] for b in own
+            )
         in_pool = problem.pool_slot is not None and (is_cpu or slot is problem.slots[problem.pool_slot])
         out.append(
             {
@@ -207,6 +223,8 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "layers": count,
                 "first_layer": first,
                 "output_layer": output,
+                # The blocks whose routed experts it holds, when the plan places experts apart (`-ot`).
+                "expert_blocks": list(part.expert_blocks),
                 "weights_bytes": part.weights,
                 "kv_bytes": part.kv,
                 "compute_bytes": part.compute,
@@ -226,7 +244,7 @@ def _placements(problem: Problem, split: Split, evaluation: Evaluation) -> list[
                 "bandwidth_gbs": round(slot.bandwidth / 1e9, 3),
                 "bandwidth_source": slot.device.bandwidth_source,
                 "fits": part.used_bytes <= slot.capacity,
-                "ms_per_token": round(1000 * _slot_time(slot, read, count or output), 4),
+                "ms_per_token": round(1000 * _slot_time(slot, read, bool(count or output)), 4),
             }
         )
     return out

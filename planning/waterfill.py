@@ -62,6 +62,8 @@ class _Search:
         pre = problem.prefix
         span = pre[None, :] - pre[:, None]  # span[j, k] = bytes of blocks j..k-1
         self.span = span
+        # What a token reads of blocks j..k-1 (less than they hold for a mixture of experts).
+        self.read_span = problem.read_prefix[None, :] - problem.read_prefix[:, None]
         self.upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # k > j
         self.diag = np.eye(n + 1, dtype=bool)
         self.out_bytes = float(problem.profile["output_bytes"])
@@ -91,7 +93,7 @@ class _Search:
             if i == self.p.pool_slot:
                 cpu = self.cpu_used(copies)[:, None] if cpu_bytes is None else cpu_bytes
                 ok &= cpu + used <= self.p.pool_capacity
-            cost = (self.span + (self.out_bytes if last else 0.0)) / s.bandwidth
+            cost = (self.read_span + (self.out_bytes if last else 0.0)) / s.bandwidth
             self._cache[key] = np.where(ok, cost, INF)
         return self._cache[key]
 
@@ -110,7 +112,8 @@ class _Search:
             used = pre + (self.p.cpu_base + c.compute_for("out", copies) + self.out_bytes)
         else:
             used = self.cpu_used(copies)
-        return np.where(used <= c.capacity, (pre + (self.out_bytes if output else 0.0)) / c.bandwidth, INF)
+        read = self.p.read_prefix + (self.out_bytes if output else 0.0)
+        return np.where(used <= c.capacity, read / c.bandwidth, INF)
 
     def run(
         self,
@@ -307,7 +310,7 @@ def _pool_gpu_last(
     batch = np.full((rows.size, n + 1), INF)
     batch[np.arange(rows.size), rows] = start[rows]
     f, _ = s.run(order[:-1], batch, copies, record=False, has_last=False)
-    cost = (s.span[:, n] + s.out_bytes) / gpu.bandwidth
+    cost = (s.read_span[:, n] + s.out_bytes) / gpu.bandwidth
     ok = fits & (cpu[rows][:, None] + used <= p.pool_capacity)
     totals = np.where(ok, f + cost, INF).min(1)
     b = int(totals.argmin())

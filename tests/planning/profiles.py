@@ -30,3 +30,22 @@ def make_profile(
         "other_bytes": 0,
         "weights_total_bytes": int((n_layer * block_mib + 2 * output_mib) * MIB),
     }
+
+
+def make_moe_profile(
+    n_layer: int = 8,
+    dense_mib: float = 20.0,
+    expert_mib: float = 160.0,
+    output_mib: float = 50.0,
+    experts: tuple[int, int] = (8, 2),
+) -> dict:
+    """A mixture of experts with uniform blocks: `dense_mib` of attention, router and norms per block and
+    `expert_mib` of routed experts, of which a token reads experts[1] / experts[0]."""
+    profile = make_profile(n_layer, dense_mib + expert_mib, output_mib)
+    profile.update(
+        expert_count=experts[0],
+        expert_used_count=experts[1],
+        block_expert_bytes=[int(expert_mib * MIB)] * n_layer,
+        feed_forward_length=1024,
+    )
+    return profile
