@@ -70,10 +70,13 @@ from planning.costs import (
     kv_cells,
     pipeline_parallel,
 )
+from planning.experts import places_experts, search_experts
 from planning.unified_memory import limit_basis
-from planning.waterfill import INF, search
+from planning.waterfill import INF
+from planning.waterfill import search as search_layers
 
 __all__ = [
+    "EXPERTS_ON_CPU",
     "DEFAULT_BANDWIDTH_GBS",
     "DEFAULT_HOP_MS",
     "DEFAULT_PASS_OVERHEAD_MS",
@@ -110,6 +113,22 @@ __all__ = [
     "suggestions",
     "validate_cluster",
 ]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The search
+
+
+def search(problem: Problem) -> tuple[Split | None, float]:
+    """The best split under the model, or (None, inf) when nothing fits: the layers' search
+    (planning/waterfill.py), and for a mixture of experts the search that may place experts apart from their
+    blocks (planning/experts.py) when that is faster."""
+    split, seconds = search_layers(problem)
+    if places_experts(problem):
+        apart, apart_seconds = search_experts(problem)
+        if apart is not None and (split is None or apart_seconds < seconds * (1 - 1e-12)):
+            return apart, apart_seconds
+    return split, seconds
 
 
 # ---------------------------------------------------------------------------------------------------------
