@@ -48,7 +48,9 @@ def llama_server_args(placements: list[dict[str, Any]], settings: dict[str, Any]
 
     `-ts` holds whole slot counts per listed device (the output layer counts as one slot of the last device),
     `-ngl` their sum, so llama.cpp places exactly the planned blocks. `--fit off` and an explicit `-c` stop
-    llama.cpp from rewriting the plan.
+    llama.cpp from rewriting the plan. When the plan places a mixture of experts' routed experts
+    (`expert_blocks`), one `-ot` rule per device holding some puts them there; a device that holds only
+    experts is listed with a share of 0, so llama.cpp starts a backend for it and gives it no layer.
     """
     devices = [p for p in placements if p["llama_device"] != "CPU"]
     endpoints: list[str] = []
@@ -65,7 +67,44 @@ def llama_server_args(placements: list[dict[str, Any]], settings: dict[str, Any]
         args += ["-ts", ",".join(str(s) for s in shares)]
     args += ["-sm", "layer", "-c", str(settings["ctx"]), "-np", str(settings["parallel"])]
     args += ["-ctk", settings["cache_type"], "-ctv", settings["cache_type"], "--fit", "off"]
+    for p in placements:
+        if p.get("expert_blocks"):
+            args += ["-ot", expert_override(p["expert_blocks"], buffer_type(p))]
     return args
+
+
+# llama.cpp's pattern for a block's routed experts (LLM_FFN_EXPS_REGEX in common/common.h, what --n-cpu-moe
+# moves; llamacpp/gguf.py counts the same tensors).
+EXPERTS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def buffer_type(placement: dict[str, Any]) -> str:
+    """The name of a placement's buffer type, as `-ot` takes it: `CPU`, a local device's own name (`CUDA0`,
+    `Vulkan0`), or an RPC device's `RPC<index on its server>[<host:port>]` (ggml-rpc.cpp's
+    ggml_backend_rpc_buffer_type), which exists once `--rpc` has added the server: `--rpc` comes first."""
+    if placement.get("endpoint"):
+        return f"RPC{placement.get('server_device_index', 0)}[{placement['endpoint']}]"
+    return placement["llama_device"]
+
+
+def block_ranges(blocks: list[int]) -> list[tuple[int, int]]:
+    """Sorted block numbers as runs (first, last): [3, 4, 5, 9] -> [(3, 5), (9, 9)]."""
+    runs: list[tuple[int, int]] = []
+    for b in sorted(blocks):
+        if runs and runs[-1][1] == b - 1:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((b, b))
+    return runs
+
+
+def expert_override(blocks: list[int], buffer: str) -> str:
+    r"""An `-ot` rule putting the routed experts of `blocks` in `buffer`: `blk\.(10|11|12)\.ffn_…_exps=CPU`.
+
+    The block numbers are listed one by one between `blk\.` and `\.`, so 1 never matches 10; the rule holds
+    no comma, which llama.cpp would take for the next rule."""
+    numbers = "|".join(str(b) for b in sorted(blocks))
+    return rf"blk\.({numbers}){EXPERTS_PATTERN}={buffer}"
 
 
 def rpc_server_args(host: str, port: int, devices: list[str], *, threads: int | None = None) -> list[str]:

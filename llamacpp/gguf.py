@@ -29,6 +29,8 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
+from llamacpp.args import EXPERTS_PATTERN
+
 ReadRange = Callable[[int, int], bytes]
 
 SUPPORTED_VERSIONS = (2, 3)
@@ -445,7 +447,6 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # A block's routed experts: llama.cpp's own pattern for them (LLM_FFN_EXPS_REGEX in common/common.h, what
 # --n-cpu-moe moves), so the bytes counted here are the bytes an `-ot` rule moves. Shared experts
 # (`ffn_*_shexp`) and the router (`ffn_gate_inp`) run for every token and count as the block's dense part.
-EXPERTS_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 _EXPERTS_RE = re.compile(r"^blk\.\d+" + EXPERTS_PATTERN)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llamacpp.args import block_ranges
 from llamacpp.logs import parse_load_log, parse_rpc_banner, placement_key
 
 MIB = 1024 * 1024
@@ -18,6 +19,16 @@ ABSOLUTE_TOLERANCE = int(0.1 * MIB)
 
 def _mib(value: int | float) -> str:
     return f"{value / MIB:.2f} MiB"
+
+
+def blocks_text(blocks: list[int]) -> str:
+    """Block numbers in runs, for people: [10, 11, 12, 13, 20] -> "10–13, 20"."""
+    return ", ".join(f"{a}–{b}" if b > a else str(a) for a, b in block_ranges(blocks))
+
+
+def _experts_note(item: dict[str, Any]) -> str:
+    blocks = item.get("expert_blocks") or []
+    return f" (with the experts of blocks {blocks_text(blocks)})" if blocks else ""
 
 
 def within(planned: int, logged: int) -> bool:
@@ -40,6 +51,11 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
 
     The coordinator's CPU is reported but not held to the plan: it also holds the input embedding and
     host-side copies whose size depends on the build (mmap, repacking).
+
+    A mixture of experts whose experts the plan put apart from their blocks (`expert_blocks`, `-ot` rules)
+    is held to the same sizes: a device's planned weights count the experts it holds, not those of its own
+    blocks, so a device that holds only experts is checked like any other, and a difference says whose
+    experts it was to hold (the rules were not applied when every device shows its blocks' own bytes).
     """
     logged = parse_load_log(log_text.splitlines())
     devices: dict[str, dict[str, Any]] = {}
@@ -60,6 +76,7 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
             "logged_kv": int(got.get("kv", 0)),
             "logged_compute": int(got.get("compute", 0)),
             "checked": key != "CPU",
+            "expert_blocks": list(item.get("expert_blocks") or []),
         }
         row["ok"] = not row["checked"] or (
             within(row["planned_weights"], row["logged_weights"])
@@ -70,6 +87,7 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
             f"{key} ({row['node']}): weights {_mib(row['logged_weights'])} "
             f"vs planned {_mib(row['planned_weights'])}, "
             f"KV {_mib(row['logged_kv'])} vs planned {_mib(row['planned_kv'])}"
+            + _experts_note(item)
             + ("" if row["checked"] else " (coordinator CPU: reported only)")
             + ("" if row["ok"] else "  <-- differs")
         )
@@ -77,7 +95,7 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
             problems.append(
                 f"{key} on {row['node']} got weights {_mib(row['logged_weights'])} "
                 f"and KV {_mib(row['logged_kv'])}, "
-                f"planned {_mib(row['planned_weights'])} and {_mib(row['planned_kv'])}"
+                f"planned {_mib(row['planned_weights'])} and {_mib(row['planned_kv'])}" + _experts_note(item)
             )
     for key, got in logged["devices"].items():
         if key not in planned_keys and key != "CPU" and got.get("model", 0) > 0:
@@ -85,7 +103,14 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
     rpc_planned = [k for k, r in devices.items() if ":" in k and r["planned_weights"] > 0]
     rpc_logged = [k for k, got in logged["devices"].items() if ":" in k and got.get("model", 0) > 0]
     if rpc_planned and not rpc_logged:
-        problems.insert(0, "no RPC device received any weights: every layer stayed on the coordinator")
+        if any(devices[k]["layers"] for k in rpc_planned):
+            problems.insert(0, "no RPC device received any weights: every layer stayed on the coordinator")
+        else:
+            problems.insert(
+                0,
+                "no RPC device received any weights: the experts planned there stayed on the coordinator "
+                "(were the -ot rules applied?)",
+            )
     wanted = expected_offload(plan)
     if logged["offloaded"] is not None and wanted is not None and logged["offloaded"][0] != wanted:
         problems.append(f"llama.cpp offloaded {logged['offloaded'][0]} layers, the plan asked for {wanted}")

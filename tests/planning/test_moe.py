@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llamacpp.args import buffer_type, layer_assignment, llama_server_args
 from planning import planner
 from planning.planner import GIB, MIB, Device, Node, Settings
 from tests.planning.profiles import make_moe_profile, make_profile
@@ -137,3 +139,97 @@ def test_the_planner_places_experts_at_the_exact_optimum_of_exhaustive_search(in
     assert seconds == pytest.approx(brute, rel=1e-9)
     ev = planner.evaluate(problem, split)
     assert ev.fits and ev.seconds_per_token == pytest.approx(seconds, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# llama.cpp's arguments for experts placed apart
+
+
+def gpu_desk_and_big_worker() -> list[Node]:
+    """A desktop with a small fast GPU and little free RAM, and a worker with much RAM."""
+    desk = (device("desk", "CPU", 1.0, 20.0), device("desk", "CUDA0", 2.0, 400.0, kind="cuda"))
+    worker = (device("big", "CPU", 64.0, 30.0),)
+    return [
+        Node("desk", "10.77.1.1", desk, coordinator=True, pass_overhead_ms=1.0),
+        Node("big", "10.77.1.2", worker, rpc_port=50052, rtt_ms=0.1, hop_ms=0.5),
+    ]
+
+
+def test_experts_that_do_not_fit_the_gpu_go_to_the_big_worker_with_its_rpc_buffer_name():
+    profile = make_moe_profile(n_layer=8, dense_mib=20.0, expert_mib=400.0, output_mib=50.0)
+    result = planner.plan(profile, gpu_desk_and_big_worker(), Settings(ctx=512))
+    by_device = {p["llama_device"]: p for p in result["placements"]}
+    gpu, worker = by_device["CUDA0"], by_device["RPC0"]
+    # The GPU runs every block's attention and the output layer, and holds the experts it has room for.
+    assert (gpu["layers"], gpu["output_layer"]) == (8, True)
+    assert worker["layers"] == 0 and worker["expert_blocks"]
+    assert sorted(gpu["expert_blocks"] + worker["expert_blocks"]) == list(range(8))
+    assert gpu["used_bytes"] <= gpu["capacity_bytes"]
+    args = result["llama_server_args"]
+    assert args[:4] == ["--rpc", "10.77.1.2:50052", "--device", "CUDA0,RPC0"]
+    assert args[args.index("-ts") + 1] == "9,0"  # the worker is listed for its experts, with no layer
+    rules = [args[i + 1] for i, a in enumerate(args) if a == "-ot"]
+    blocks = "|".join(str(b) for b in worker["expert_blocks"])
+    assert rf"blk\.({blocks})\.ffn_(up|down|gate|gate_up)_(ch|)exps=RPC0[10.77.1.2:50052]" in rules
+    assert any(rule.endswith("=CUDA0") for rule in rules)
+    assert args.index("--rpc") < args.index("-ot")  # the RPC buffer type exists once --rpc added the server
+    assert not result["pipeline_parallel"]
+    assert_args_reproduce_the_placement(result)
+    # Faster than llama.cpp's default split, which cannot put the experts apart.
+    assert result["predicted_tokens_per_s"] > result["baseline"]["predicted_tokens_per_s"]
+
+
+def assert_args_reproduce_the_placement(result: dict) -> None:
+    """llama.cpp's own layer rule on -ngl/-ts gives the planned blocks, and the -ot rules (first match wins)
+    put every block's experts where the plan says, in the buffer named after the device."""
+    args = result["llama_server_args"]
+    n = result["n_layer"]
+    devices = [p for p in result["placements"] if p["llama_device"] != "CPU"]
+    shares = [float(x) for x in args[args.index("-ts") + 1].split(",")] if "-ts" in args else []
+    slots = layer_assignment(shares, n, int(args[args.index("-ngl") + 1]))
+    for k, p in enumerate(devices):
+        assert slots[p["first_layer"] : p["first_layer"] + p["layers"]] == [k] * p["layers"]
+    rules = [args[i + 1].rsplit("=", 1) for i, a in enumerate(args) if a == "-ot"]
+    for p in result["placements"]:
+        for block in p["expert_blocks"]:
+            names = [f"blk.{block}.ffn_{m}_exps.weight" for m in ("gate", "up", "down")]
+            for name in names:
+                matched = next(buft for pattern, buft in rules if re.search(pattern, name))
+                assert matched == buffer_type(p)
+    assert not any(re.search(pattern, "blk.1.ffn_up_shexp.weight") for pattern, _ in rules)
+    assert not any(re.search(pattern, "blk.1.ffn_gate_inp.weight") for pattern, _ in rules)
+
+
+def test_the_arguments_name_cpu_local_and_rpc_buffers_and_list_a_host_with_no_layer():
+    placements = [
+        {
+            "llama_device": "CPU",
+            "endpoint": None,
+            "layers": 2,
+            "output_layer": False,
+            "expert_blocks": [0],
+        },
+        {"llama_device": "CUDA0", "endpoint": None, "layers": 4, "output_layer": True, "expert_blocks": [4]},
+        {
+            "llama_device": "RPC1",
+            "endpoint": "10.0.0.3:50052",
+            "server_device_index": 1,
+            "layers": 0,
+            "output_layer": False,
+            "expert_blocks": [5, 1, 2, 3],
+        },
+    ]
+    args = llama_server_args(placements, {"ctx": 512, "parallel": 1, "cache_type": "f16"}, 6)
+    assert args == [
+        "--rpc", "10.0.0.3:50052", "--device", "CUDA0,RPC1", "-ngl", "5", "-ts", "5,0",
+        "-sm", "layer", "-c", "512", "-np", "1", "-ctk", "f16", "-ctv", "f16", "--fit", "off",
+        "-ot", r"blk\.(0)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU",
+        "-ot", r"blk\.(4)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CUDA0",
+        "-ot", r"blk\.(1|2|3|5)\.ffn_(up|down|gate|gate_up)_(ch|)exps=RPC1[10.0.0.3:50052]",
+    ]  # fmt: skip
+
+
+def test_a_dense_model_gets_no_override():
+    result = planner.plan(make_profile(n_layer=8), gpu_desk_and_big_worker(), Settings(ctx=512))
+    assert "-ot" not in result["llama_server_args"]
+    assert all(p["expert_blocks"] == [] for p in result["placements"])

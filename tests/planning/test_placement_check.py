@@ -104,3 +104,69 @@ def test_banner_memory_is_compared_with_the_plan():
     assert banner_shortfalls(BANNER, {"MTL0": MIB}) == [
         "the rpc-server does not offer device MTL0 (it offers CPU)"
     ]
+
+
+MOE_LOG = """\
+load_tensors: offloaded 9/9 layers to GPU
+load_tensors:   CPU_Mapped model buffer size =     0.15 MiB
+load_tensors:        CUDA0 model buffer size =  1905.00 MiB
+load_tensors: RPC0[10.77.1.2:50052] model buffer size =  1600.00 MiB
+llama_kv_cache:        CUDA0 KV buffer size =     8.00 MiB
+"""
+
+
+def _moe_plan() -> dict:
+    """Every block's attention and the output layer on the GPU, the experts of blocks 0–3 on a worker that
+    holds no block."""
+    return {
+        "placements": [
+            {"node": "desk", "llama_device": "CPU", "endpoint": None, "layers": 0, "weights_bytes": 0},
+            {
+                "node": "desk",
+                "llama_device": "CUDA0",
+                "endpoint": None,
+                "layers": 8,
+                "output_layer": True,
+                "expert_blocks": [4, 5, 6, 7],
+                "weights_bytes": 1905 * MIB,
+                "kv_bytes": 8 * MIB,
+            },
+            {
+                "node": "big",
+                "llama_device": "RPC0",
+                "endpoint": "10.77.1.2:50052",
+                "server_device_index": 0,
+                "layers": 0,
+                "expert_blocks": [0, 1, 2, 3],
+                "weights_bytes": 1600 * MIB,
+                "kv_bytes": 0,
+            },
+        ],
+        "llama_server_args": ["--rpc", "10.77.1.2:50052", "-ngl", "9", "-ts", "9,0", "-ot", "…"],
+    }
+
+
+def test_experts_placed_apart_from_their_blocks_match_when_each_device_holds_its_planned_bytes():
+    report = compare(_moe_plan(), MOE_LOG)
+    assert report["problems"] == []
+    # The worker holds no block, only experts, and is checked all the same.
+    assert report["devices"]["10.77.1.2:50052"]["checked"]
+    assert report["devices"]["10.77.1.2:50052"]["expert_blocks"] == [0, 1, 2, 3]
+    assert any("(with the experts of blocks 0–3)" in line for line in report["lines"])
+
+
+def test_experts_left_with_their_blocks_are_named_when_the_override_did_not_apply():
+    log = MOE_LOG.replace("1905.00", "3505.00").replace(
+        "load_tensors: RPC0[10.77.1.2:50052] model buffer size =  1600.00 MiB\n", ""
+    )
+    problems = compare(_moe_plan(), log)["problems"]
+    assert problems.pop(0) == (
+        "no RPC device received any weights: the experts planned there stayed on the coordinator "
+        "(were the -ot rules applied?)"
+    )
+    assert problems[0] == (
+        "CUDA0 on desk got weights 3505.00 MiB and KV 8.00 MiB, planned 1905.00 MiB and 8.00 MiB"
+        " (with the experts of blocks 4–7)"
+    )
+    assert problems[1].startswith("10.77.1.2:50052 on big got weights 0.00 MiB")
+    assert problems[1].endswith("(with the experts of blocks 0–3)")
