@@ -505,6 +505,11 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         "baseline": _baseline(problem),
         "unused_devices": [],
         "unified_pool": None,
+        # A mixture of experts: how many experts a token reads of how many, and whether the plan puts some
+        # blocks' experts on another device than the rest of the block (each placement's `expert_blocks`).
+        "experts_count": int(profile.get("expert_count") or 0),
+        "experts_used": int(profile.get("expert_used_count") or 0),
+        "places_experts": False,
     }
     if split is None:
         result["suggestions"] = suggestions(profile, nodes, settings)
@@ -527,6 +532,11 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
             + "."
         )
     result.update(
+        places_experts=any(
+            not p["first_layer"] <= b < p["first_layer"] + p["layers"]
+            for p in placements
+            for b in p["expert_blocks"]
+        ),
         placements=placements,
         unified_pool=unified_pool(problem, placements),
         predicted_tokens_per_s=_tps(seconds),

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llamacpp.logs import placement_key
+from planning.placement import blocks_text
 
 # The order and names of a plan bar's segments (and their CSS classes).
 PLAN_PARTS = (("weights", "weights"), ("kv", "KV cache"), ("compute", "compute buffer"))
@@ -142,7 +143,8 @@ def _device_bar(title: str, placement: dict | None, device: dict) -> Bar:
 
 
 def plan_bars(plan: dict) -> dict:
-    """{"devices": [{"key", "node", "device", "placement", "baseline", "plan": Bar, "default": Bar}],
+    """{"devices": [{"key", "node", "device", "placement", "baseline", "experts", "plan": Bar,
+    "default": Bar}],
     "pool": {"plan": Bar, "default": Bar}}: the placements are the two splits' dicts (None when unused).
 
     Every device either split uses, in this plan's order then the default's; the pool bar adds them all up
@@ -161,6 +163,8 @@ def plan_bars(plan: dict) -> dict:
                 "device": key[1],
                 "placement": mine.get(key),
                 "baseline": theirs.get(key),
+                # Whose routed experts it holds, when the plan places a mixture of experts' experts apart.
+                "experts": blocks_text((mine.get(key) or {}).get("expert_blocks") or []),
                 "plan": _device_bar("This plan", mine.get(key), device),
                 "default": _device_bar("llama.cpp's default", theirs.get(key), device),
             }

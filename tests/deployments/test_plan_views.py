@@ -10,6 +10,8 @@ from django.utils import timezone
 
 from audit.models import AuditEvent
 from deployments.models import Deployment, DeploymentState
+from llamacpp.gguf import profile_path
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles.fit import pool_fit
 from modelfiles.models import ModelFile
 from nodes.models import DeviceKind
@@ -308,3 +310,20 @@ def test_the_default_name_says_the_context_llama_cpp_will_give_not_more(model):
     assert trained > 0
     assert default_deployment_name(model, {"settings": {"ctx": trained * 2}}) == f"tiny @ {trained}"
     assert default_deployment_name(model, {"settings": {"ctx": 512}}) == "tiny @ 512"
+
+
+def test_the_plan_page_says_where_a_mixture_of_experts_puts_its_experts(db, tmp_path, viewer_client):
+    """A generated Mixtral-style model on a desktop whose small GPU runs every block's attention: the
+    experts that do not fit beside it stay in the desktop's RAM, and each device's line says whose."""
+    desk = NodeFactory(name="desk", address="127.0.0.1", may_coordinate=True, last_seen_at=timezone.now())
+    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=64 * MIB, free_bytes=64 * MIB,
+                  bandwidth_gbs=20)  # fmt: skip
+    DeviceFactory(node=desk, name="CUDA0", kind=DeviceKind.CUDA, total_bytes=24 * MIB, free_bytes=24 * MIB,
+                  bandwidth_gbs=300)  # fmt: skip
+    path = write_tiny_llama(tmp_path / "moe.gguf", TinyLlama(n_layer=4, n_expert=8, n_expert_used=2))
+    model = ModelFile.objects.create(name="moe", node=desk, path=str(path), profile=profile_path(path))
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 512}).content.decode()
+    assert 'id="experts-note"' in page and "only 2 of its 8 experts" in page
+    assert '<p class="muted experts" data-experts="desk/CPU">experts of blocks 0–1</p>' in page
+    assert '<p class="muted experts" data-experts="desk/CUDA0">experts of blocks 2–3</p>' in page
+    assert "-ot &#x27;blk\\.(0|1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU&#x27;" in page
