@@ -64,13 +64,26 @@ class _Tables:
         self.upper = kk > jj
         self.diag = kk == jj
         self.valid = kk >= jj
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    def device(self, i: int, last: bool, first_use: bool) -> np.ndarray:
+        key = ("device", i, last, first_use)
+        if key not in self._cache:
+            self._cache[key] = self._device(i, last, first_use)
+        return self._cache[key]
+
+    def host(self, i: int) -> np.ndarray:
+        key = ("host", i)
+        if key not in self._cache:
+            self._cache[key] = self._host(i)
+        return self._cache[key]
 
     def excursions(self, slot, own: np.ndarray) -> np.ndarray:
         """By (j, k, h): what the blocks sent away or taken in pay (`costs.excursion_s`)."""
         cost = excursion_s(slot)
         return cost * np.abs(own[:, :, None] - self.h[None, None, :])
 
-    def device(self, i: int, last: bool, first_use: bool) -> np.ndarray:
+    def _device(self, i: int, last: bool, first_use: bool) -> np.ndarray:
         """Slot i holding blocks j..k-1 (at least one unless `last`; the output layer when `last`) and the
         experts of h blocks; `first_use`: it is the first of its node's devices in the chain."""
         s = self.p.slots[i]
@@ -94,7 +107,7 @@ class _Tables:
         ok = (used <= s.capacity) & shape[:, :, None]
         return np.where(ok, cost, INF)
 
-    def host(self, i: int) -> np.ndarray:
+    def _host(self, i: int) -> np.ndarray:
         """Slot i holding no block, only the experts of h blocks, by h (0 costs nothing: it is left out)."""
         s = self.p.slots[i]
         used = self.h * self.unit_mem + s.compute_for("mid", 1)
@@ -128,12 +141,20 @@ def _conv(f: np.ndarray, t: np.ndarray) -> np.ndarray:
     """new[k, m] = min over j, h of f[j, m - h] + t[j, k, h]."""
     n1, m1 = f.shape
     new = np.full((t.shape[1], m1), INF)
-    for h in range(min(t.shape[2], m1)):
-        th = t[:, :, h]
-        if not np.isfinite(th).any():
-            continue
-        cand = (f[:, None, : m1 - h] + th[:, :, None]).min(0)
-        new[:, h:] = np.minimum(new[:, h:], cand)
+    finite = np.isfinite(t)
+    # Only the rows that can be left and the columns that can be reached (most are out of memory).
+    rows = np.flatnonzero(np.isfinite(f).any(1) & finite.any((1, 2)))
+    if rows.size == 0:
+        return new
+    cols = np.flatnonzero(finite[rows].any((0, 2)))
+    hs = np.flatnonzero(finite[rows][:, cols].any((0, 1)))
+    if cols.size == 0:
+        return new
+    fr = f[rows]
+    tr = t[np.ix_(rows, cols)]
+    for h in hs[hs < m1]:
+        cand = (fr[:, None, : m1 - h] + tr[:, :, h][:, :, None]).min(0)
+        new[cols, h:] = np.minimum(new[cols, h:], cand)
     return new
 
 
@@ -303,13 +324,21 @@ def search_experts(problem: Problem) -> tuple[Split | None, float]:
     run = _Run(t)
     consider(run, run.run(groups, start, None), None)
     start = t.cpu(output=False)
-    for group in groups:
+    # The order for a last device in group k starts with groups 0..k-1 in canonical order: share that prefix.
+    prefix = _Run(t)
+    states = [(start, [])]
+    for group in groups[:-1]:
+        f = prefix.run([group], states[-1][0], None)
+        states.append((f, list(prefix.steps)))
+    for k, group in enumerate(groups):
         for last in group:
             slot = problem.slots[last]
             if slot.compute_for("tail", 1) + t.out_bytes > slot.capacity:
                 continue
             run = _Run(t)
-            consider(run, run.run(_order_for_last(groups, last), start, last), last)
+            f, run.steps = states[k][0], list(states[k][1])
+            rest = _order_for_last(groups, last)[k:]
+            consider(run, run.run(rest, f, last), last)
     if best is None:
         return None, INF
     return best[1], best[0]
