@@ -86,6 +86,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
         "gqa": write_tiny_llama(root / "gqa.gguf", TinyLlama(n_head_kv=2)),
         "tied": write_tiny_llama(root / "tied.gguf", TinyLlama(n_head_kv=4, tied_embeddings=True)),
         "split": write_tiny_llama(root / "split.gguf", TinyLlama(n_layer=24, n_head_kv=2, shards=2)),
+        "moe": write_tiny_llama(root / "moe.gguf", TinyLlama(n_layer=4, n_expert=8, n_expert_used=2)),
     }
 
 
@@ -281,3 +282,43 @@ def test_two_shard_model_with_every_layer_offloaded_uses_pipeline_parallel_buffe
     plan = plan_and_prove(binaries, processes, models["split"], nodes, settings, min_devices=2)
     assert plan["pipeline_parallel"] is True
     assert plan["placements"][0]["layers"] == 0
+
+
+def test_experts_placed_on_another_worker_than_their_attention_land_there(binaries, processes, models):
+    """A Mixtral-style model on a fast worker with little memory and a slower one with much: the fast one
+    runs the last block's attention and the output layer, the other holds that block's experts (an `-ot`
+    rule with its RPC buffer's name), and llama.cpp allocates on each worker what the plan put there.
+    No RPC cost per hop here (loopback), so placing experts apart is priced by their bytes alone."""
+
+    def node(name: str, mib: float, bw: float, **fields) -> planner.Node:
+        device = planner.Device(name, "CPU", "cpu", int(mib * MIB), int(mib * MIB), bw)
+        return planner.Node(name, "127.0.0.1", (device,), **fields)
+
+    nodes = [
+        node("desk", 20, 1, coordinator=True),
+        node("w1", 8, 100, rpc_port=free_port(), rtt_ms=0.0, hop_ms=0.0),
+        node("w2", 64, 50, rpc_port=free_port(), rtt_ms=0.0, hop_ms=0.0),
+    ]
+    profile = gguf_profile.profile_path(models["moe"])
+    plan = planner.plan(profile, nodes, planner.Settings(ctx=512, margin_fraction=0))
+    assert plan["fits"] and plan["places_experts"], plan
+    by_node = {p["node"]: p for p in plan["placements"]}
+    fast, big = by_node["w1"], by_node["w2"]
+    assert fast["output_layer"] and fast["layers"] >= 1 and fast["expert_blocks"] == []
+    own = range(fast["first_layer"], fast["first_layer"] + fast["layers"])
+    assert set(own) <= set(big["expert_blocks"])  # the fast worker's blocks' experts are on the big one
+    assert any(a == "-ot" for a in plan["llama_server_args"])
+    start_rpc_servers(binaries, processes, plan)
+    logged = run_llama_server(binaries, processes, models["moe"], plan)
+    report = json.dumps({"plan": plan["placements"], "log": logged}, indent=1)
+    ngl = int(plan["llama_server_args"][plan["llama_server_args"].index("-ngl") + 1])
+    assert logged["offloaded"] == [ngl, plan["n_layer"] + 1], report
+    for p in plan["placements"]:
+        if p["llama_device"] == "CPU":
+            continue
+        got = logged["devices"][placement_key(p)]
+        assert close(got["model"], p["weights_bytes"]), (p["node"], got, report)
+        assert close(got["kv"], p["kv_bytes"]), (p["node"], got, report)
+    # The fast worker holds no expert: its bytes are its blocks' dense part and the output layer.
+    experts = profile["block_expert_bytes"][0]
+    assert logged["devices"][placement_key(fast)]["model"] < experts, report
