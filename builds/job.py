@@ -38,14 +38,14 @@ from builds.models import Build, BuildSource
 from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
 from jobs.aio import db
 from jobs.context import JobFailed
+from jobs.on_node import read_rpc_banner
 from llamacpp.args import RPC_SERVER_BINARIES as RPC_BINARIES
 from llamacpp.logs import parse_rpc_banner, parse_server_version
 from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
 from remote.text import printable
 
-# How long the rpc-server runs to print its banner, and how many of its devices a Build keeps.
-BANNER_SECONDS = 5
+# How many of the devices its rpc-server's banner lists a Build keeps.
 MAX_BANNER_DEVICES = 32
 
 
@@ -165,9 +165,8 @@ async def _compile(ctx, found: dict[str, str], layout: Layout, flags: list[str],
     await ctx.log(f"configuring: cmake {' '.join(flags)}")
     configure = ["cmake", "-S", layout.tree, "-B", layout.build_dir, *generator, *flags]
     await ctx.run(_locked(found, lock, [*cmake_env(layout.backend, found), *configure]), timeout=1800)
-    cores = (
-        await ctx.transport.run(["sh", "-c", "nproc 2>/dev/null || sysctl -n hw.ncpu"], timeout=30)
-    ).stdout
+    # getconf is POSIX (Linux and macOS alike); nproc is GNU's.
+    cores = (await ctx.transport.run(["getconf", "_NPROCESSORS_ONLN"], timeout=30)).stdout
     jobs = cores.strip() if cores.strip().isdigit() else "2"
     build = ["cmake", "--build", layout.build_dir, "-j", jobs, "--target", rpc_target, "llama-server"]
     await ctx.log(f"building {rpc_target} and llama-server with {jobs} cores")
@@ -190,14 +189,10 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
     if not version:
         raise JobFailed(f"{llama} --version did not print a version; is it a llama.cpp build?")
     # The banner is the only place an installed RPC server states its protocol and the devices it serves
-    # with their memory: start it once on loopback (a random high port) and read it. A GPU backend takes a
-    # second or two to initialise its devices before it prints them, hence the few seconds.
-    port = str(40000 + secrets.randbelow(20000))
+    # with their memory: start it once on loopback and read it (detached and read from its log, the same on
+    # macOS as on Linux; it waits for the whole banner, which a GPU backend prints after a second or two).
     rpc = posixpath.join(bin_dir, rpc_binary)
-    banner = await ctx.transport.run(
-        ["timeout", str(BANNER_SECONDS), "stdbuf", "-oL", rpc, "-H", "127.0.0.1", "-p", port], timeout=30
-    )
-    info = parse_rpc_banner("\n".join(line.text for line in banner.lines))
+    info = parse_rpc_banner(await read_rpc_banner(ctx, rpc))
     return {
         "version": version,
         "rpc_binary": rpc_binary,

@@ -70,13 +70,29 @@ def processes_by_node(deployment: Deployment) -> dict[Node, list[dict]]:
     return groups
 
 
+def elapsed_seconds(text: str) -> int | None:
+    """Seconds from ps's POSIX `etime` ("[[dd-]hh:]mm:ss"); None when it is not one."""
+    days, dash, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if (dash and not days.isdigit()) or not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
+
+
 def parse_ps_status(text: str) -> dict[int, dict]:
-    """{pid: {"uptime_s", "rss_bytes"}} from `ps -o pid=,etimes=,rss= -p PIDS` (rss in KiB)."""
+    """{pid: {"uptime_s", "rss_bytes"}} from `ps -o pid=,etime=,rss= -p PIDS` (rss in KiB). `etime` is the
+    POSIX keyword, which macOS's ps knows too (procps's `etimes` it does not)."""
     status = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 3 and all(p.isdigit() for p in parts):
-            status[int(parts[0])] = {"uptime_s": int(parts[1]), "rss_bytes": int(parts[2]) * 1024}
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+            continue
+        uptime = elapsed_seconds(parts[1])
+        if uptime is not None:
+            status[int(parts[0])] = {"uptime_s": uptime, "rss_bytes": int(parts[2]) * 1024}
     return status
 
 
@@ -140,7 +156,7 @@ async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[i
             alive = [int(p["pid"]) for p in processes if int(p["pid"]) not in dead]
             if alive and platform != "windows":
                 pids = ",".join(map(str, alive))
-                result = await transport.run(["ps", "-o", "pid=,etimes=,rss=", "-p", pids], timeout=30)
+                result = await transport.run(["ps", "-o", "pid=,etime=,rss=", "-p", pids], timeout=30)
                 status = parse_ps_status(result.stdout)
     except TransportError as exc:
         error = str(exc)

@@ -12,7 +12,7 @@ from django.utils import timezone
 from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
-from jobs.on_node import run_dir, tail_lines, wait_listening
+from jobs.on_node import flush_banner, run_dir, wait_listening
 from llamacpp import rpc_guard
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -53,7 +53,7 @@ async def rpc_server_body(ctx) -> str:
             },
         )
         await wait_listening(ctx, pid, port, log_path, timeout=float(params.get("listen_timeout", 30)))
-        banner_text = "\n".join(await tail_lines(ctx, log_path, 40))
+        banner_text = await flush_banner(ctx, pid, _reach(params["bind"]), port, log_path)
         for line in banner_text.splitlines():
             await ctx.log(f"[rpc-server] {line}")
         problems = placement.banner_shortfalls(banner_text, params.get("needs", {}))
@@ -64,6 +64,11 @@ async def rpc_server_body(ctx) -> str:
             await _unfence_after_failure(ctx, pid, guard)
         raise
     return f"{build.rpc_binary} PID {pid} listening on {params['bind']}:{port}{fenced}"
+
+
+def _reach(bind: str) -> str:
+    """Where the node itself connects to a server bound to `bind` (every interface: its loopback)."""
+    return "127.0.0.1" if rpc_guard.binds_everywhere(bind) else bind
 
 
 async def _unfence_after_failure(ctx, pid: int | None, guard: dict) -> None:

@@ -172,7 +172,8 @@ add_executable(llama-server server.cpp)
     ),
     "llama.cpp/tools/rpc/rpc-server.cpp": (
         "#include <cstdio>\n#include <unistd.h>\n"
-        'int main() { std::printf("Starting RPC server v7.0.0\\n"); std::fflush(stdout); sleep(30); }\n'
+        'int main() { std::printf("Starting RPC server v7.0.0\\n  transport      : TCP\\n"); '
+        "std::fflush(stdout); sleep(30); }\n"
     ),
 }
 
