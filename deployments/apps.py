@@ -52,6 +52,9 @@ class DeploymentsConfig(AppConfig):
             adopt_on_loss=True,
         )
         kinds.register(
+            "preflight", "Check the coordinator reaches its workers", f"{steps}.preflight.preflight_body"
+        )
+        kinds.register(
             "llama_server",
             "Start llama-server",
             f"{steps}.llama_server.llama_server_body",

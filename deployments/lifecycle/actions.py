@@ -1,5 +1,5 @@
-"""A deployment's life as jobs: a `deploy` job whose steps (child jobs) are reap → rpc_server → llama_server →
-verify → measure; an `undeploy` job whose steps are `stop` jobs, one per node.
+"""A deployment's life as jobs: a `deploy` job whose steps (child jobs) are reap → rpc_server (→ rpc_tunnel) →
+preflight → llama_server → verify → measure; an `undeploy` job whose steps are `stop` jobs, one per node.
 
 `start_deploy` is what the Deploy button calls: it refuses with a reason (no build, RPC protocols differ, a
 device the node's build does not offer, ports or devices held by another deployment), moves the deployment
@@ -46,6 +46,7 @@ STEP_KINDS = {
     "reap": "reap",
     "rpc-server": "rpc_server",
     "rpc-tunnel": "rpc_tunnel",
+    "preflight": "preflight",
     "llama-server": "llama_server",
     "verify": "verify",
     "measure": "measure",
@@ -293,6 +294,27 @@ def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> 
             worker=worker.node.pk,
             port=worker.port,
             endpoint=endpoint,
+        )
+    if workers:
+        # The coordinator's own view of every worker, before llama-server depends on it.
+        order += 1
+        add_step(
+            deployment,
+            run,
+            order,
+            "preflight",
+            coordinator,
+            f"Check that {coordinator} reaches every worker",
+            coordinator_ip=coordinator_ip,
+            targets=[
+                {
+                    "node": worker.node.name,
+                    "endpoint": worker.endpoint,
+                    "port": worker.port,
+                    "tunnel": any(worker is w for w, _ in tunnels),
+                }
+                for worker in workers
+            ],
         )
     order += 1
     add_step(

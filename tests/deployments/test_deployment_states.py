@@ -228,6 +228,7 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
         ("reap", "desk"),
         ("rpc-server", "old-pc"),
         ("rpc-tunnel", "desk"),
+        ("preflight", "desk"),
         ("llama-server", "desk"),
         ("verify", "desk"),
         ("measure", "desk"),
@@ -278,7 +279,7 @@ def test_a_second_delivery_of_the_run_leaves_it_to_the_first(cluster, no_enqueue
     assert runner.run_job(run.pk) is False
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.PREPARING
-    assert deployment.steps.filter(job__state="queued").count() == 7
+    assert deployment.steps.filter(job__state="queued").count() == 8
 
 
 def test_stop_is_refused_for_a_deployment_that_is_not_active(cluster, no_enqueue):

@@ -52,6 +52,7 @@ def test_the_steps_run_in_order_as_children_of_the_run(deployment, no_enqueue, s
         "reap",
         "rpc_server",
         "rpc_tunnel",
+        "preflight",
         "llama_server",
         "verify",
         "measure",

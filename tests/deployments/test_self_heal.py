@@ -56,6 +56,7 @@ def test_a_degraded_deployment_that_opted_in_is_restarted_and_runs_again(deploym
         "reap",
         "rpc_server",
         "rpc_tunnel",
+        "preflight",
         "llama_server",
         "verify",
         "measure",

@@ -11,7 +11,7 @@ from jobs import kinds
 
 # Each kind with the app that registers it in its AppConfig.ready().
 DEPLOYMENT_KINDS = ("deploy", "heal", "undeploy", "recalibrate", "reap", "rpc_server", "rpc_tunnel",
-                    "llama_server", "verify", "measure", "stop")  # fmt: skip
+                    "preflight", "llama_server", "verify", "measure", "stop")  # fmt: skip
 EXPECTED = {
     "command": "jobs",
     "probe": "nodes",
