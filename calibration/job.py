@@ -450,6 +450,7 @@ async def calibrate_body(ctx) -> str:
     finally:
         await procs.end_all()
     results["link"] = asdict(link) if link else None
+    results["coordinator_links"] = await calibrate_link.from_coordinators(ctx, node)
     summary = await db(store)(node, results)
     for line in summary:
         await ctx.log(line)

@@ -15,6 +15,11 @@ it is reached, as they choose for a deployment (deployments/lifecycle/actions.py
   before the server starts and comes out after the server has ended, whatever happens in between;
 - the console's own host: rpc-server binds 127.0.0.1 and is timed there.
 
+The console is not always the coordinator (a NAS or a laptop may run it), so `from_coordinators` also times
+the link from each node that may coordinate to this one, on that node: TCP handshakes to this node's SSH
+port (open to the coordinator in either mode; one handshake is one network round trip), run there by perl
+(llamacpp/rpc_reach.py). The planner uses that pair's figure when that node coordinates.
+
 Where neither protection is available (no tunnels allowed, and the SSH user is neither root nor allowed by
 sudo to run the rule's iptables commands, or the node is not Linux) the link is not measured, and the job
 log says why: the port is never opened to the network for a figure.
@@ -27,10 +32,14 @@ from collections.abc import Awaitable, Callable
 
 import asyncssh
 
+from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from llamacpp import rpc_wire as rpc_link
+from llamacpp.rpc_reach import handshakes_argv, parse_handshakes
 from nodes.guards import direct_bind, may_administer, remove_guard
+from nodes.models import Node
+from nodes.transports import transport_for
 from remote.base import TransportError
 
 TUNNEL, FIREWALL, LOOPBACK = "tunnel", "firewall", "loopback"
@@ -160,3 +169,42 @@ async def _not_measured(ctx, node, why: str) -> tuple[None, None]:
         "SSH user run the rule's iptables commands (README: Who reaches the rpc-servers), to measure it."
     )
     return None, None
+
+
+def _coordinators(node) -> list[Node]:
+    """Nodes that may coordinate a deployment with `node` as a worker, reached over SSH (the console's own
+    host coordinates with the console's figure)."""
+    others = (
+        Node.objects.filter(enabled=True, may_coordinate=True)
+        .exclude(pk=node.pk)
+        .select_related("credential")
+    )
+    # The handshakes are timed by perl, which Windows lacks.
+    return [other for other in others if not other.is_local and other.platform != "windows"]
+
+
+async def from_coordinators(ctx, node) -> dict[str, dict]:
+    """The round trip from each coordinator to `node`, timed on the coordinator: {coordinator pk: {
+    "coordinator", "rtt_ms"}}. A coordinator that cannot be reached or cannot reach `node` is logged and
+    left out (its earlier figure, if any, is dropped with the rest)."""
+    figures: dict[str, dict] = {}
+    for coordinator in await db(_coordinators)(node):
+        try:
+            async with transport_for(coordinator) as transport:
+                result = await transport.run(handshakes_argv(node.address, node.ssh_port), timeout=90)
+        except TransportError as exc:
+            await ctx.log(f"link {coordinator.name} → {node.name} not measured: {exc}")
+            continue
+        reach = parse_handshakes(result.stdout or "\n".join(line.text for line in result.lines))
+        if not reach.ok or reach.rtt_ms is None:
+            await ctx.log(
+                f"link {coordinator.name} → {node.name} not measured: {coordinator.name} cannot connect to "
+                f"{node.address}:{node.ssh_port} ({reach.stage}: {reach.reason})"
+            )
+            continue
+        await ctx.log(
+            f"link {coordinator.name} → {node.name}: {reach.rtt_ms:g} ms round trip (median of "
+            f"{len(reach.pings_ms)} TCP handshakes timed on {coordinator.name})"
+        )
+        figures[str(coordinator.pk)] = {"coordinator": coordinator.name, "rtt_ms": reach.rtt_ms}
+    return figures

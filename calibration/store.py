@@ -48,6 +48,11 @@ def store(node, results: dict) -> list[str]:
         locked.pipeline_overhead_ms = pipeline
         locked.link_rtt_ms = link.get("rtt_ms")
         locked.link_throughput_mbs = link.get("throughput_mbs")
+        measured_at = timezone.now().isoformat()
+        locked.coordinator_links = {
+            pk: {**figure, "source": "calibration", "measured_at": measured_at}
+            for pk, figure in (results.get("coordinator_links") or {}).items()
+        }
         # The raw samples carry what the node's servers said (the RPC protocol of the link, ...).
         locked.calibration = printable_json(results)
         locked.save(
@@ -58,6 +63,7 @@ def store(node, results: dict) -> list[str]:
                 "pipeline_overhead_ms",
                 "link_rtt_ms",
                 "link_throughput_mbs",
+                "coordinator_links",
                 "calibration",
             ]
         )
@@ -72,6 +78,8 @@ def store(node, results: dict) -> list[str]:
             f"link {link['rtt_ms']:.2f} ms round trip, {link.get('throughput_mbs') or '?'} MB/s"
             f"{via.get(results.get('link_protection') or '', '')}"
         )
+    for figure in (results.get("coordinator_links") or {}).values():
+        lines.append(f"link from coordinator {figure['coordinator']} {figure['rtt_ms']:.2f} ms round trip")
     return lines
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
-from django.db import models
+from django.db import models, transaction
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
@@ -187,6 +187,12 @@ class Node(models.Model):
     )
     link_throughput_mbs = models.FloatField(null=True, blank=True, help_text="MB/s into the RPC server.")
     calibration = models.JSONField(default=dict, blank=True)
+    # The round trip from each coordinator to this node, measured on the coordinator (the console may sit
+    # elsewhere): {"<coordinator pk>": {"coordinator": name, "rtt_ms": ..., "source": "calibration" or
+    # "preflight", "measured_at": ISO time}}. The planner uses the pair's figure (nodes/pool.py).
+    coordinator_links = models.JSONField(
+        default=dict, blank=True, help_text="Round trip from each coordinator to this node, measured there."
+    )
 
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -199,6 +205,27 @@ class Node(models.Model):
 
     def get_absolute_url(self) -> str:
         return reverse("nodes:detail", args=[self.name])
+
+    def link_rtt_from(self, coordinator: Node) -> float | None:
+        """The round trip `coordinator` measured to this node, or None when it has measured none."""
+        figure = (self.coordinator_links or {}).get(str(coordinator.pk)) or {}
+        rtt = figure.get("rtt_ms")
+        return float(rtt) if isinstance(rtt, int | float) else None
+
+    def record_coordinator_link(self, coordinator: Node, rtt_ms: float, source: str) -> None:
+        """Store the round trip `coordinator` measured to this node (replacing that pair's last one)."""
+        with transaction.atomic():
+            locked = type(self).objects.select_for_update().get(pk=self.pk)
+            links = dict(locked.coordinator_links or {})
+            links[str(coordinator.pk)] = {
+                "coordinator": coordinator.name,
+                "rtt_ms": round(float(rtt_ms), 3),
+                "source": source,
+                "measured_at": timezone.now().isoformat(),
+            }
+            locked.coordinator_links = links
+            locked.save(update_fields=["coordinator_links"])
+        self.coordinator_links = links
 
     @property
     def platform(self) -> str:

@@ -43,7 +43,8 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
     """The planner's view of Node and Device rows: the coordinator first; remote nodes by RPC address.
 
     Calibrated figures are used where they are (bandwidths per device; the node's pass and hop costs and
-    its round trip to the RPC port), unless the probe has found other hardware since."""
+    its round trip to the RPC port, from the coordinator itself where it measured one), unless the probe has
+    found other hardware since."""
     out = []
     for node in [coordinator, *[n for n in nodes if n.pk != coordinator.pk]]:
         rows = list(node.devices.all())
@@ -52,6 +53,14 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
             d.measurement_state == "hardware_changed" for d in rows
         )
         rtt = node.link_rtt_ms if calibrated and node.link_rtt_ms is not None else node.rtt_ms
+        # Measured from the console, which is the coordinator only when it runs on the console's own host;
+        # any other coordinator's own figure for this pair, when it measured one, is what llama-server pays.
+        pair = (
+            node.link_rtt_from(coordinator)
+            if node.pk != coordinator.pk and not coordinator.is_local
+            else None
+        )
+        rtt = pair if pair is not None else rtt
         out.append(
             planner.Node(
                 name=node.name,

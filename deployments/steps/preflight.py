@@ -4,7 +4,8 @@ ggml-rpc-server (or its tunnel's local end), says HELLO and times a few requests
 A worker the coordinator cannot reach stops the deployment here, with a reason that names the node, the
 port, the likely cause and the command, in the worker OS's own words, that lets the coordinator in; the run
 rolls back what it started. Without it the same fault shows up later as llama-server failing to load, with
-a log to read. The round trips are logged and kept on the step's params."""
+a log to read. The round trips are logged, kept on the step's params, and stored per coordinator–worker
+pair on the worker (Node.coordinator_links), where the planner takes them for the next plan."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ async def preflight_body(ctx) -> str:
             f"round trip {reach.rtt_ms:g} ms"
         )
         figures.append({"node": name, "port": port, "connect_ms": reach.connect_ms, "rtt_ms": reach.rtt_ms})
+        worker = workers.get(name)
+        if worker is not None and worker.pk != ctx.node.pk and reach.rtt_ms is not None:
+            # The pair's round trip as llama-server will pay it: the next plan with this coordinator uses it.
+            await db(worker.record_coordinator_link)(ctx.node, reach.rtt_ms, "preflight")
     ctx.job.params["reached"] = figures
     await db(ctx.job.save)(update_fields=["params"])
     listed = ", ".join(f"{f['node']} {f['rtt_ms']:g} ms" for f in figures) or "no workers"

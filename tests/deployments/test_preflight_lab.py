@@ -63,6 +63,11 @@ def test_the_coordinator_reaches_its_worker_through_the_tunnel_before_llama_serv
     assert 0 < figure["rtt_ms"] < 1000
     assert "through its tunnel (127.0.0.1:" in log_text(preflight)
     assert preflight.finished_at <= _step(deployment, "llama-server").started_at
+    # Kept for the pair: the next plan with this coordinator prices the worker's link with it.
+    worker = cluster.workers[0]
+    worker.refresh_from_db()
+    stored = worker.coordinator_links[str(cluster.coordinator.pk)]
+    assert (stored["source"], stored["rtt_ms"]) == ("preflight", figure["rtt_ms"])
     cluster.assert_clean(cluster.stop(deployment, monkeypatch))
 
 

@@ -33,6 +33,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -446,6 +447,44 @@ class Lab:
         _run(["tc", "qdisc", "del", "dev", host.veth_host, "root"], check=False)
         _run(host.exec_argv(["tc", "qdisc", "del", "dev", host.veth_ns, "root"]), check=False)
         host.link_mbit = None
+
+    def delay_path(self, source: LabHost, target: LabHost, ms: float) -> None:
+        """Delay every packet from `source` to `target`'s address by `ms` milliseconds (one way: the round
+        trip between the two grows by `ms`; every other path, the console's to either host included, stays
+        as it was). tests/lab/delay_relay.py carries the packets; it ends with the hosts."""
+        tag = f"{VETH_PREFIX}{self.pid % 10**7}"
+        out_tun, in_tun = f"{tag}o{source.index}", f"{tag}i{target.index}"
+        relay = subprocess.Popen(
+            source.exec_argv(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("delay_relay.py")),
+                    out_tun,
+                    target.netns,
+                    in_tun,
+                    str(ms),
+                ]
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        source.extra_pids.append(relay.pid)
+        line = relay.stdout.readline() if relay.stdout else ""
+        if line.strip() != "ready":
+            raise RuntimeError(
+                f"the delay relay did not start: {line}{relay.stdout.read() if relay.stdout else ''}"
+            )
+        inside, into = source.exec_argv, target.exec_argv
+        # The answers come back over the veth, not the TUN device the packets left by: no reverse-path filter.
+        for run_in, device in ((inside, source.veth_ns), (into, in_tun)):
+            for name in ("all", device):
+                _run(run_in(["sysctl", "-q", "-w", f"net.ipv4.conf.{name}.rp_filter=0"]))
+        _run(inside(["ip", "link", "set", out_tun, "up"]))
+        _run(into(["ip", "link", "set", in_tun, "up"]))
+        _run(
+            inside(["ip", "route", "replace", f"{target.address}/32", "dev", out_tun, "src", source.address])
+        )
 
     # -- a login that is not root -------------------------------------------------------------------------
 
