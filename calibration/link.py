@@ -196,7 +196,13 @@ async def from_coordinators(ctx, node) -> dict[str, dict]:
             await ctx.log(f"link {coordinator.name} → {node.name} not measured: {exc}")
             continue
         reach = parse_handshakes(result.stdout or "\n".join(line.text for line in result.lines))
-        if not reach.ok or reach.rtt_ms is None:
+        if reach.ok and reach.rtt_ms is None:
+            await ctx.log(
+                f"link {coordinator.name} → {node.name} not measured: perl on {coordinator.name} has no "
+                "Time::HiRes to time it (Debian: apt install perl)"
+            )
+            continue
+        if not reach.ok:
             await ctx.log(
                 f"link {coordinator.name} → {node.name} not measured: {coordinator.name} cannot connect to "
                 f"{node.address}:{node.ssh_port} ({reach.stage}: {reach.reason})"

@@ -25,7 +25,8 @@ from llamacpp.rpc_wire import CMD_GET_DEVICE_MEMORY, CMD_HELLO, CONN_CAPS_SIZE, 
 # Prints one line: "ok CONNECT_MS HELLO_MS MAJOR.MINOR.PATCH PING_MS,PING_MS,..." or "fail STAGE REASON".
 # Sizes are 64-bit little-endian, packed as two 32-bit halves so that a 32-bit perl runs it too.
 _CLIENT = f"""
-use strict; use IO::Socket::INET; use Time::HiRes qw(time);
+use strict; use IO::Socket::INET;
+our $coarse; BEGIN {{ eval {{ require Time::HiRes; Time::HiRes->import('time'); 1 }} or $coarse = 1 }}
 my ($host, $port, $pings, $wait) = @ARGV; $| = 1;
 sub fail {{ my $why = join(' ', @_); $why =~ s/\\s+/ /g; print "fail $why\\n"; exit 0 }}
 $SIG{{ALRM}} = sub {{ fail('answer', "no answer within $wait s") }};
@@ -59,6 +60,7 @@ if ($major == {PROTOCOL_MAJOR}) {{
     push @times, sprintf('%.3f', (time - $t) * 1000) }}
 }}
 close $s;
+if ($coarse) {{ printf "ok - - %d.%d.%d -\\n", $major, $minor, $patch; exit 0 }}
 printf "ok %.3f %.3f %d.%d.%d %s\\n", $connect, $hello_ms, $major, $minor, $patch, join(',', @times) || '-';
 """
 
@@ -66,7 +68,8 @@ printf "ok %.3f %.3f %d.%d.%d %s\\n", $connect, $hello_ms, $major, $minor, $patc
 # server listens on yet (a calibration's coordinator–worker pairs): the worker's sshd port answers the
 # handshake whatever the login would be, and one handshake is one network round trip.
 _HANDSHAKES = """
-use strict; use IO::Socket::INET; use Time::HiRes qw(time);
+use strict; use IO::Socket::INET;
+our $coarse; BEGIN { eval { require Time::HiRes; Time::HiRes->import('time'); 1 } or $coarse = 1 }
 my ($host, $port, $samples, $wait) = @ARGV; $| = 1; my @times;
 for my $i (0 .. $samples) {
   my $t = time;
@@ -76,7 +79,7 @@ for my $i (0 .. $samples) {
   my $ms = (time - $t) * 1000; close $s;
   push @times, sprintf('%.3f', $ms) if $i;  # the first pays for perl loading its socket code
 }
-print 'ok ', join(',', @times), "\n";
+print 'ok ', ($coarse ? '-' : join(',', @times)), "\n";
 """
 
 # How long the client waits for a connect or an answer before it calls the worker unreachable.
@@ -100,10 +103,10 @@ def parse_handshakes(text: str) -> Reach:
     if words[0] == "fail":
         return Reach(False, words[1] if len(words) > 1 else "run", " ".join(words[2:])[:300])
     try:
-        times = tuple(float(x) for x in words[1].split(","))
+        times = () if words[1] == "-" else tuple(float(x) for x in words[1].split(","))
     except (IndexError, ValueError):
         return Reach(False, "run", lines[-1][:300])
-    return Reach(True, connect_ms=min(times), pings_ms=times)
+    return Reach(True, connect_ms=min(times) if times else None, pings_ms=times)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,11 @@ class Reach:
         return round(statistics.median(self.pings_ms), 3) if self.pings_ms else self.connect_ms
 
 
+def _ms(word: str) -> float | None:
+    """A time the client printed; "-" where its perl has no Time::HiRes (Debian's bare perl-base)."""
+    return None if word == "-" else float(word)
+
+
 def parse_reach(text: str) -> Reach:
     lines = [line for line in text.splitlines() if line.startswith(("ok ", "fail "))]
     if not lines:
@@ -132,7 +140,7 @@ def parse_reach(text: str) -> Reach:
     try:
         pings = tuple(float(x) for x in words[4].split(",")) if len(words) > 4 and words[4] != "-" else ()
         return Reach(
-            True, connect_ms=float(words[1]), hello_ms=float(words[2]), protocol=words[3], pings_ms=pings
+            True, connect_ms=_ms(words[1]), hello_ms=_ms(words[2]), protocol=words[3], pings_ms=pings
         )
     except (IndexError, ValueError):
         return Reach(False, "run", lines[-1][:300])

@@ -67,9 +67,17 @@ async def preflight_body(ctx) -> str:
         name, endpoint, port = target["node"], target["endpoint"], int(target["port"])
         tunnel = bool(target.get("tunnel"))
         host, _, reach_port = ends.get(endpoint, endpoint).rpartition(":")
-        result = await ctx.transport.run(reach_argv(host, int(reach_port)), timeout=60)
-        reach = parse_reach(result.stdout or "\n".join(line.text for line in result.lines))
         via = f" through its tunnel ({host}:{reach_port})" if tunnel else ""
+        try:
+            result = await ctx.transport.run(reach_argv(host, int(reach_port)), timeout=60)
+        except TransportError as exc:
+            # No perl on the coordinator: the check cannot run, which says nothing about the worker.
+            await ctx.log(f"WARNING: {name}:{port}{via} not checked: {exc}")
+            continue
+        reach = parse_reach(result.stdout or "\n".join(line.text for line in result.lines))
+        if reach.stage == "run":
+            await ctx.log(f"WARNING: {name}:{port}{via} not checked: the check did not run ({reach.reason})")
+            continue
         if not reach.ok:
             node = workers.get(name)
             if tunnel:
@@ -84,10 +92,10 @@ async def preflight_body(ctx) -> str:
                 f"({reach.stage}: {reach.reason}). Likely cause: {likely_cause(reach, tunnel=tunnel)}. "
                 f"To let the coordinator in, run {fix}."
             )
-        await ctx.log(
-            f"{ctx.node.name} → {name}:{port}{via}: connect {reach.connect_ms:g} ms, RPC {reach.protocol}, "
-            f"round trip {reach.rtt_ms:g} ms"
+        timed = (
+            f"round trip {reach.rtt_ms:g} ms" if reach.rtt_ms is not None else "not timed (no Time::HiRes)"
         )
+        await ctx.log(f"{ctx.node.name} → {name}:{port}{via}: RPC {reach.protocol} answers, {timed}")
         figures.append({"node": name, "port": port, "connect_ms": reach.connect_ms, "rtt_ms": reach.rtt_ms})
         worker = workers.get(name)
         if worker is not None and worker.pk != ctx.node.pk and reach.rtt_ms is not None:
@@ -95,5 +103,7 @@ async def preflight_body(ctx) -> str:
             await db(worker.record_coordinator_link)(ctx.node, reach.rtt_ms, "preflight")
     ctx.job.params["reached"] = figures
     await db(ctx.job.save)(update_fields=["params"])
-    listed = ", ".join(f"{f['node']} {f['rtt_ms']:g} ms" for f in figures) or "no workers"
-    return f"{ctx.node.name} reaches every worker: {listed}"
+    listed = ", ".join(
+        f"{f['node']} {f['rtt_ms']:g} ms" if f["rtt_ms"] is not None else f["node"] for f in figures
+    )
+    return f"{ctx.node.name} reaches every worker it checked: {listed or 'none'}"

@@ -11,7 +11,14 @@ import threading
 
 import pytest
 
-from llamacpp.rpc_reach import firewall_fix, likely_cause, parse_reach, reach_argv
+from llamacpp.rpc_reach import (
+    firewall_fix,
+    handshakes_argv,
+    likely_cause,
+    parse_handshakes,
+    parse_reach,
+    reach_argv,
+)
 
 
 class FakeRpcServer:
@@ -79,6 +86,30 @@ def test_the_client_says_hello_and_times_its_requests(server):
     assert reach.ok and reach.protocol == "7.0.0"
     assert len(reach.pings_ms) == 4 and all(0 < t < 1000 for t in reach.pings_ms)
     assert 0 < reach.connect_ms < 1000 and min(reach.pings_ms) <= reach.rtt_ms <= max(reach.pings_ms)
+
+
+def test_a_perl_without_time_hires_still_checks_the_server_but_times_nothing(server, tmp_path):
+    """Debian's bare perl-base has IO::Socket but not Time::HiRes (it comes with the `perl` package)."""
+    (tmp_path / "Time").mkdir()
+    (tmp_path / "Time" / "HiRes.pm").write_text('die "Time::HiRes is not installed here\\n";\n')
+    for argv, parse in (
+        (reach_argv("127.0.0.1", server.port), parse_reach),
+        (handshakes_argv("127.0.0.1", server.port), parse_handshakes),
+    ):
+        argv = [argv[0], f"-I{tmp_path}", *argv[1:]]
+        reach = parse(subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout)
+        assert reach.ok and reach.rtt_ms is None, reach
+    assert (
+        parse_reach(
+            subprocess.run(
+                [argv[0], f"-I{tmp_path}", *reach_argv("127.0.0.1", server.port)[1:]],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+        ).protocol
+        == "7.0.0"
+    )
 
 
 def test_a_closed_port_is_refused_at_connect():
