@@ -36,7 +36,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp import gguf as gguf_profile
 from modelfiles import fetch_policy
-from modelfiles.models import ModelFile
+from modelfiles.models import ModelFile, name_from_path
 from modelfiles.register import PROFILE_TIMEOUT_S, file_sizes, mib, read_model_profile
 from remote.base import TransportError, shell_join
 
@@ -387,7 +387,7 @@ def _create_model(job, name: str, dest: str, profile: dict, sha256: str):
 async def download_body(ctx: JobContext) -> str:
     params = ctx.job.params
     url, dest = await db(fetch_policy.real_url)(params), params.get("dest", "")
-    name, expected = params.get("name", "") or posixpath.basename(dest), (params.get("sha256") or "").lower()
+    name, expected = params.get("name", "") or name_from_path(dest), (params.get("sha256") or "").lower()
     if not url or not dest.startswith("/"):
         raise JobFailed("This job has no URL or no absolute destination path.")
     local = ctx.node.is_local

@@ -10,10 +10,9 @@ from django import forms
 
 from jobs.models import Job
 from modelfiles import fetch_policy
-from modelfiles.models import ModelFile
+from modelfiles.models import ModelFile, name_from_path
 from nodes.models import Node, Transport
 from ramdeck_site.roles import can_administer
-from remote.text import printable
 
 
 def _offer_local_nodes_to_admins_only(form: forms.Form, user) -> None:
@@ -27,8 +26,8 @@ class ModelRegisterForm(forms.Form):
     name = forms.CharField(
         max_length=200,
         required=False,
-        help_text="How the console calls this model. Leave it empty to use the name written in the file "
-        "(its general.name), or else the file name.",
+        help_text="How the console calls this model; programs ask for it by this name too. Leave it empty "
+        "to use the file's name without .gguf.",
     )
     node = forms.ModelChoiceField(
         queryset=Node.objects.filter(enabled=True), help_text="The node that holds it."
@@ -48,18 +47,16 @@ class ModelRegisterForm(forms.Form):
         return name
 
     def name_from_file(self, profile: dict) -> str:
-        """The name to register: the one typed, else the file's general.name, else its file name. Adds a
-        form error (and returns "") when a name taken from the file is already registered."""
+        """The name to register: the one typed, else the file's name (modelfiles.models.name_from_path). Adds
+        a form error (and returns "") when a name taken from the file is already registered. The header's
+        general.name is not used: it is often a training run's label ("Smollm2 135M 8k Lc100K Mix1 Ep2")."""
         name = self.cleaned_data["name"]
         if name:
             return name
-        path = self.cleaned_data["path"]
-        # general.name is the file's author's text: printable only (remote/text.py).
-        written = " ".join(printable(profile.get("name"), 200).split())
-        name = written or posixpath.basename(path)[:200]
+        name = name_from_path(self.cleaned_data["path"])
         if ModelFile.objects.filter(name=name).exists():
             self.add_error(
-                "name", f"The file calls itself {name}, and a model with this name is already registered: "
+                "name", f"The file's name gives {name}, and a model with this name is already registered: "
                 "give it another name.",
             )  # fmt: skip
             return ""
@@ -98,7 +95,10 @@ class ModelDownloadForm(forms.Form):
         label="SHA-256", max_length=64, required=False, help_text="Optional: checked before registering."
     )
     name = forms.CharField(
-        max_length=200, required=False, help_text="How the console calls this model (default: the file name)."
+        max_length=200,
+        required=False,
+        help_text="How the console (and programs asking for it) call this model; empty: the file's name "
+        "without .gguf.",
     )
 
     def __init__(self, *args, user=None, **kwargs):
@@ -140,7 +140,7 @@ class ModelDownloadForm(forms.Form):
                 self.add_error("dest", refusal)
             if refusal := fetch_policy.literal_refusal(url):
                 self.add_error("url", refusal)
-        data["name"] = name = data.get("name", "").strip() or posixpath.basename(dest)
+        data["name"] = name = data.get("name", "").strip() or name_from_path(dest)
         if ModelFile.objects.filter(name=name).exists():
             self.add_error("name", "A model with this name is already registered.")
         if ModelFile.objects.filter(node=node, path=dest).exists():

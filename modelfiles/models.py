@@ -3,12 +3,29 @@ memory profile read from its header."""
 
 from __future__ import annotations
 
+import posixpath
+import re
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
 from jobs.models import refuse_local_node
-from remote.text import printable_json
+from remote.text import printable, printable_json
+
+# The shard suffix of a split model's files: `Model-00001-of-00003.gguf`.
+_SHARD_SUFFIX = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def name_from_path(path: str) -> str:
+    """The name a model gets when nobody typed one: its file's name without `.gguf` and without a split
+    model's shard suffix, so `SmolLM2-135M-Instruct.Q4_1.gguf` is `SmolLM2-135M-Instruct.Q4_1`. The name is
+    also the model's API id (llama-server's `--alias`), and the file name is what people chose and
+    recognise, unlike the header's `general.name`, which is often the training run's label."""
+    base = posixpath.basename(path.rstrip("/"))
+    stem = base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+    stem = _SHARD_SUFFIX.sub("", stem)
+    return " ".join(printable(stem or base, 200).split())
 
 
 class ModelFile(models.Model):

@@ -100,7 +100,7 @@ def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_w
         "url": url,
         "dest": str(dest),
         "sha256": sha256_of(model_bytes),
-        "name": "tiny.gguf",
+        "name": "tiny",
     }
     assert job.created_by == admin_user and job.node == local_node
     event = AuditEvent.objects.get(action="model.download")
@@ -109,7 +109,7 @@ def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_w
     job = run(job)
     assert job.state == JobState.SUCCEEDED, log_text(job)
     model = ModelFile.objects.get()
-    assert (model.name, model.node, model.path) == ("tiny.gguf", local_node, str(dest))
+    assert (model.name, model.node, model.path) == ("tiny", local_node, str(dest))
     assert model.sha256 == sha256_of(model_bytes) and model.size_bytes == len(model_bytes)
     assert model.profile["architecture"] == "llama" and model.profile["block_count"] == 8
     assert model.created_by == admin_user
@@ -121,7 +121,7 @@ def test_an_admin_downloads_a_model_onto_the_console_host_and_it_is_registered_w
     assert f"--output {dest}.part" in log
     assert re.search(r"^Downloaded (\d+\.\d) MiB of \1 MiB \(100%\) \(curl exit status 0\)$", log, re.M), log
     assert f"SHA-256 matches: {sha256_of(model_bytes)}" in log
-    assert "Downloaded and registered tiny.gguf: llama, 8 blocks" in job.result
+    assert "Downloaded and registered tiny: llama, 8 blocks" in job.result
     register = AuditEvent.objects.get(action="model.register")
     assert register.actor_name == admin_user.username and register.changes["job"] == job.pk
 

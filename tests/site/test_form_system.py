@@ -17,8 +17,9 @@ from django.urls import reverse
 
 from audit.models import AuditEvent
 from jobs.models import Job
+from llamacpp.args import model_alias
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
-from modelfiles.models import ModelFile
+from modelfiles.models import ModelFile, name_from_path
 from nodes.models import Node, Transport
 from tests.factories import CredentialFactory, NodeFactory
 from tests.paths import ROOT
@@ -207,23 +208,47 @@ def register(client, node, path, name=""):
     return client.post(reverse("modelfiles:register"), {"name": name, "node": node.pk, "path": str(path)})
 
 
-def test_an_empty_name_is_taken_from_the_files_general_name(admin_client, local_node, model_dir):
-    path = write_tiny_llama(model_dir / "tiny.gguf", TinyLlama())
+def test_an_empty_name_is_taken_from_the_file_name_not_the_headers_general_name(
+    admin_client, local_node, model_dir
+):
+    path = write_tiny_llama(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf", TinyLlama())
     response = register(admin_client, local_node, path)
     assert response.status_code == 302, errors_of(response)
-    assert ModelFile.objects.get().name == "ramdeck tiny llama"
+    model = ModelFile.objects.get()
+    assert model.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert model.profile["name"] == "ramdeck tiny llama"  # the header's label stays in the profile
+    # The model's API id (llama-server's --alias) is that name.
+    assert model_alias(model.name) == "SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_a_name_from_the_file_that_is_taken_is_a_form_error(admin_client, local_node, model_dir):
     path = write_tiny_llama(model_dir / "tiny.gguf", TinyLlama())
-    assert register(admin_client, local_node, path, name="ramdeck tiny llama").status_code == 302
-    other = write_tiny_llama(model_dir / "other.gguf", TinyLlama(seed=7))
-    response = register(admin_client, local_node, other)
+    assert register(admin_client, local_node, path, name="tiny").status_code == 302
+    other = model_dir / "other"
+    other.mkdir()
+    twin = write_tiny_llama(other / "tiny.gguf", TinyLlama(seed=7))
+    response = register(admin_client, local_node, twin)
     assert response.status_code == 400
-    assert "The file calls itself ramdeck tiny llama" in errors_of(response)
+    assert "The file&#x27;s name gives tiny, and a model with this name is already registered" in errors_of(
+        response
+    )
     assert ModelFile.objects.count() == 1
     # A typed name wins over the file's.
-    assert register(admin_client, local_node, other, name="other").status_code == 302
+    assert register(admin_client, local_node, twin, name="other").status_code == 302
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/models/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1"),
+        ("/models/Qwen2.5-72B-Instruct-Q4_K_M-00001-of-00003.gguf", "Qwen2.5-72B-Instruct-Q4_K_M"),
+        ("/models/model.GGUF", "model"),
+        ("/models/no-extension", "no-extension"),
+        ("/models/.gguf", ".gguf"),
+    ],
+)
+def test_a_models_default_name_is_its_file_name_without_gguf_or_shard_suffix(path, name):
+    assert name_from_path(path) == name
 
 
 def test_a_file_that_is_not_gguf_is_refused_in_plain_words(admin_client, local_node, model_dir):
