@@ -17,6 +17,13 @@ class PlanForm(forms.Form):
         queryset=Node.objects.none(), required=False, widget=forms.CheckboxSelectMultiple
     )
     ctx = forms.IntegerField(label="Context", min_value=256, max_value=1_048_576, initial=4096)
+    # Past the model's trained context only when an admin insists (the field is shown to admins only).
+    beyond = forms.BooleanField(
+        label="I know, go beyond the trained context",
+        required=False,
+        help_text="The model has not learnt to use text that far back: answers get worse, and the memory "
+        "is held all the same.",
+    )
     parallel = forms.IntegerField(label="Parallel slots", min_value=1, max_value=64, initial=1)
     cache_type = forms.ChoiceField(
         label="KV cache", choices=[(k, k) for k in planner.KV_TYPES], initial="f16"
@@ -28,8 +35,19 @@ class PlanForm(forms.Form):
     )  # fmt: skip
     name = forms.CharField(max_length=200, required=False, help_text="Name of the deployment (optional).")
 
-    def __init__(self, *args, nodes_qs=None, coordinators_qs=None, **kwargs):
+    def __init__(
+        self, *args, nodes_qs=None, coordinators_qs=None, trained_ctx: int = 0, may_go_beyond=False, **kwargs
+    ):
         super().__init__(*args, **kwargs)
+        # The context the model was trained for (0: the file does not say) caps the context; an admin may
+        # tick `beyond` to go past it.
+        self.trained_ctx = trained_ctx
+        self.shows_beyond = bool(trained_ctx) and may_go_beyond
+        self.fields["ctx"].help_text = "How much of the conversation it remembers, in tokens" + (
+            f"; this model was trained for {trained_ctx:,}." if trained_ctx else "."
+        )
+        if not self.shows_beyond:
+            del self.fields["beyond"]
         self.fields["nodes"].queryset = (
             nodes_qs if nodes_qs is not None else Node.objects.filter(enabled=True)
         )
@@ -49,6 +67,18 @@ class PlanForm(forms.Form):
         self.shows_clamp = Device.objects.filter(
             node__in=self.fields["nodes"].queryset, unified_memory=True
         ).exists()
+
+    def clean(self) -> dict:
+        data = super().clean()
+        ctx = data.get("ctx")
+        if ctx and self.trained_ctx and ctx > self.trained_ctx and not data.get("beyond"):
+            how = "tick “I know, go beyond” below" if self.shows_beyond else "only an admin may go beyond it"
+            self.add_error(
+                "ctx",
+                f"This model was trained for {self.trained_ctx:,} tokens: give at most {self.trained_ctx} "
+                f"({how}).",
+            )
+        return data
 
     def settings(self) -> planner.Settings:
         data = self.cleaned_data

@@ -15,7 +15,7 @@ from jobs.models import Job, refuse_local_node
 from llamacpp import gguf as gguf_profile
 from llamacpp import gguf_isolated
 from modelfiles import fetch_policy
-from modelfiles.fit import pool_fit
+from modelfiles.fit import default_context, pool_fit
 from modelfiles.forms import ModelDownloadForm, ModelRegisterForm
 from modelfiles.models import ModelFile
 from modelfiles.register import read_model_profile
@@ -62,7 +62,11 @@ def _refuse_local(request, what: str, field: str = "node") -> None:
 
 def _models_page(request, *, form=None, download_form=None, status: int = 200):
     pool = pool_nodes()
-    rows = [{"model": m, "fit": pool_fit(m, pool)} for m in ModelFile.objects.select_related("node")]
+    rows = []
+    for model in ModelFile.objects.select_related("node"):
+        fit = pool_fit(model, pool)
+        # The context shown is the one the plan page opens with (the same function decides both).
+        rows.append({"model": model, "fit": fit, "ctx": default_context(model, pool, fit)})
     context = {
         "rows": rows,
         "form": form or ModelRegisterForm(user=request.user),

@@ -354,8 +354,12 @@ def suggestions(profile: dict[str, Any], nodes: Sequence[Node], settings: Settin
             {"change": change, "value": value, "text": text, "predicted_tokens_per_s": tps, "fits": ok}
         )
 
-    if settings.ctx > 256:
-        lo, hi = 0, (settings.ctx - 1) // 256  # largest k with ctx = 256 k fitting, 0 = none
+    # A context is suggested up to the one the model was trained for, never past it (however far past it
+    # the settings go).
+    trained = int(profile.get("context_length") or 0)
+    ceiling = min(settings.ctx - 1, trained) if trained else settings.ctx - 1
+    if ceiling >= 256:
+        lo, hi = 0, ceiling // 256  # largest k with ctx = 256 k fitting, 0 = none
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if _solve(profile, nodes, replace(settings, ctx=mid * 256))[0]:

@@ -20,12 +20,12 @@ from deployments.endpoint import EndpointForm, bind_host, endpoint_form
 from deployments.forms import PlanForm
 from deployments.models import Deployment, DeploymentState
 from llamacpp.args import model_alias
-from modelfiles.fit import default_coordinator
+from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
 from nodes.models import Node
 from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
 from planning import planner
-from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, role_required
 from remote.base import shell_join
 
 
@@ -57,23 +57,31 @@ def _plan_form(request, model: ModelFile, data) -> PlanForm:
     coordinators = nodes_qs.filter(may_coordinate=True)
     pool = pool_nodes()
     coordinator = default_coordinator(model, pool)
+    data = data or {}
     bound = {
-        "ctx": min(4096, model.profile.get("context_length") or 4096),
+        # What the models list showed for it; planned only when the request does not say.
+        "ctx": data.get("ctx") if "ctx" in data else default_context(model, pool),
         "parallel": 1,
         "cache_type": "f16",
         "clamp": settings.RAMDECK_UNIFIED_MEMORY_CLAMP,
         "coordinator": coordinator.pk if coordinator else "",
         "nodes": [n.pk for n in pool],
         "name": "",
+        "beyond": "",
     }
-    data = data or {}
     for key in bound:
         if key == "nodes":
             if "nodes" in data or "full" in data:
                 bound["nodes"] = data.getlist("nodes") if hasattr(data, "getlist") else data.get("nodes", [])
         elif key in data:
             bound[key] = data.get(key)
-    return PlanForm(bound, nodes_qs=nodes_qs, coordinators_qs=coordinators)
+    return PlanForm(
+        bound,
+        nodes_qs=nodes_qs,
+        coordinators_qs=coordinators,
+        trained_ctx=trained_context(model),
+        may_go_beyond=can_administer(request.user),
+    )
 
 
 def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
@@ -100,6 +108,8 @@ def _confirm_fields(form: PlanForm) -> list[tuple[str, object]]:
         fields.append(("coordinator", data["coordinator"].pk))
     fields += [("nodes", node.pk) for node in data.get("nodes") or []]
     fields += [(key, data[key]) for key in ("ctx", "parallel", "cache_type", "clamp")]
+    if data.get("beyond"):
+        fields.append(("beyond", "on"))
     return fields
 
 

@@ -94,7 +94,7 @@ def test_htmx_recompute_returns_only_the_plan_and_follows_the_context(model, poo
 
 
 def test_a_plan_that_does_not_fit_shows_computed_suggestions(model, viewer_client):
-    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 65536, "parallel": 1,
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 4096, "parallel": 1,
                              "cache_type": "f16", "clamp": 0.7}).content.decode()  # fmt: skip
     assert "It does not fit" in page
     assert "A context of" in page
@@ -123,7 +123,7 @@ def test_viewer_cannot_confirm_a_plan(model, viewer_client):
 
 
 def test_a_plan_that_does_not_fit_cannot_be_confirmed(model, operator_client):
-    data = {"ctx": 65536, "parallel": 1, "cache_type": "f16", "clamp": 0.7}
+    data = {"ctx": 4096, "parallel": 1, "cache_type": "f16", "clamp": 0.7}
     response = operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
     assert response.status_code == 409
     assert not Deployment.objects.exists()

@@ -389,9 +389,23 @@ def test_does_not_fit_says_by_how_much_and_each_suggestion_really_fits():
     for s in result["suggestions"]:
         assert s["fits"] is True
         assert s["predicted_tokens_per_s"] > 0
-    assert changes["ctx"]["value"] < 16384 and changes["ctx"]["value"] % 256 == 0
-    bigger = planner.Settings(ctx=changes["ctx"]["value"] + 256, parallel=2)
-    assert not planner.plan(profile, nodes, bigger)["fits"]  # the largest context that fits
+    # The largest context that fits, up to the one the model was trained for (8192), never past it.
+    suggested, trained = changes["ctx"]["value"], profile["context_length"]
+    assert suggested <= trained and suggested % 256 == 0
+    bigger = planner.Settings(ctx=suggested + 256, parallel=2)
+    assert suggested == trained or not planner.plan(profile, nodes, bigger)["fits"]
+
+
+def test_a_suggested_context_never_exceeds_the_trained_one():
+    """A model trained for 8192 that fits at 8192 but not at a million: the suggestion is 8192, though far
+    longer contexts would fit too."""
+    profile = make_profile(n_layer=8, block_mib=10, n_kv=8)
+    nodes = cluster([dev("desk", "CPU", 4, 40)])
+    assert planner.plan(profile, nodes, Settings(ctx=65536))["fits"]
+    result = planner.plan(profile, nodes, Settings(ctx=1_048_576))
+    assert not result["fits"]
+    ctx = [s for s in result["suggestions"] if s["change"] == "ctx"]
+    assert [s["value"] for s in ctx] == [8192] and ctx[0]["text"] == "A context of 8192 tokens fits."
 
 
 def test_baseline_splits_proportionally_to_free_memory():
