@@ -15,10 +15,13 @@ follow it (deployments/steps/llama_server.py).
 
 from __future__ import annotations
 
+import json
+
 from django import forms
 
 from deployments.models import ResourceClaim
 from nodes.models import Node
+from remote.base import shell_join
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ALL_INTERFACES = "0.0.0.0"
@@ -200,3 +203,88 @@ def endpoint_url(deployment) -> str:
     host = reach_host(deployment)
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{deployment.port}"
+
+
+# -- What people paste to use the endpoint ------------------------------------------------------------------
+
+# Where Open WebUI is opened in a browser. Its container listens on 8080 (its start script reads $PORT),
+# which is llama-server's default port too.
+OPENWEBUI_PORT = 3000
+OPENWEBUI_IMAGE = "ghcr.io/open-webui/open-webui:main"
+# The examples read the key from the environment, so it is not kept in a script or the shell's history.
+KEY_VARIABLE = "RAMDECK_API_KEY"
+
+
+def is_loopback(deployment) -> bool:
+    return reach_host(deployment) in LOOPBACK_HOSTS
+
+
+def openwebui_port(deployment) -> int:
+    """Open WebUI's own port: 3000, or the next one when the deployment's llama-server has that."""
+    return OPENWEBUI_PORT if deployment.port != OPENWEBUI_PORT else OPENWEBUI_PORT + 1
+
+
+def openwebui_command(deployment) -> tuple[list[list[str]], str]:
+    """`docker run` for Open WebUI talking to this endpoint, as the lines of the printed command (each an
+    argument list), and the address to open it at.
+
+    A loopback endpoint is reached only from the coordinator itself, so the container shares its network
+    (`--network host`; Docker ignores `-p` then) and Open WebUI listens on a port of its own (`-e PORT=`),
+    not on its default 8080, which llama-server may hold. Any other endpoint is reached from the container's
+    own network, with Open WebUI's 8080 published as 3000."""
+    own = openwebui_port(deployment)
+    if is_loopback(deployment):
+        network = ["--network", "host", "-e", f"PORT={own}"]
+        open_at = f"http://127.0.0.1:{own}"
+    else:
+        network = ["-p", f"{own}:8080"]
+        open_at = f"http://localhost:{own}"
+    lines = [
+        ["docker", "run", "-d", *network],
+        ["-e", f"OPENAI_API_BASE_URL={endpoint_url(deployment)}/v1"],
+        ["-v", "open-webui:/app/backend/data", "--name", "open-webui", OPENWEBUI_IMAGE],
+    ]
+    return lines, open_at
+
+
+def openwebui_text(deployment) -> str:
+    """The command as printed: one option group a line; the key comes from the shell's variable."""
+    lines, _ = openwebui_command(deployment)
+    text = [shell_join(line) for line in lines]
+    text.insert(2, f'-e OPENAI_API_KEY="${KEY_VARIABLE}"')
+    return " \\\n  ".join(text)
+
+
+def snippets(deployment, alias: str) -> dict[str, str]:
+    """The examples the API key page prints (and copies): plain text, shown escaped."""
+    url = endpoint_url(deployment)
+    body = json.dumps({"model": alias, "messages": [{"role": "user", "content": "Hello"}]})
+    curl = " \\\n  ".join(
+        [
+            shell_join(["curl", f"{url}/v1/chat/completions"]),
+            f'-H "Authorization: Bearer ${KEY_VARIABLE}"',  # double quotes: the shell puts the key in
+            shell_join(["-H", "Content-Type: application/json"]),
+            shell_join(["-d", body]),
+        ]
+    )
+    python = "\n".join(
+        [
+            "# pip install openai",
+            "import os",
+            "",
+            "from openai import OpenAI",
+            "",
+            f"client = OpenAI(base_url={json.dumps(url + '/v1')}, api_key=os.environ[{KEY_VARIABLE!r}])",
+            "reply = client.chat.completions.create(",
+            f'    model={json.dumps(alias)}, messages=[{{"role": "user", "content": "Hello"}}]',
+            ")",
+            "print(reply.choices[0].message.content)",
+        ]
+    )
+    return {
+        "curl": curl,
+        "python": python,
+        "openwebui_run": openwebui_text(deployment),
+        "openwebui_open_at": openwebui_command(deployment)[1],
+        "base_url": f"{url}/v1",
+    }

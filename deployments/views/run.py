@@ -13,7 +13,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from audit import history
-from deployments.endpoint import LOOPBACK_HOSTS, endpoint_url, reach_host
+from deployments.endpoint import endpoint_url, is_loopback, snippets
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
 from jobs.models import Job, JobLogLine, refuse_local_node
@@ -172,7 +172,8 @@ def deployment_api_key(request, pk: int):
         "api_key": key,
         "endpoint": endpoint_url(deployment),
         "model_alias": model_alias(deployment.model_file.name),
-        "loopback": reach_host(deployment) in LOOPBACK_HOSTS,
+        "loopback": is_loopback(deployment),
+        "snippets": snippets(deployment, model_alias(deployment.model_file.name)),
     }
     template = "deployments/lifecycle/api_key.html" + ("#key" if request.htmx else "")
     return render(request, template, context)
