@@ -50,6 +50,7 @@ def _git_url_problem(url: str) -> str | None:
 
 class BuildForm(forms.Form):
     source = forms.ChoiceField(
+        help_text="Where this node's llama.cpp (the program that runs the model) comes from.",
         choices=[
             ("tarball", "Source tarball on this console (uploaded to the node over SFTP)"),
             ("git", "Git URL and ref (the node fetches it)"),
@@ -84,7 +85,9 @@ class BuildForm(forms.Form):
             ("rocm", "ROCm (AMD)"),
             ("metal", "Metal"),
             ("vulkan", "Vulkan"),
-        ]
+        ],
+        help_text="Which graphics support to compile in: CUDA for NVIDIA, Metal for a Mac, Vulkan for most "
+        "other cards; Detect looks at the node.",
     )
     rebuild = forms.BooleanField(required=False, help_text="Recompile even when the build folder is current.")
 

@@ -24,5 +24,6 @@ urlpatterns = [
     path("password/", views.RamdeckPasswordChangeView.as_view(), name="password_change"),
     path("password/done/", views.password_change_done, name="password_change_done"),
     path("audit/", audit.audit_list, name="audit"),
+    path("help/", views.help_page, name="help"),
     path("users/", include(user_urls)),
 ]

@@ -24,6 +24,13 @@ from ramdeck_site.login_audit import AuditedLoginMixin
 from ramdeck_site.roles import VIEWER, can_view, role_required
 
 
+@role_required(VIEWER)
+def help_page(request):
+    """The words of the console (context, KV cache, blocks, split, RPC worker, ...) in plain language; the
+    forms' hints link here."""
+    return render(request, "console/help.html")
+
+
 def dashboard(request):
     if not can_view(request.user):
         # Logged in but in no role: a page that says so, and no inventory queries at all.

@@ -118,7 +118,12 @@ class EndpointForm(forms.Form):
     """The endpoint part of the plan page's confirm form. Absent values take the coordinator's defaults;
     values that are given and wrong are errors on the form, never replaced."""
 
-    reach = forms.ChoiceField(label="Who can connect", required=False, widget=forms.RadioSelect)
+    reach = forms.ChoiceField(
+        label="Who can connect",
+        required=False,
+        widget=forms.RadioSelect,
+        help_text="Which programs may talk to the model (with its API key): this machine's or the LAN's.",
+    )
     port = forms.IntegerField(
         label="Port",
         required=False,

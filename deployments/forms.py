@@ -12,9 +12,17 @@ from planning import planner
 class PlanForm(forms.Form):
     """The settings of a plan preview. Unbound values fall back to the initial ones (a GET without query)."""
 
-    coordinator = forms.ModelChoiceField(queryset=Node.objects.none(), required=False)
+    # Each field's hint is one line in plain words; the help page (/help/) says more.
+    coordinator = forms.ModelChoiceField(
+        queryset=Node.objects.none(),
+        required=False,
+        help_text="The machine that runs the model's server and answers the chat; it holds the first blocks.",
+    )
     nodes = forms.ModelMultipleChoiceField(
-        queryset=Node.objects.none(), required=False, widget=forms.CheckboxSelectMultiple
+        queryset=Node.objects.none(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
+        help_text="The machines that may lend their memory; the plan leaves out any that would slow it.",
     )
     ctx = forms.IntegerField(label="Context", min_value=256, max_value=1_048_576, initial=4096)
     # Past the model's trained context only when an admin insists (the field is shown to admins only).
@@ -24,16 +32,29 @@ class PlanForm(forms.Form):
         help_text="The model has not learnt to use text that far back: answers get worse, and the memory "
         "is held all the same.",
     )
-    parallel = forms.IntegerField(label="Parallel slots", min_value=1, max_value=64, initial=1)
+    parallel = forms.IntegerField(
+        label="Parallel slots",
+        min_value=1,
+        max_value=64,
+        initial=1,
+        help_text="How many conversations it answers at once; they share the context. One suits a household.",
+    )
     cache_type = forms.ChoiceField(
-        label="KV cache", choices=[(k, k) for k in planner.KV_TYPES], initial="f16"
+        label="KV cache",
+        choices=[(k, k) for k in planner.KV_TYPES],
+        initial="f16",
+        help_text="The memory of the conversation so far: f16 exact, q8_0 half the memory, q4_0 a quarter.",
     )
     clamp = forms.FloatField(
         label="Unified-memory clamp", min_value=0.1, max_value=1.0,
         help_text="Share of a Mac's memory the plan may use (its CPU and GPU together); a lower wired "
         "limit set on the Mac wins.",
     )  # fmt: skip
-    name = forms.CharField(max_length=200, required=False, help_text="Name of the deployment (optional).")
+    name = forms.CharField(
+        max_length=200,
+        required=False,
+        help_text="Name of the deployment (optional; default: the model @ context).",
+    )
 
     def __init__(
         self, *args, nodes_qs=None, coordinators_qs=None, trained_ctx: int = 0, may_go_beyond=False, **kwargs

@@ -106,6 +106,46 @@ def parse_metrics(text: str) -> dict[str, str]:
     return values
 
 
+def _count(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _plural(count: float, one: str, many: str) -> str:
+    return f"{count:,.0f} {one if count == 1 else many}"
+
+
+def metrics_sentences(metrics: dict) -> list[str]:
+    """llama-server's /metrics numbers (parse_metrics' short names) as sentences a household can read."""
+    said = []
+    prompt = _count(metrics.get("prompt_tokens_total"))
+    written = _count(metrics.get("tokens_predicted_total"))
+    seconds = _count(metrics.get("tokens_predicted_seconds_total"))
+    if written is not None:
+        text = f"Since it started it has written {_plural(written, 'token', 'tokens')}"
+        if prompt is not None:
+            text += f" in answer to {_plural(prompt, 'token', 'tokens')} of questions and conversation"
+        if written and seconds:
+            text += f", at {written / seconds:.1f} tokens per second on average while writing"
+        said.append(text + ".")
+    elif (speed := _count(metrics.get("predicted_tokens_seconds"))) is not None:
+        said.append(f"It writes at {speed:.1f} tokens per second on average.")
+    busy = _count(metrics.get("requests_processing"))
+    waiting = _count(metrics.get("requests_deferred"))
+    if busy is not None:
+        text = (
+            "Nobody is waiting for an answer right now"
+            if not busy
+            else (f"It is answering {_plural(busy, 'request', 'requests')} right now")
+        )
+        if waiting:
+            text += f"; {_plural(waiting, 'more waits', 'more wait')} for a free slot"
+        said.append(text + ".")
+    return said
+
+
 @dataclass
 class Check:
     """What one deployment's check needs, gathered in synchronous code before the event loop starts."""

@@ -47,6 +47,17 @@ class NodeForm(forms.ModelForm):
             "rpc_tunnel": "Allow RPC tunnels",
             "authorized_keys_path": "authorized_keys file",
         }
+        # One line each in plain words (the fields the model does not already explain); /help/ says more.
+        help_texts = {
+            "transport": "SSH for another computer; Local for the computer this console runs on.",
+            "ssh_port": "The port its SSH server listens on; usually 22.",
+            "ssh_user": "The account the console logs in as on that computer.",
+            "credential": "The key or password that account logs in with (saved under Credentials).",
+            "rpc_port": "The port its ggml-rpc-server listens on when it lends memory to another node.",
+            "platform_hint": "Its operating system; Detect asks the computer itself.",
+            "notes": "Anything worth remembering about this machine; only people see it.",
+            "enabled": "Untick to leave this machine out of new plans without deleting it.",
+        }
 
         error_messages = {
             "name": {

@@ -196,6 +196,7 @@ def household_pages(data: dict) -> dict[str, str]:
         "password_change": reverse("password_change"),
         "password_change_done": reverse("password_change_done"),
         "audit": reverse("audit"),
+        "help": reverse("help"),
         "nodes:list": reverse("nodes:list"),
         "nodes:create": reverse("nodes:create"),
         "nodes:credentials": reverse("nodes:credentials"),

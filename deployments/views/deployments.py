@@ -7,7 +7,7 @@ from django.urls import reverse
 
 from deployments.endpoint import endpoint_url
 from deployments.models import Deployment
-from deployments.views.plan import command_lines
+from deployments.views.plan import command_lines, nothing_to_split
 from ramdeck_site.roles import VIEWER, role_required
 
 
@@ -28,5 +28,6 @@ def deployment_detail(request, pk: int):
         "run_url": reverse("deployments:run", args=[pk]),
         "speed_reasons": deployment.speed_miss_reasons(),
         "endpoint": endpoint_url(deployment),
+        "one_machine": nothing_to_split(plan),
     }
     return render(request, "deployments/deployment_detail.html", context)

@@ -123,6 +123,24 @@ def _stale_reasons(form: PlanForm) -> list[str]:
     return reasons
 
 
+def nothing_to_split(plan: dict | None) -> bool:
+    """The plan and llama.cpp's default put the model on the same devices of one machine, block for block:
+    a side-by-side comparison would show the same thing twice."""
+    if not plan or not plan.get("fits"):
+        return False
+
+    def used(placements: list[dict]) -> dict:
+        return {
+            (p.get("node"), p.get("device")): (p.get("layers"), bool(p.get("output_layer")))
+            for p in placements
+            if p.get("layers") or p.get("output_layer")
+        }
+
+    mine = used(plan.get("placements") or [])
+    theirs = used((plan.get("baseline") or {}).get("placements") or [])
+    return len({node for node, _ in mine | theirs}) == 1 and mine == theirs
+
+
 def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
     plan, error = _compute_plan(model, form)
     fits = bool(plan and plan["fits"])
@@ -135,6 +153,7 @@ def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
         "plan": plan,
         "error": error or refused,
         "bars": bars.plan_bars(plan) if fits else None,
+        "one_machine": nothing_to_split(plan),
         "commands": command_lines(model, plan) if fits else None,
         "stale_reasons": _stale_reasons(form),
         "confirm_fields": _confirm_fields(form) if confirmable else [],

@@ -9,13 +9,17 @@ from django.conf import settings
 from django.contrib import messages
 from django.db.models import Q
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 
 from audit import history
+from deployments.charts import sparkline
 from deployments.endpoint import endpoint_url, is_loopback, snippets
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
+from deployments.monitor import metrics_sentences
+from deployments.views.plan import nothing_to_split
 from jobs.models import Job, JobLogLine, refuse_local_node
 from llamacpp.args import model_alias
 from nodes.models import Node
@@ -80,6 +84,7 @@ def run_context(user, deployment: Deployment) -> dict:
         "model_alias": model_alias(deployment.model_file.name),
         "predicted_tps": predicted,
         "baseline_tps": (plan.get("baseline") or {}).get("predicted_tokens_per_s"),
+        "one_machine": nothing_to_split(plan),
         "measured_ratio": (measured / predicted) if measured and predicted else None,
         "speed_reasons": deployment.speed_miss_reasons(),
         "verification": deployment.verification or {},
@@ -113,6 +118,7 @@ def run_context(user, deployment: Deployment) -> dict:
 
 def rpc_mode_context(deployment: Deployment) -> dict:
     """The run page's RPC line: the mode chosen, the one a deploy would use now, and why not, if it cannot."""
+    workers = []
     try:
         workers = lifecycle.workers_of(deployment)
         effective = lifecycle.rpc_mode(deployment, workers)
@@ -121,7 +127,13 @@ def rpc_mode_context(deployment: Deployment) -> dict:
         problem = "" if active else lifecycle.rpc_refusal(deployment, workers)
     except (KeyError, ValueError, IndexError):
         effective, problem = "", ""
-    return {"rpc_modes": RpcMode.choices, "rpc_effective": effective, "rpc_problem": problem}
+    # One machine (no rpc-server): there is no RPC to choose a way for, so the selector is not shown.
+    return {
+        "rpc_modes": RpcMode.choices,
+        "rpc_effective": effective,
+        "rpc_problem": problem,
+        "has_workers": bool(workers),
+    }
 
 
 @role_required(VIEWER)
@@ -147,13 +159,19 @@ def deployment_processes(request, pk: int):
     deployment = _get_deployment(pk)
     rows, metrics, checked_at = _process_rows(deployment)
     live = deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+    now = timezone.now()
+    samples = deployment.speed_samples.filter(at__gte=now - sparkline.WINDOW).values_list(
+        "at", "tokens_per_s"
+    )
     return render(
         request,
         "deployments/lifecycle/processes.html",
         {
             "deployment": deployment,
             "rows": rows,
-            "metrics": metrics if live else {},
+            # The /metrics numbers in sentences, and the decode speed of the last hour as a small chart.
+            "metrics_said": metrics_sentences(metrics) if live else [],
+            "speed": sparkline.sparkline(samples, now) if live else None,
             "checked_at": checked_at,
         },
     )

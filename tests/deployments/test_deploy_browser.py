@@ -120,7 +120,7 @@ def test_an_operator_plans_deploys_watches_and_stops(cluster, celery_worker, liv
     page.goto(run_url)
     expect(page.locator("#processes")).to_contain_text("alive")
     expect(page.locator("#processes")).to_contain_text("As of")
-    expect(page.locator("#processes")).to_contain_text("tokens_predicted_total")  # from /metrics
+    expect(page.locator("#metrics-sentences")).to_contain_text("Since it started it has written")  # /metrics
     # The dashboard: the deployment's speed from that look at /metrics (the measure step's tokens), and what
     # it holds on each node's devices.
     page.goto(f"{live_url}/")

@@ -149,6 +149,7 @@ def _fill_with_payloads(data: dict) -> None:
         "checked_at": timezone.now().isoformat(),
         "processes": [{"node": payload("live-node"), "role": payload("live-role"), "pid": 1, "port": 2,
                        "alive": False, "error": payload("live-error"), "log": payload("live-log")}],
+        # Stored, but never shown: the page says in sentences what the numbers it knows mean.
         "metrics": {payload("metric-name", 100): payload("metric-value")},
     }  # fmt: skip
     Deployment.objects.filter(pk=deployment.pk).update(
@@ -203,8 +204,6 @@ SHOWN = {
     "live-role",
     "live-error",
     "live-log",
-    "metric-name",
-    "metric-value",
     "deployment-name",
     "state-reason",
     "job-title",

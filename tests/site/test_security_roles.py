@@ -57,6 +57,7 @@ RULES: dict[str, dict[str, object]] = {
     "password_change": _rule(LOGIN, 200, 200, 200),
     "password_change_done": _rule(LOGIN, 302, 302, 302),
     "audit": _rule(LOGIN, 200, 200, 200),
+    "help": _rule(LOGIN, 200, 200, 200),  # the words of the console, explained
     # Users and their roles: admins only.
     "users:list": _rule(LOGIN, 403, 403, 200),
     "users:create": _rule(LOGIN, 403, 403, 200),
