@@ -6,9 +6,10 @@ from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 
 from deployments.endpoint import endpoint_url
-from deployments.models import Deployment
+from deployments.lifecycle import actions as lifecycle
+from deployments.models import Deployment, DeploymentState
 from deployments.views.plan import command_lines, nothing_to_split
-from ramdeck_site.roles import VIEWER, role_required
+from ramdeck_site.roles import VIEWER, can_operate, role_required
 
 
 @role_required(VIEWER)
@@ -29,5 +30,15 @@ def deployment_detail(request, pk: int):
         "speed_reasons": deployment.speed_miss_reasons(),
         "endpoint": endpoint_url(deployment),
         "one_machine": nothing_to_split(plan),
+        **next_step(request.user, deployment),
     }
     return render(request, "deployments/deployment_detail.html", context)
+
+
+def next_step(user, deployment: Deployment) -> dict:
+    """A confirmed deployment's next step, for the page Confirm leads to: the Deploy button, or why this
+    user cannot press it (the same checks Deploy makes, without touching a node)."""
+    if deployment.state != DeploymentState.CONFIRMED or not can_operate(user):
+        return {"offer_deploy": False, "deploy_refusal": ""}
+    reason = lifecycle.local_refusal(deployment, user) or lifecycle.refusal(deployment)
+    return {"offer_deploy": True, "deploy_refusal": reason}

@@ -18,7 +18,9 @@ from builds.offers import plan_device_refusal
 from deployments.charts import bars
 from deployments.endpoint import EndpointForm, bind_host, endpoint_form
 from deployments.forms import PlanForm
+from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
+from jobs.models import may_use_local_node
 from llamacpp.args import model_alias
 from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
@@ -158,6 +160,7 @@ def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
         "stale_reasons": _stale_reasons(form),
         "confirm_fields": _confirm_fields(form) if confirmable else [],
         "confirmable": confirmable,
+        "deploy_refusal": _deploy_refusal(request.user, plan) if confirmable else "",
         "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
         "endpoint_form": _endpoint_form(request.GET, plan),
     }
@@ -208,8 +211,17 @@ def plan_confirm(request, pk: int):
     if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
         messages.info(request, f"This plan was already confirmed as {earlier.name}.")
         return redirect(earlier.get_absolute_url())
+    deploy_now = request.POST.get("then") == "deploy"
     try:
-        deployment = _confirm(request, model, form, plan, endpoint, token)
+        deployment = _confirm(request, model, form, plan, endpoint, token, deploy=deploy_now)
+    except DeployRefused as exc:
+        # Nothing was confirmed; the refusal is on record against the model, since no deployment exists.
+        history.record(request, "deployment.refused", model, changes={"reason": str(exc), "confirmed": False})
+        context = _preview_context(request, model, form)
+        context["confirm_token"] = token or context["confirm_token"]
+        context["endpoint_form"] = endpoint
+        context["error"] = f"Not deployed, and nothing was confirmed: {exc}"
+        return render(request, "deployments/plan_preview.html", context, status=409)
     except IntegrityError:
         # The same form, posted twice at the same instant: the other request made the deployment.
         earlier = Deployment.objects.filter(confirm_token=token).first()
@@ -217,8 +229,31 @@ def plan_confirm(request, pk: int):
             raise
         messages.info(request, f"This plan was already confirmed as {earlier.name}.")
         return redirect(earlier.get_absolute_url())
-    messages.success(request, f"Confirmed {deployment.name}.")
+    if deploy_now:
+        messages.success(
+            request, f"Confirmed {deployment.name} and deploying: the steps run one after another."
+        )
+        return redirect("deployments:run", pk=deployment.pk)
+    messages.success(request, f"Confirmed {deployment.name}. Deploy it when you are ready.")
     return redirect(deployment.get_absolute_url())
+
+
+def _plan_nodes(plan: dict) -> list[Node]:
+    names = {plan["coordinator"], *(p.get("node") for p in plan.get("placements", []))}
+    return list(Node.objects.filter(name__in=names - {None}))
+
+
+def _deploy_refusal(user, plan: dict) -> str:
+    """Why this user may confirm the plan but not deploy it at once ("" when they may): deploying on the
+    console's own host is an admin's (lifecycle.local_refusal says the same at Deploy)."""
+    local = [n.name for n in _plan_nodes(plan) if not may_use_local_node(user, n)]
+    if not local:
+        return ""
+    return f"{', '.join(local)} is the console's own host: after you confirm, an admin deploys it."
+
+
+class DeployRefused(Exception):
+    """Confirm and deploy: the deploy was refused, so the confirmation is rolled back with it."""
 
 
 def _confirm_token(data) -> str | None:
@@ -241,9 +276,11 @@ def default_deployment_name(model: ModelFile, plan: dict) -> str:
 
 
 def _confirm(
-    request, model: ModelFile, form: PlanForm, plan: dict, endpoint: EndpointForm, token
+    request, model: ModelFile, form: PlanForm, plan: dict, endpoint: EndpointForm, token, *, deploy=False
 ) -> Deployment:
-    """The deployment and its audit entry, together or not at all."""
+    """The deployment and its audit entry, together or not at all. With `deploy` (Confirm and deploy), its
+    deploy run too, in the same transaction and with the Deploy button's checks: a refused deploy raises
+    DeployRefused and leaves nothing confirmed."""
     coordinator = endpoint.coordinator
     with transaction.atomic():
         deployment = Deployment.objects.create(
@@ -272,4 +309,8 @@ def _confirm(
                 "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
             },
         )
+        if deploy:
+            started, message = lifecycle.start_deploy(deployment, request.user)
+            if not started:
+                raise DeployRefused(message)
     return deployment
