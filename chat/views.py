@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 # A degraded deployment may still answer (the monitor could not see every process): it is allowed to try.
-CHAT_STATES = (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+# Verifying comes after the llama-server step saw GET /health answer 200 (deployments/steps/llama_server.py),
+# so it already serves while the placement is checked and the speed measured (an answer then shares the
+# model with the measurement and may come slower).
+CHAT_STATES = (DeploymentState.VERIFYING, DeploymentState.RUNNING, DeploymentState.DEGRADED)
 
 
 CONNECT_TIMEOUT_S = 10.0
@@ -99,7 +102,7 @@ async def deployment_chat(request, pk: int):
     deployment, key = await sync_to_async(_load)(pk)
     if deployment.state not in CHAT_STATES:
         state = deployment.get_state_display().lower()
-        return _refusal(f"{deployment.name} is {state}: chat works while it is running.", 409)
+        return _refusal(f"{deployment.name} is {state}: chat works once llama-server answers.", 409)
     if not key:
         return _refusal(f"{deployment.name} has no API key on record: restart it.", 409)
     try:

@@ -18,11 +18,13 @@
   const history = [];
   let controller = null;
 
-  // The state badge is re-rendered from the deployment's websocket: read it each time.
+  // The state badge is re-rendered from the deployment's websocket: read it each time. Verifying comes after
+  // llama-server answered its health check, so the chat opens then (chat/views.py CHAT_STATES).
+  const OPEN_STATES = ["verifying", "running", "degraded"];
   const running = () => {
     const badge = document.getElementById("deployment-state");
     // Degraded with llama-server gone is marked data-serving="no": there is nobody to answer.
-    const live = Boolean(badge) && (badge.classList.contains("running") || badge.classList.contains("degraded"));
+    const live = Boolean(badge) && OPEN_STATES.some((state) => badge.classList.contains(state));
     return live && badge.dataset.serving !== "no";
   };
   const refresh = () => {

@@ -188,7 +188,28 @@ def test_a_deployment_that_is_not_running_says_so(local_node, operator_user, sta
     response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
     assert response.status_code == 409
     label = deployment.get_state_display().lower()
-    assert response.json() == {"error": f"tiny deployment is {label}: chat works while it is running."}
+    assert response.json() == {"error": f"tiny deployment is {label}: chat works once llama-server answers."}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_chat_opens_once_llama_server_answers_while_the_speed_is_still_measured(
+    local_node, operator_user, operator_client
+):
+    """Verifying comes after the llama-server step saw /health answer: the verify and measure steps (about
+    15 s) need not keep people from chatting."""
+    seen: list[dict] = []
+    server = _stand_in([_delta("Hello", finish="stop")], seen)
+    try:
+        deployment = chat_deployment(local_node, server.server_address[1], state=DeploymentState.VERIFYING)
+        response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
+        assert response.status_code == 200
+        events = chat_events(response)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [e["delta"] for e in events if "delta" in e] == ["Hello"] and len(seen) == 1
+    page = operator_client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
+    assert 'id="chat-form"' in page and 'id="deployment-state">Verifying' in page
 
 
 @pytest.mark.django_db(transaction=True)
