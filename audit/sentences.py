@@ -41,6 +41,8 @@ PHRASES = {
     "deployment.stop": "stopped {object}",
     "deployment.recalibrate": "stopped {object} to calibrate a node and start it again",
     "deployment.redeploy": "redeployed {object}",
+    "deployment.delete": "deleted {object}",
+    "deployment.delete_refused": "was refused deleting {object}",
     "deployment.refused": "was refused deploying {object}",
     "deployment.failed": "marked {object} failed",
     "deployment.recovered": "saw {object} recover",

@@ -19,6 +19,7 @@ urlpatterns = [
     path("deployments/<int:pk>/restart/", run.deployment_restart, name="restart"),
     path("deployments/<int:pk>/recalibrate/", run.deployment_recalibrate, name="recalibrate"),
     path("deployments/<int:pk>/redeploy/", run.deployment_redeploy, name="redeploy"),
+    path("deployments/<int:pk>/delete/", run.deployment_delete, name="delete"),
     path("deployments/<int:pk>/self-heal/", run.deployment_self_heal, name="self_heal"),
     path("deployments/<int:pk>/rpc-mode/", run.deployment_rpc_mode, name="rpc_mode"),
     path("stale-processes/", stale.stale_processes, name="stale"),

@@ -221,6 +221,8 @@ def household_pages(data: dict) -> dict[str, str]:
         "deployments:stale": reverse("deployments:stale"),
         # Stop asks first: its GET is the question.
         "deployments:stop": reverse("deployments:stop", args=[deployment.pk]),
+        # Delete asks first too.
+        "deployments:delete": reverse("deployments:delete", args=[deployment.pk]),
         "users:list": reverse("users:list"),
         "users:create": reverse("users:create"),
         "users:edit": reverse("users:edit", args=[data["admin"].pk]),

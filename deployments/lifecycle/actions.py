@@ -22,7 +22,14 @@ from audit.history import record
 from builds.offers import plan_device_refusal
 from calibration.store import refusal as calibration_refusal
 from deployments import live
-from deployments.models import ClaimConflict, Deployment, DeploymentState, DeploymentStep, RpcMode
+from deployments.models import (
+    REDEPLOYABLE_STATES,
+    ClaimConflict,
+    Deployment,
+    DeploymentState,
+    DeploymentStep,
+    RpcMode,
+)
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState, may_use_local_node
 from llamacpp import rpc_guard
@@ -374,21 +381,32 @@ def stop_steps(deployment: Deployment, parent: Job, name: str) -> list[Job]:
 # --------------------------------------------------------------------------------------------------
 
 
-def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
-    """The Deploy button. Pressing it twice starts one run; a refusal leaves the deployment confirmed."""
+def start_deploy(deployment: Deployment, actor=None, *, again: bool = False) -> tuple[bool, str]:
+    """The Deploy button. Pressing it twice starts one run; a refusal leaves the deployment as it was.
+
+    With `again` (Redeploy, Restart) it is a new deploy run of a stopped or failed deployment, the same
+    deployment: its earlier runs stay in its history."""
     reason = refusal(deployment) or local_refusal(deployment, actor)
     if reason:
         record(actor, "deployment.refused", deployment, changes={"reason": reason})
         return False, reason
+    mark = deployment.mark_redeploying if again else deployment.mark_preparing
     try:
         with transaction.atomic():
-            if not deployment.mark_preparing():
-                return False, f"This deployment is already {deployment.get_state_display().lower()}."
-            run = new_run(deployment, DEPLOY, f"Deploy {deployment}", actor=actor)
+            if not mark():
+                state = deployment.get_state_display().lower()
+                if again:
+                    return (
+                        False,
+                        f"This deployment is {state}: only a stopped or failed one is deployed again.",
+                    )
+                return False, f"This deployment is already {state}."
+            verb = "Redeploy" if again else "Deploy"
+            run = new_run(deployment, DEPLOY, f"{verb} {deployment}", actor=actor)
             create_launch_steps(deployment, run)
             record(
                 actor,
-                "deployment.deploy",
+                "deployment.redeploy" if again else "deployment.deploy",
                 deployment,
                 changes={
                     "plan_devices": len(deployment.plan["placements"]),
@@ -400,6 +418,8 @@ def start_deploy(deployment: Deployment, actor=None) -> tuple[bool, str]:
     except ClaimConflict as exc:
         record(actor, "deployment.refused", deployment, changes={"reason": str(exc)})
         return False, str(exc)
+    if again:
+        return True, "Deploying again: a new run of the same deployment, its steps below."
     return True, "Deploying: the steps run one after another below."
 
 
@@ -442,28 +462,53 @@ def start_undeploy(deployment: Deployment, *, actor=None, **params) -> Job:
 
 
 def redeploy(deployment: Deployment, actor=None) -> tuple[Deployment, bool, str]:
-    """A new deployment from the same plan (history keeps the old one), launched at once.
+    """A new deploy run of a stopped or failed deployment, the same one (no second deployment of the same
+    name): in one transaction its state, claims, steps, audit entry and the enqueue (on commit)."""
+    started, message = start_deploy(deployment, actor, again=True)
+    return deployment, started, message
 
-    One transaction: the new row, its audit entry, its steps and the enqueue (on commit) all or nothing."""
-    if reason := local_refusal(deployment, actor):
-        record(actor, "deployment.refused", deployment, changes={"reason": reason})
-        return deployment, False, reason
-    with transaction.atomic():
-        fresh = Deployment.objects.create(
-            name=deployment.name,
-            model_file=deployment.model_file,
-            coordinator=deployment.coordinator,
-            plan=deployment.plan,
-            plan_settings=deployment.plan_settings,
-            host=deployment.host,
-            port=deployment.port,
-            redeployed_from=deployment,
-            rpc_mode=deployment.rpc_mode,
-            created_by=actor if getattr(actor, "is_authenticated", False) else deployment.created_by,
+
+# A deployment that runs nothing may be deleted: never confirmed further, or stopped, or failed.
+DELETABLE_STATES = (DeploymentState.CONFIRMED, *REDEPLOYABLE_STATES)
+
+
+def deletion_refusal(deployment: Deployment) -> str:
+    """Why this deployment cannot be deleted now ("" when it can): while it runs, its processes and claims
+    are what Stop ends; deleting it would leave them with nobody to stop them."""
+    if deployment.state not in DELETABLE_STATES:
+        state = deployment.get_state_display().lower()
+        return (
+            f"{deployment.name} is {state}: stop it first; a stopped, failed or confirmed one can be deleted."
         )
-        record(actor, "deployment.redeploy", fresh, changes={"from": deployment.pk})
-        started, message = start_deploy(fresh, actor)
-    return fresh, started, message
+    if runs_of(deployment).filter(state__in=ACTIVE_JOB_STATES).exists():
+        return f"A run of {deployment.name} is still finishing: delete it once that run has ended."
+    return ""
+
+
+def delete_deployment(deployment: Deployment, actor=None) -> tuple[bool, str]:
+    """The Delete button: the deployment, its steps, claims and speed samples go; its runs' jobs and logs
+    and the audit history stay. The delete is conditional on a state that runs nothing, so a Deploy pressed
+    at the same moment either comes first (and the delete is refused) or finds nothing to deploy."""
+    if reason := deletion_refusal(deployment):
+        record(actor, "deployment.delete_refused", deployment, changes={"reason": reason})
+        return False, reason
+    with transaction.atomic():
+        record(
+            actor,
+            "deployment.delete",
+            deployment,
+            changes={
+                "state": deployment.state,
+                "model": deployment.model_file.name,
+                "endpoint": f"{deployment.host}:{deployment.port}",
+            },
+        )
+        deleted, _ = Deployment.objects.filter(pk=deployment.pk, state__in=DELETABLE_STATES).delete()
+        if not deleted:
+            transaction.set_rollback(True)
+            return False, f"{deployment.name} changed meanwhile; look at it again before deleting it."
+    live.dashboard_changed()  # its own page is gone; the dashboard lists it no more
+    return True, f"Deleted {deployment.name}."
 
 
 def recalibrate_refusal(deployment: Deployment, node: Node | None, actor=None) -> str:

@@ -164,9 +164,9 @@ async def undeploy_body(ctx: JobContext) -> str:
     if ctx.job.params.get("restart"):
         # Whoever pressed Restart (the stop run's creator), else the deployment's.
         actor = await db(lambda: ctx.job.created_by or deployment.created_by)()
-        fresh, started, message = await db(redeploy)(deployment, actor)
-        await ctx.log(f"Redeployed as {fresh}: {message}")
-        return f"Stopped; redeployed as {fresh}."
+        _same, started, message = await db(redeploy)(deployment, actor)
+        await ctx.log(f"Deploying {deployment} again: {message}")
+        return "Stopped; deploying it again." if started else f"Stopped; not deployed again: {message}"
     return "Stopped; every process it started is ended and its ports are free."
 
 

@@ -4,6 +4,7 @@ claim, the jobs of their runs, the stale processes the monitor finds and the spe
 from deployments.models.claims import ClaimConflict, ResourceClaim
 from deployments.models.deployment import (
     ACTIVE_STATES,
+    REDEPLOYABLE_STATES,
     SPEED_ERROR_LIMIT,
     TERMINAL_STATES,
     Deployment,
@@ -15,6 +16,7 @@ from deployments.models.steps import DeploymentStep, StaleProcess
 
 __all__ = [
     "ACTIVE_STATES",
+    "REDEPLOYABLE_STATES",
     "SPEED_ERROR_LIMIT",
     "TERMINAL_STATES",
     "ClaimConflict",

@@ -27,7 +27,8 @@ class DeploymentState(models.TextChoices):
 
     preparing: reap stale processes and check builds; launching: rpc-servers, then llama-server;
     verifying: compare llama.cpp's logged placement with the plan and measure speed. A stopped or failed
-    deployment can be redeployed, which creates a new deployment from the same plan. With self-healing on,
+    deployment can be redeployed: stopped/failed ──redeploy──► preparing, a new deploy run of the same
+    deployment. A confirmed, stopped or failed one can be deleted. With self-healing on,
     degraded ──heal──► launching (its processes stopped and started again, then verified); a heal that
     does not succeed goes back to degraded, and the last allowed one to failed. Stopping is possible
     from every active state.
@@ -55,6 +56,8 @@ ACTIVE_STATES = (
 
 
 TERMINAL_STATES = (DeploymentState.STOPPED, DeploymentState.FAILED)
+# What may be deployed again (a new run of the same deployment) or deleted, besides a confirmed one.
+REDEPLOYABLE_STATES = TERMINAL_STATES
 
 
 # A measured decode speed further than this from the prediction (either way) suggests re-calibrating.
@@ -239,9 +242,34 @@ class Deployment(models.Model):
 
         Raises ClaimConflict (and changes nothing) when another active deployment holds one of them.
         """
+        return self._to_preparing([DeploymentState.CONFIRMED])
+
+    def mark_redeploying(self) -> bool:
+        """stopped or failed → preparing, for a new deploy run of this same deployment (Redeploy, Restart):
+        what the last run found (its processes, verification, measured speed, reason) is cleared, since that
+        run's processes were ended by its stop or rollback. Claims as mark_preparing does."""
+        return self._to_preparing(
+            REDEPLOYABLE_STATES,
+            state_reason="",
+            failed_step="",
+            verification={},
+            measured_decode_tps=None,
+            measured_prompt_tps=None,
+            predicted_decode_tps=None,
+            ctx_used=None,
+            processes={},
+            live_status={},
+            running_at=None,
+            stopped_at=None,
+            heal_attempts=0,
+            last_heal_at=None,
+        )
+
+    def _to_preparing(self, from_states, **fields) -> bool:
+        before = {name: getattr(self, name) for name in ("state", "started_at", *fields)}
         with transaction.atomic():
             if not self._transition(
-                [DeploymentState.CONFIRMED], DeploymentState.PREPARING, started_at=timezone.now()
+                from_states, DeploymentState.PREPARING, started_at=timezone.now(), **fields
             ):
                 return False
             try:
@@ -249,7 +277,8 @@ class Deployment(models.Model):
                     ResourceClaim.claim_for(self)
             except IntegrityError:
                 # Undo the in-memory state too; the outer transaction is rolled back by the raise.
-                self.state, self.started_at = DeploymentState.CONFIRMED, None
+                for name, value in before.items():
+                    setattr(self, name, value)
                 raise ClaimConflict(ResourceClaim.describe_conflicts(self)) from None
         return True
 

@@ -17,7 +17,7 @@ from audit import history
 from deployments.charts import sparkline
 from deployments.endpoint import endpoint_url, is_loopback, snippets
 from deployments.lifecycle import actions as lifecycle
-from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, RpcMode
+from deployments.models import ACTIVE_STATES, REDEPLOYABLE_STATES, Deployment, DeploymentState, RpcMode
 from deployments.monitor import metrics_sentences
 from deployments.views.plan import nothing_to_split
 from jobs.models import Job, JobLogLine, refuse_local_node
@@ -41,8 +41,13 @@ def refuse_on_console_host(request, deployment: Deployment, what: str) -> None:
         refuse_local_node(request.user, node, what, request=request)
 
 
-def _steps(deployment: Deployment) -> list[dict]:
-    steps = list(deployment.steps.select_related("job", "job__node").order_by("order", "pk"))
+def _steps(deployment: Deployment, latest_run: Job | None) -> list[dict]:
+    """The steps of the latest deploy run and what came after it (heals, the stop): a redeployed
+    deployment's earlier runs are listed apart, by their jobs."""
+    steps = deployment.steps.select_related("job", "job__node").order_by("order", "pk")
+    if latest_run is not None:
+        steps = steps.filter(job__created_at__gte=latest_run.created_at)
+    steps = list(steps)
     tails = log_tails([step.job for step in steps], 6)
     return [{"step": step, "job": step.job, "tail": tails[step.job_id]} for step in steps]
 
@@ -67,7 +72,8 @@ def run_context(user, deployment: Deployment) -> dict:
     plan = deployment.plan or {}
     predicted = plan.get("predicted_tokens_per_s")
     measured = deployment.measured_decode_tps
-    steps = _steps(deployment)
+    deploy_runs = list(lifecycle.runs_of(deployment, lifecycle.DEPLOY)[:11])
+    steps = _steps(deployment, deploy_runs[0] if deploy_runs else None)
     on_console_host = bool(lifecycle.local_refusal(deployment, user))
     return {
         # Templates ask `user|may:"route"` before offering an action; the websocket re-render has no request.
@@ -106,7 +112,10 @@ def run_context(user, deployment: Deployment) -> dict:
         "may_deploy": deployment.state == DeploymentState.CONFIRMED,
         "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
         "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
-        "may_redeploy": deployment.state in (DeploymentState.STOPPED, DeploymentState.FAILED),
+        "may_redeploy": deployment.state in REDEPLOYABLE_STATES,
+        "may_delete": deployment.state in lifecycle.DELETABLE_STATES,
+        # This deployment's earlier deploy runs (Redeploy and Restart start a new run of the same one).
+        "earlier_runs": deploy_runs[1:],
         "self_heal_limit": settings.RAMDECK_SELF_HEAL_ATTEMPTS,
         **rpc_mode_context(deployment),
         # The same plan's earlier and later runs: what this one was redeployed from, and its redeploys.
@@ -233,7 +242,7 @@ def deployment_restart(request, pk: int):
     stopped, message = lifecycle.stop_deployment(deployment, request.user, then_redeploy=True)
     if stopped:
         messages.success(
-            request, "Restarting: it stops, then the same plan deploys again as a new deployment."
+            request, "Restarting: it stops, then deploys again (a new run of the same deployment)."
         )
     else:
         messages.error(request, message)
@@ -291,10 +300,33 @@ def deployment_self_heal(request, pk: int):
 @require_POST
 @role_required(OPERATOR)
 def deployment_redeploy(request, pk: int):
+    """A new deploy run of this stopped or failed deployment, the same deployment (its earlier runs are
+    listed on its page)."""
     deployment = _get_deployment(pk)
-    if deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED):
+    if deployment.state not in REDEPLOYABLE_STATES:
         messages.error(request, "Only a stopped or failed deployment can be redeployed.")
         return redirect("deployments:run", pk=deployment.pk)
-    fresh, started, message = lifecycle.redeploy(deployment, request.user)
+    _same, started, message = lifecycle.redeploy(deployment, request.user)
     (messages.success if started else messages.error)(request, message)
-    return redirect("deployments:run", pk=fresh.pk)
+    return redirect("deployments:run", pk=deployment.pk)
+
+
+@role_required(OPERATOR)
+def deployment_delete(request, pk: int):
+    """Delete asks first, as Stop does: GET shows what goes and what stays; a POST that says `confirm`
+    deletes. Refused, with the reason, while the deployment runs (or a run of it is finishing)."""
+    deployment = _get_deployment(pk)
+    if request.method != "POST" or request.POST.get("confirm") != "yes":
+        context = {
+            "deployment": deployment,
+            "refusal": lifecycle.deletion_refusal(deployment),
+            "endpoint": endpoint_url(deployment),
+        }
+        status = 400 if request.method == "POST" else 200
+        return render(request, "deployments/lifecycle/delete_confirm.html", context, status=status)
+    deleted, message = lifecycle.delete_deployment(deployment, request.user)
+    if not deleted:
+        messages.error(request, message)
+        return redirect("deployments:run", pk=deployment.pk)
+    messages.success(request, message)
+    return redirect("deployments:list")

@@ -250,15 +250,14 @@ def test_restart_stops_and_deploys_the_same_plan_again(cluster, monkeypatch):
     assert calls == [("undeploy", first.pk)]
     run_stop(first.pk)
     first.refresh_from_db()
-    assert first.state == DeploymentState.STOPPED
-    second = Deployment.objects.get(redeployed_from=first)
-    assert calls[-1] == ("deploy", second.pk)
-    run_deployment(second.pk)
-    second.refresh_from_db()
-    assert second.state == DeploymentState.RUNNING, (second.failed_step, second.state_reason)
-    assert second.plan == first.plan
-    second = cluster.stop(second, monkeypatch)
-    cluster.assert_clean(second)
+    # It deploys again as a new run of the same deployment, not as a second one of the same name.
+    assert first.state == DeploymentState.PREPARING and Deployment.objects.count() == 1
+    assert calls[-1] == ("deploy", first.pk)
+    run_deployment(first.pk)
+    first.refresh_from_db()
+    assert first.state == DeploymentState.RUNNING, (first.failed_step, first.state_reason)
+    first = cluster.stop(first, monkeypatch)
+    cluster.assert_clean(first)
 
 
 def test_a_worker_out_of_reach_for_a_while_degrades_then_recovers(cluster, monkeypatch, settings):

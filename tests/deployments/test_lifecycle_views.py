@@ -83,13 +83,13 @@ def test_the_api_key_is_for_operators_and_each_reveal_is_audited(
     assert "sk-test-123" not in run_page
 
 
-def test_redeploy_creates_a_new_deployment_from_the_same_plan(operator_client, deployment, no_enqueue):
+def test_redeploy_starts_a_new_run_of_the_same_deployment(operator_client, deployment, no_enqueue):
     Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.FAILED)
     response = operator_client.post(reverse("deployments:redeploy", args=[deployment.pk]))
-    fresh = Deployment.objects.exclude(pk=deployment.pk).get()
-    assert response.url == reverse("deployments:run", args=[fresh.pk])
-    assert fresh.redeployed_from == deployment and fresh.plan == deployment.plan
-    assert fresh.state == DeploymentState.PREPARING
+    assert response.url == reverse("deployments:run", args=[deployment.pk])
+    assert list(Deployment.objects.values_list("pk", flat=True)) == [deployment.pk]
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.PREPARING
 
 
 @pytest.fixture
@@ -210,13 +210,16 @@ def test_a_stale_reap_whose_audit_fails_leaves_no_job(operator_client, monkeypat
     assert not Job.objects.exists()
 
 
-def test_a_redeploy_whose_audit_fails_leaves_no_new_deployment(deployment, no_enqueue, monkeypatch):
-    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.FAILED)
+def test_a_redeploy_whose_audit_fails_leaves_the_deployment_as_it_was(deployment, no_enqueue, monkeypatch):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.FAILED, state_reason="x")
     deployment.refresh_from_db()
     _audit_fails(monkeypatch, "deployments.lifecycle.actions.record")
     with pytest.raises(AuditDown):
         lifecycle.redeploy(deployment, deployment.created_by)
     assert list(Deployment.objects.values_list("pk", flat=True)) == [deployment.pk]
+    deployment.refresh_from_db()
+    assert (deployment.state, deployment.state_reason) == (DeploymentState.FAILED, "x")
+    assert not Job.objects.exists() and not deployment.claims.exists()
 
 
 def test_the_reap_button_names_the_pid_it_may_end(operator_client, monkeypatch):

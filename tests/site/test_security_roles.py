@@ -108,6 +108,7 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:recalibrate": _rule(LOGIN, 403, 302, 302),  # an empty form: back with "choose a node"
     "deployments:redeploy": _rule(LOGIN, 403, 302, 302),
+    "deployments:delete": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm deletes
     "deployments:self_heal": _rule(LOGIN, 403, 403, 302),
     "builds:node": _rule(LOGIN, 200, 200, 200),
     "builds:start": _rule(LOGIN, 403, 400, 400),  # the form again, with errors
