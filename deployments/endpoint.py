@@ -16,12 +16,16 @@ follow it (deployments/steps/llama_server.py).
 from __future__ import annotations
 
 import json
+import os
 
 from django import forms
 
 from deployments.models import ResourceClaim
+from jobs.aio import run_to_completion
+from llamacpp.reaper import find_holders
 from nodes.models import Node
-from remote.base import shell_join
+from nodes.transports import transport_for
+from remote.base import TransportError, shell_join
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ALL_INTERFACES = "0.0.0.0"
@@ -175,6 +179,40 @@ class EndpointForm(forms.Form):
             }
             for value, label, help_text in self.options
         ]
+
+
+# How long Confirm waits for the coordinator's listener table before it confirms without it.
+PORT_CHECK_TIMEOUT_S = 20
+
+
+def port_taken(node: Node, port: int, *, console_port: int | None = None) -> tuple[str, str]:
+    """(error, warning) about llama-server's port on the coordinator, looked up in its listener table over
+    its transport (llamacpp/reaper.py, as the reap step does): an error naming what holds the port when a
+    program that is not ours listens there (the console's own web server included); a warning when the
+    table could not be read (the node is offline, say), since Deploy's reap step looks again. A stale
+    llama.cpp process of ours is no error: the reap step ends it."""
+    try:
+        transport = transport_for(node)
+
+        async def look():
+            async with transport as opened:
+                return await find_holders(opened, node.platform, port)
+
+        holders = run_to_completion(look)
+    except (TransportError, OSError, TimeoutError) as exc:
+        return (
+            "",
+            f"Could not check whether port {port} is free on {node.name} ({exc}); Deploy checks it again.",
+        )
+    foreign = [h for h in holders if not h.ours]
+    if not foreign:
+        return "", ""
+    holder = foreign[0]
+    if node.is_local and (holder.pid == os.getpid() or port == console_port):
+        what = "the console's own web server"
+    else:
+        what = holder.describe()
+    return f"Port {port} on {node.name} is in use by {what}; choose another.", ""
 
 
 def endpoint_form(data, coordinator: Node) -> EndpointForm:

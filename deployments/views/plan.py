@@ -16,7 +16,7 @@ from django_htmx.http import reswap
 from audit import history
 from builds.offers import plan_device_refusal
 from deployments.charts import bars
-from deployments.endpoint import EndpointForm, bind_host, endpoint_form
+from deployments.endpoint import EndpointForm, bind_host, endpoint_form, port_taken
 from deployments.forms import PlanForm
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
@@ -211,6 +211,17 @@ def plan_confirm(request, pk: int):
     if token and (earlier := Deployment.objects.filter(confirm_token=token).first()):
         messages.info(request, f"This plan was already confirmed as {earlier.name}.")
         return redirect(earlier.get_absolute_url())
+    port = endpoint.cleaned_data["port"]
+    taken, unchecked = port_taken(coordinator, port, console_port=_console_port(request))
+    if taken:
+        endpoint.add_error("port", taken)
+        context = _preview_context(request, model, form)
+        context["confirm_token"] = token or context["confirm_token"]
+        context["endpoint_form"] = endpoint
+        context["error"] = f"Nothing was confirmed: {taken}"
+        return render(request, "deployments/plan_preview.html", context, status=409)
+    if unchecked:
+        messages.warning(request, unchecked)
     deploy_now = request.POST.get("then") == "deploy"
     try:
         deployment = _confirm(request, model, form, plan, endpoint, token, deploy=deploy_now)
@@ -254,6 +265,13 @@ def _deploy_refusal(user, plan: dict) -> str:
 
 class DeployRefused(Exception):
     """Confirm and deploy: the deploy was refused, so the confirmation is rolled back with it."""
+
+
+def _console_port(request) -> int | None:
+    try:
+        return int(request.META.get("SERVER_PORT") or 0) or None
+    except ValueError:
+        return None
 
 
 def _confirm_token(data) -> str | None:
