@@ -22,7 +22,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
 from django.http import JsonResponse, StreamingHttpResponse
-from django.shortcuts import get_object_or_404
+from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
@@ -30,7 +30,7 @@ from chat.relay import ChatInputError, _error_text, _json_or_text, event, parse_
 from deployments.endpoint import endpoint_url
 from deployments.models import Deployment, DeploymentState
 from llamacpp.args import model_alias
-from ramdeck_site.roles import CHAT, role_required
+from ramdeck_site.roles import CHAT, VIEWER, role_required
 from remote.bounded_http import IDENTITY, MAX_ERROR_BYTES, AnswerTooLarge, capped_lines, read_prefix
 
 logger = logging.getLogger(__name__)
@@ -144,3 +144,19 @@ async def deployment_chat(request, pk: int):
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # a reverse proxy in front of the console must not hold it back
     return response
+
+
+@role_required(VIEWER)
+def chat_page(request, pk: int):
+    """A deployment's chat on a page of its own, the conversation filling the window (a phone included).
+    htmx polls its state badge (`#chat-state`), so the box opens once llama-server answers and closes
+    when the deployment stops."""
+    deployment = get_object_or_404(Deployment.objects.select_related("model_file"), pk=pk)
+    context = {
+        "deployment": deployment,
+        "model_alias": model_alias(deployment.model_file.name),
+        "standalone": True,
+        "polling": deployment.state not in (DeploymentState.STOPPED, DeploymentState.FAILED),
+    }
+    template = "chat/page.html" + ("#state" if request.htmx else "")
+    return render(request, template, context)

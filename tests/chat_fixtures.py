@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from asgiref.sync import async_to_sync
@@ -143,3 +146,51 @@ def post_chat(user, deployment, messages):
 def chat_events(response) -> list[dict]:
     text = response.body.decode()
     return [json.loads(line[5:]) for line in text.split("\n") if line.startswith("data:")]
+
+
+def stand_in_llama_server(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
+    """Answers POST /v1/chat/completions with `chunks` as `data:` lines, a little apart, like llama-server."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+            seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            if self.headers.get("Authorization") != f"Bearer {KEY}":
+                payload = (
+                    b'{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}'
+                )
+                self.send_response(401)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                for chunk in chunks:
+                    self.wfile.write(f"data: {chunk}\n\n".encode())
+                    self.wfile.flush()
+                    seen[-1]["written"] = seen[-1].get("written", 0) + 1
+                    time.sleep(pause)
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                seen[-1]["hung_up"] = True  # the console closed the connection: llama-server stops there
+            self.close_connection = True
+
+        def log_message(self, *args):
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def delta(text: str, finish=None, **extra) -> str:
+    return json.dumps(
+        {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}], **extra}
+    )

@@ -217,6 +217,7 @@ def household_pages(data: dict) -> dict[str, str]:
         "deployments:detail": reverse("deployments:detail", args=[deployment.pk]),
         "deployments:run": reverse("deployments:run", args=[deployment.pk]),
         "deployments:api_key": reverse("deployments:api_key", args=[deployment.pk]),
+        "chat:page": reverse("chat:page", args=[deployment.pk]),
         "builds:node": reverse("builds:node", args=[desk.name]),
         "deployments:stale": reverse("deployments:stale"),
         # Stop asks first: its GET is the question.

@@ -179,6 +179,13 @@
       form.requestSubmit();
     }
   });
+  // A phone's keyboard has no Shift+Enter: this button puts a line break where the cursor is.
+  document.getElementById("chat-newline")?.addEventListener("click", () => {
+    const start = input.selectionStart ?? input.value.length;
+    const end = input.selectionEnd ?? start;
+    input.setRangeText("\n", start, end, "end");
+    input.focus();
+  });
   stop.addEventListener("click", () => controller?.abort());
   clear.addEventListener("click", () => {
     controller?.abort();

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -17,57 +15,8 @@ from django.urls import reverse
 
 from chat.relay import ChatInputError, parse_conversation, relay
 from deployments.models import DeploymentState
-from tests.chat_fixtures import KEY, chat_deployment, chat_events, post_chat
+from tests.chat_fixtures import KEY, chat_deployment, chat_events, delta, post_chat, stand_in_llama_server
 from tests.factories import NodeFactory
-
-
-def _stand_in(chunks: list[str], seen: list[dict], pause: float = 0.02) -> ThreadingHTTPServer:
-    """Answers POST /v1/chat/completions with `chunks` as `data:` lines, a little apart, like llama-server."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-            seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-            if self.headers.get("Authorization") != f"Bearer {KEY}":
-                payload = (
-                    b'{"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}'
-                )
-                self.send_response(401)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            try:
-                for chunk in chunks:
-                    self.wfile.write(f"data: {chunk}\n\n".encode())
-                    self.wfile.flush()
-                    seen[-1]["written"] = seen[-1].get("written", 0) + 1
-                    time.sleep(pause)
-                self.wfile.write(b"data: [DONE]\n\n")
-            except (BrokenPipeError, ConnectionResetError):
-                seen[-1]["hung_up"] = True  # the console closed the connection: llama-server stops there
-            self.close_connection = True
-
-        def log_message(self, *args):
-            return None
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def _delta(text: str, finish=None, **extra) -> str:
-    return json.dumps(
-        {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}], **extra}
-    )
-
 
 # --------------------------------------------------------------------------------------------------
 # The conversation posted by the page
@@ -101,9 +50,9 @@ async def test_the_relay_passes_text_as_it_comes_and_ends_with_the_speed():
     lines = [
         'data: {"choices": [{"delta": {"role": "assistant", "content": null}}]}',
         "",
-        f"data: {_delta('Hel')}",
-        f"data: {_delta('lo')}",
-        f"data: {_delta('', finish='length', timings=timings)}",
+        f"data: {delta('Hel')}",
+        f"data: {delta('lo')}",
+        f"data: {delta('', finish='length', timings=timings)}",
         "data: [DONE]",
     ]
     events = await _collect(lines)
@@ -115,7 +64,7 @@ async def test_the_relay_passes_text_as_it_comes_and_ends_with_the_speed():
 
 
 async def test_an_error_in_the_stream_is_relayed_as_one_readable_line():
-    events = await _collect([f"data: {_delta('a')}", 'error: {"code": 500, "message": "context full"}'])
+    events = await _collect([f"data: {delta('a')}", 'error: {"code": 500, "message": "context full"}'])
     assert events == [{"delta": "a"}, {"error": "context full"}]
 
 
@@ -126,7 +75,7 @@ async def test_an_error_in_the_stream_is_relayed_as_one_readable_line():
 @pytest.mark.django_db(transaction=True)
 def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator_user, operator_client):
     seen: list[dict] = []
-    server = _stand_in([_delta("Once"), _delta(" upon"), _delta(" a time", finish="stop")], seen)
+    server = stand_in_llama_server([delta("Once"), delta(" upon"), delta(" a time", finish="stop")], seen)
     try:
         deployment = chat_deployment(local_node, server.server_address[1], name="Family, model")
         assert deployment.chat_answered_at is None
@@ -154,7 +103,7 @@ def test_an_operator_chats_and_the_key_stays_on_the_console(local_node, operator
 @pytest.mark.django_db(transaction=True)
 def test_llama_servers_refusal_is_shown_as_its_reason(local_node, operator_user):
     seen: list[dict] = []
-    server = _stand_in([], seen)
+    server = stand_in_llama_server([], seen)
     try:
         deployment = chat_deployment(local_node, server.server_address[1])
         deployment.store_api_key("an old key")
@@ -198,7 +147,7 @@ def test_chat_opens_once_llama_server_answers_while_the_speed_is_still_measured(
     """Verifying comes after the llama-server step saw /health answer: the verify and measure steps (about
     15 s) need not keep people from chatting."""
     seen: list[dict] = []
-    server = _stand_in([_delta("Hello", finish="stop")], seen)
+    server = stand_in_llama_server([delta("Hello", finish="stop")], seen)
     try:
         deployment = chat_deployment(local_node, server.server_address[1], state=DeploymentState.VERIFYING)
         response = post_chat(operator_user, deployment, [{"role": "user", "content": "hi"}])
@@ -228,7 +177,7 @@ def test_the_chat_role_chats_sees_the_endpoint_and_its_key_and_nothing_more(
     local_node, chat_user, chat_client
 ):
     seen: list[dict] = []
-    server = _stand_in([_delta("Hello", finish="stop")], seen)
+    server = stand_in_llama_server([delta("Hello", finish="stop")], seen)
     try:
         deployment = chat_deployment(local_node, server.server_address[1])
         response = post_chat(chat_user, deployment, [{"role": "user", "content": "hi"}])
@@ -275,7 +224,7 @@ def test_a_page_that_goes_away_ends_the_answer_at_llama_server_too(
     """Through daphne: the reader hangs up after the first piece; the console closes its connection to
     llama-server (which then stops generating) instead of reading the answer to its end."""
     seen: list[dict] = []
-    server = _stand_in([_delta(f"word{i} ") for i in range(100)], seen, pause=0.1)
+    server = stand_in_llama_server([delta(f"word{i} ") for i in range(100)], seen, pause=0.1)
     try:
         deployment = chat_deployment(local_node, server.server_address[1])
         web = Client()
@@ -318,7 +267,7 @@ def test_a_database_that_cannot_note_the_first_answer_does_not_break_the_chat(
 
     monkeypatch.setattr(QuerySet, "update", update)
     seen: list[dict] = []
-    server = _stand_in([_delta("Still"), _delta(" here", finish="stop")], seen)
+    server = stand_in_llama_server([delta("Still"), delta(" here", finish="stop")], seen)
     try:
         deployment = chat_deployment(local_node, server.server_address[1])
         events = chat_events(post_chat(operator_user, deployment, [{"role": "user", "content": "Hello"}]))

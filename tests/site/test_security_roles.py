@@ -104,6 +104,7 @@ RULES: dict[str, dict[str, object]] = {
     "deployments:deploy": _rule(LOGIN, 403, 302, 302),
     "deployments:stop": _rule(LOGIN, 403, 200, 200),  # GET asks first; only a POST with confirm stops
     "chat:deployment": _rule(LOGIN, 403, 409, 409, chat=409),  # POST; the matrix's deployment is not running
+    "chat:page": _rule(LOGIN, 200, 200, 200, chat=200),  # viewers are told who may chat
     "deployments:rpc_mode": _rule(LOGIN, 403, 403, 302),  # POST; back to the run page with a message
     "deployments:restart": _rule(LOGIN, 403, 302, 302),
     "deployments:recalibrate": _rule(LOGIN, 403, 302, 302),  # an empty form: back with "choose a node"
