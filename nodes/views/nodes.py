@@ -7,13 +7,15 @@ from django.db import transaction
 from django.db.models import ProtectedError, Q
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.http import urlencode
 from django.views.decorators.http import require_GET, require_POST
 
 from audit import history
 from jobs.models import ACTIVE_STATES as JOB_ACTIVE_STATES
 from jobs.models import Job, refuse_local_node
 from nodes.forms import CredentialForm, NodeFilterForm, NodeForm
-from nodes.models import Credential, Node, Reachability
+from nodes.models import Credential, Node, Reachability, Transport
 from nodes.probe.job import PROBE, start_probe
 from ramdeck_site.roles import ADMIN, OPERATOR, VIEWER, role_required
 
@@ -79,14 +81,50 @@ def node_detail(request, name: str):
 
 @role_required(ADMIN)
 def node_create(request):
-    form = NodeForm(request.POST or None)
+    """Add a node. "Create a credential" on the form keeps what was typed (in the session, never in an
+    address) and comes back here with the new credential chosen. An SSH node is probed as soon as it is
+    added: the probe job is queued when the node's row commits, and the node page shows it."""
+    if request.method == "POST" and request.POST.get("then") == "credential":
+        request.session[NODE_DRAFT] = {k: request.POST.get(k, "") for k in DRAFT_FIELDS if k in request.POST}
+        return redirect(
+            f"{reverse('nodes:credential_create')}?{urlencode({'next': reverse('nodes:create')})}"
+        )
+    if request.method == "POST":
+        form = NodeForm(request.POST)
+    else:
+        initial = request.session.pop(NODE_DRAFT, None) or {}
+        if (chosen := request.GET.get("credential", "")).isdigit():
+            initial["credential"] = int(chosen)
+        form = NodeForm(initial=initial)
     if request.method == "POST" and form.is_valid():
+        probe = None
         with transaction.atomic():
             node = form.save()
             history.record(request, "node.create", node, changes=history.form_changes(form))
-        messages.success(request, f"Node {node.name} added.")
+            if node.transport == Transport.SSH and node.enabled:
+                probe = start_probe(node, user=request.user)
+                if probe is not None:
+                    history.record(request, "node.probe", node, changes={"job": probe.pk})
+        if probe is not None:
+            messages.success(request, f"Node {node.name} added; probing its hardware now.")
+        else:
+            messages.success(request, f"Node {node.name} added.")
         return redirect(node)
     return render(request, "nodes/node_form.html", {"form": form, "node": None})
+
+
+# The Add-a-node form's values kept while its user creates a credential (no secret among them).
+NODE_DRAFT = "node_form_draft"
+DRAFT_FIELDS = (
+    "name", "transport", "platform_hint", "address", "ssh_user", "ssh_port", "rpc_port", "rpc_bind_address",
+    "rpc_bind_everywhere", "rpc_tunnel", "authorized_keys_path", "may_coordinate", "enabled", "notes",
+)  # fmt: skip
+
+
+def _back_to_node_form(request) -> str:
+    """Where the credential form returns when it was opened from the Add-a-node form, or ""."""
+    target = request.POST.get("next") or request.GET.get("next") or ""
+    return target if target == reverse("nodes:create") else ""
 
 
 @role_required(ADMIN)
@@ -147,6 +185,7 @@ def credential_edit(request, pk: int):
 
 def _credential_form(request, credential: Credential):
     creating = credential.pk is None
+    back = _back_to_node_form(request)
     form = CredentialForm(request.POST or None, request.FILES or None, instance=credential)
     if request.method == "POST" and form.is_valid():
         with transaction.atomic():
@@ -160,14 +199,24 @@ def _credential_form(request, credential: Credential):
             history.record(
                 request, "credential.create" if creating else "credential.update", credential, changes=changes
             )
+        back_with_it = f"{back}?{urlencode({'credential': credential.pk})}" if back else ""
         if form.cleaned_data.get("generate"):
             messages.success(
                 request, f"Key pair generated for {credential.name}. Put its public key on each node (below)."
             )
-            return redirect("nodes:credential_edit", pk=credential.pk)
+            edit = reverse("nodes:credential_edit", args=[credential.pk])
+            return redirect(f"{edit}?{urlencode({'next': back})}" if back else edit)
         messages.success(request, f"Credential {credential.name} saved.")
-        return redirect("nodes:credentials")
-    return render(request, "nodes/credential_form.html", {"form": form, "credential": credential})
+        return redirect(back_with_it or "nodes:credentials")
+    context = {
+        "form": form,
+        "credential": credential,
+        "back": back,
+        "back_with_it": f"{back}?{urlencode({'credential': credential.pk})}"
+        if back and credential.pk
+        else "",
+    }
+    return render(request, "nodes/credential_form.html", context)
 
 
 @role_required(ADMIN)

@@ -81,3 +81,19 @@ function labelCardCells(root = document) {
 document.addEventListener("DOMContentLoaded", () => labelCardCells());
 // After a swap the whole page is labelled again: an outerHTML swap's event target may be the replaced element.
 document.addEventListener("htmx:afterSettle", () => labelCardCells());
+
+// The Add-a-node form's "Create a credential" link (templates/nodes/node_form.html): posted with the form, so
+// what was typed is kept (in the session) while the credential is made. A link, not a submit button, so that
+// Enter in a field still adds the node; without JavaScript it opens the credential form, which comes back.
+document.addEventListener("click", (event) => {
+  const link = event.target instanceof Element ? event.target.closest("#create-credential") : null;
+  const form = link?.closest("form");
+  if (!form) return;
+  event.preventDefault();
+  const then = document.createElement("input");
+  then.type = "hidden";
+  then.name = "then";
+  then.value = "credential";
+  form.append(then);
+  form.submit();
+});
