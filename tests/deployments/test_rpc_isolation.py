@@ -240,7 +240,7 @@ def test_only_the_coordinator_reaches_the_rpc_server_in_tunnel_and_direct_mode(t
     assert direct_deployment.state == DeploymentState.STOPPED
     assert rule_tag not in iptables_rules(worker_host)
     cluster.assert_clean(direct_deployment)
-    assert AuditEvent.objects.filter(action="deployment.deploy", changes__rpc_mode="direct").exists()
+    assert AuditEvent.objects.filter(action="deployment.redeploy", changes__rpc_mode="direct").exists()
     print("\nRPC-ISOLATION " + json.dumps({"refusals": REFUSALS}))
     for line in REFUSALS:
         print("  " + line)
