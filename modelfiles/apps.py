@@ -12,3 +12,4 @@ class ModelfilesConfig(AppConfig):
         from jobs import kinds
 
         kinds.register("download", "Download model", "modelfiles.download.download_body")
+        kinds.register("real_model", "Small real model", "modelfiles.real_model.real_model_body")

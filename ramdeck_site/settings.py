@@ -450,6 +450,8 @@ RAMDECK_MODEL_DIRS = [
     for item in env_str("RAMDECK_MODEL_DIRS", str(VAR_DIR / "models")).split(os.pathsep)
     if item.strip()
 ]
+# Where the small real model to try (llamacpp/real_model.py) is put on a remote node (~ is that node's home).
+RAMDECK_NODE_MODEL_DIR = env_str("RAMDECK_NODE_MODEL_DIR", "~/.ramdeck/models")
 # Downloads on the console's own host never fetch from loopback, link-local, private or other non-public
 # addresses (its router, its metadata service, its own Redis) unless an admin lists the networks here
 # (comma-separated CIDRs, e.g. 192.168.1.0/24 for a NAS on the LAN). Redirects: at most this many.

@@ -18,6 +18,7 @@ EXPECTED = {
     "build": "builds",
     "calibrate": "calibration",
     "download": "modelfiles",
+    "real_model": "modelfiles",
     **dict.fromkeys(DEPLOYMENT_KINDS, "deployments"),
 }
 

@@ -92,6 +92,7 @@ RULES: dict[str, dict[str, object]] = {
     "modelfiles:list": _rule(LOGIN, 200, 200, 200),
     "modelfiles:register": _rule(LOGIN, 403, 400, 400),
     "modelfiles:download": _rule(LOGIN, 403, 400, 400),
+    "modelfiles:try_real": _rule(LOGIN, 403, 400, 400),
     "deployments:plan": _rule(LOGIN, 200, 200, 200),
     "deployments:confirm": _rule(LOGIN, 403, 302, 302),  # an empty form: back to the plan page
     "deployments:list": _rule(LOGIN, 200, 200, 200),
