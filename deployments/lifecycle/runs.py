@@ -154,13 +154,7 @@ async def undeploy_body(ctx: JobContext) -> str:
         return f"Rolled back; the deployment failed at step {fail['step']}."
     if state != DeploymentState.STOPPING:
         return f"Nothing to stop: the deployment is {state}."
-    failures = await teardown(ctx, deployment, "stop")
-    if failures:
-        await db(deployment.fail)("stop", "; ".join(failures))
-        await db(audit_run)(deployment, "deployment.stop_failed", {"reason": failures})
-        raise JobFailed("Stopping did not end everything: " + "; ".join(failures))
-    if await db(deployment.mark_stopped)():
-        await db(audit_run)(deployment, "deployment.stopped", {"ports_free": True})
+    await stop_processes(ctx, deployment, "Stopping did not end everything")
     if ctx.job.params.get("restart"):
         # Whoever pressed Restart (the stop run's creator), else the deployment's.
         actor = await db(lambda: ctx.job.created_by or deployment.created_by)()
@@ -168,6 +162,18 @@ async def undeploy_body(ctx: JobContext) -> str:
         await ctx.log(f"Deploying {deployment} again: {message}")
         return "Stopped; deploying it again." if started else f"Stopped; not deployed again: {message}"
     return "Stopped; every process it started is ended and its ports are free."
+
+
+async def stop_processes(ctx: JobContext, deployment: Deployment, failure: str) -> None:
+    """End every process the deployment started and mark it stopped (audited); when something could not
+    be ended the deployment fails and so does the run, its message starting with `failure`."""
+    failures = await teardown(ctx, deployment, "stop")
+    if failures:
+        await db(deployment.fail)("stop", "; ".join(failures))
+        await db(audit_run)(deployment, "deployment.stop_failed", {"reason": failures})
+        raise JobFailed(f"{failure}: " + "; ".join(failures))
+    if await db(deployment.mark_stopped)():
+        await db(audit_run)(deployment, "deployment.stopped", {"ports_free": True})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,20 +189,14 @@ def _calibrate_step(deployment: Deployment, run: Job) -> Job:
 
 async def recalibrate_body(ctx: JobContext) -> str:
     """Stop the deployment as Stop does, calibrate the node once its processes are ended and its claims
-    released, then deploy the same plan again (as Restart does: a new deployment, this one's history kept).
+    released, then deploy the same plan again (as Restart does: a new run of the same deployment).
     It starts again even when the calibration fails: the household gets its model back, with old figures."""
     deployment = await load_deployment(ctx)
     await wait_for_deploy_run(ctx, deployment)
     state = await db(_state_of)(deployment)
     if state != DeploymentState.STOPPING:
         return f"Nothing to do: the deployment is {state}."
-    failures = await teardown(ctx, deployment, "stop")
-    if failures:
-        await db(deployment.fail)("stop", "; ".join(failures))
-        await db(audit_run)(deployment, "deployment.stop_failed", {"reason": failures})
-        raise JobFailed("Stopping did not end everything, so nothing was calibrated: " + "; ".join(failures))
-    if await db(deployment.mark_stopped)():
-        await db(audit_run)(deployment, "deployment.stopped", {"ports_free": True})
+    await stop_processes(ctx, deployment, "Stopping did not end everything, so nothing was calibrated")
     step = await db(_calibrate_step)(deployment, ctx.job)
     calibrated = await ctx.run_child(step)
     actor = await db(lambda: ctx.job.created_by or deployment.created_by)()

@@ -140,7 +140,9 @@ def test_stop_calibrate_start_is_one_run_that_brings_the_same_plan_back_with_rea
     run = run_latest(deployment.pk, lifecycle.RECALIBRATE)
     assert run.state == JobState.SUCCEEDED, (run.result, log_text(run)[-3000:])
     deployment.refresh_from_db()
-    assert deployment.state == DeploymentState.STOPPED and not deployment.claims.exists()
+    # Started again as Redeploy does: a new deploy run of the same deployment, queued, its claims taken again.
+    assert deployment.state == DeploymentState.PREPARING and deployment.claims.exists()
+    assert not Deployment.objects.filter(redeployed_from=deployment).exists()
     steps = [
         (s.name, s.job.state, s.job.parent_id)
         for s in deployment.steps.order_by("order")
@@ -153,15 +155,13 @@ def test_stop_calibrate_start_is_one_run_that_brings_the_same_plan_back_with_rea
     # Never a calibration that failed at once: the only one is the run's own step.
     assert Job.objects.filter(kind="calibrate").count() == 1
 
-    fresh = Deployment.objects.get(redeployed_from=deployment)
-    assert fresh.plan == deployment.plan and fresh.port == deployment.port
-    assert run.result == f"Stopped, calibrated {node.name}, started again as {fresh}."
-    run_deployment(fresh.pk)
-    fresh.refresh_from_db()
-    assert fresh.state == DeploymentState.RUNNING, fresh.state_reason
+    assert run.result == f"Stopped, calibrated {node.name}, started again as {deployment}."
+    run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING, deployment.state_reason
     actions = list(AuditEvent.objects.order_by("pk").values_list("action", flat=True))
     recalibrated = actions.index("deployment.recalibrate")
     assert actions.index("deployment.stopped", recalibrated) < actions.index(
         "deployment.redeploy", recalibrated
     )
-    assert stop(fresh, admin_user, monkeypatch).state == DeploymentState.STOPPED
+    assert stop(deployment, admin_user, monkeypatch).state == DeploymentState.STOPPED
