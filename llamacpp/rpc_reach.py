@@ -94,18 +94,26 @@ def handshakes_argv(host: str, port: int, *, samples: int = 7, wait_s: int = WAI
     return ["perl", "-e", _HANDSHAKES, host, str(int(port)), str(int(samples)), str(int(wait_s))]
 
 
-def parse_handshakes(text: str) -> Reach:
-    """The handshakes' times as a Reach whose `rtt_ms` is their median."""
+def _last_result(text: str) -> list[str] | Reach:
+    """The words of the client's last "ok …" line, or the failure it (or its absence) means."""
     lines = [line for line in text.splitlines() if line.startswith(("ok ", "fail "))]
     if not lines:
         return Reach(False, "run", (text.strip().splitlines() or ["no output"])[-1][:300])
     words = lines[-1].split()
     if words[0] == "fail":
         return Reach(False, words[1] if len(words) > 1 else "run", " ".join(words[2:])[:300])
+    return words
+
+
+def parse_handshakes(text: str) -> Reach:
+    """The handshakes' times as a Reach whose `rtt_ms` is their median."""
+    words = _last_result(text)
+    if isinstance(words, Reach):
+        return words
     try:
         times = () if words[1] == "-" else tuple(float(x) for x in words[1].split(","))
     except (IndexError, ValueError):
-        return Reach(False, "run", lines[-1][:300])
+        return Reach(False, "run", " ".join(words)[:300])
     return Reach(True, connect_ms=min(times) if times else None, pings_ms=times)
 
 
@@ -131,19 +139,16 @@ def _ms(word: str) -> float | None:
 
 
 def parse_reach(text: str) -> Reach:
-    lines = [line for line in text.splitlines() if line.startswith(("ok ", "fail "))]
-    if not lines:
-        return Reach(False, "run", (text.strip().splitlines() or ["no output"])[-1][:300])
-    words = lines[-1].split()
-    if words[0] == "fail":
-        return Reach(False, words[1] if len(words) > 1 else "run", " ".join(words[2:])[:300])
+    words = _last_result(text)
+    if isinstance(words, Reach):
+        return words
     try:
         pings = tuple(float(x) for x in words[4].split(",")) if len(words) > 4 and words[4] != "-" else ()
         return Reach(
             True, connect_ms=_ms(words[1]), hello_ms=_ms(words[2]), protocol=words[3], pings_ms=pings
         )
     except (IndexError, ValueError):
-        return Reach(False, "run", lines[-1][:300])
+        return Reach(False, "run", " ".join(words)[:300])
 
 
 def likely_cause(reach: Reach, *, tunnel: bool) -> str:
