@@ -45,6 +45,8 @@ POST_ONLY = {
     "deployments:self_heal": "turns self-healing on or off (the switch is on the run page)",
     "chat:deployment": "streams a chat answer (the chat box is on the run page)",
     "deployments:rpc_mode": "chooses tunnel or direct RPC (the form is on the run page)",
+    "modelfiles:try_real": "registers the small real model (the button is on the models page)",
+    "deployments:recalibrate": "stops, calibrates a node and starts again (the button is on the node page)",
 }
 NOT_PAGES = {
     "dashboard_live": "the dashboard's live regions as htmx fragments (its polling fallback)",
@@ -200,6 +202,7 @@ def _post_only_url(name: str, data: dict) -> str:
         "deployments:self_heal": [data["deployment"].pk],
         "chat:deployment": [data["deployment"].pk],
         "deployments:rpc_mode": [data["deployment"].pk],
+        "deployments:recalibrate": [data["deployment"].pk],
     }
     return reverse(name, args=args_by_route.get(name, []))
 

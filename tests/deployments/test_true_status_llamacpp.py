@@ -154,16 +154,17 @@ def test_a_killed_llama_server_takes_the_deployment_out_of_running_and_its_memor
     degraded = AuditEvent.objects.get(action="deployment.degraded", object_id=str(deployment.pk))
     assert degraded.actor is None and sentence(degraded).startswith("the console's monitor saw deployment")
 
-    # The Restart button: the same plan runs again, as a new deployment.
+    # The Restart button: the stop run ends what is left, then the same deployment is deployed again (a new
+    # run of it, not a second deployment of the same name).
     monkeypatch.setattr("jobs.models.Job.send_to_worker", lambda job: True)
     response = browser.post(reverse("deployments:restart", args=[deployment.pk]))
     assert response.status_code == 302
     run_stop(deployment.pk)
     deployment.refresh_from_db()
-    assert deployment.state == DeploymentState.STOPPED
-    fresh = Deployment.objects.get(redeployed_from=deployment)
-    run_deployment(fresh.pk)
-    fresh.refresh_from_db()
-    assert fresh.state == DeploymentState.RUNNING, (fresh.failed_step, fresh.state_reason)
+    assert deployment.state == DeploymentState.PREPARING and not deployment.processes
+    assert not Deployment.objects.filter(redeployed_from=deployment).exists()
+    run_deployment(deployment.pk)
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
     body = browser.get(reverse("dashboard")).content.decode()
-    assert f'id="dash-deployment-{fresh.pk}"' in body and "Not working" not in body
+    assert f'id="dash-deployment-{deployment.pk}"' in body and "Not working" not in body

@@ -48,7 +48,7 @@ def test_new_admin_manages_a_node_and_finds_it_all_in_the_audit_history(live_ser
     # Edit it.
     page.click("text=Edit")
     page.fill("input[name=address]", "192.0.2.41")
-    page.click("text=Save")
+    page.get_by_role("button", name="Save", exact=True).click()
     expect(page.locator(".message.success")).to_contain_text("Node attic-pc saved.")
     expect(page.locator("dd.mono").first).to_have_text("192.0.2.41")
 
