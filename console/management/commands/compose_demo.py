@@ -1,5 +1,7 @@
 """Prepare the docker compose trial: demo nodes registered with a key they accept, their host keys waiting
-for an admin's approval, and a small generated model on the volume the nodes share, registered.
+for an admin's approval. The demo nodes carry llama.cpp (compose/demo-node), which their first probe finds
+and records; the model is the small real one the Models page offers (modelfiles/real_model.py), which
+replaced the generated one with random weights that this command used to register.
 
 docker-compose.yml runs it in the web service on every start. Each step looks at what exists first, so a
 restart changes nothing that is already there: not the key, not an admin's edits to the nodes, not an
@@ -23,21 +25,17 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from audit import history
-from llamacpp import gguf as gguf_profile
-from llamacpp.tiny_model import write_tiny_llama
-from modelfiles.models import ModelFile
 from nodes.models import Credential, CredentialKind, Node, Transport
 from nodes.transports import NodeSSHTransport, target_for_node
 from remote.base import HostKeyChanged, HostKeyUnknown, TransportError
 from remote.ssh import SSHTarget
 
 CREDENTIAL_NAME = "compose-demo-key"
-MODEL_NAME = "tiny-llama-demo"
 ACTOR = "compose_demo"
 
 
 class Command(BaseCommand):
-    help = "Register the compose trial's demo nodes (host keys pending approval) and its demo model."
+    help = "Register the compose trial's demo nodes (their host keys pending approval)."
 
     def add_arguments(self, parser):
         parser.add_argument(
@@ -51,7 +49,7 @@ class Command(BaseCommand):
             "--share",
             required=True,
             help="The volume shared with the demo nodes, mounted at the same path on them: "
-            "authorized_keys and models/ go there.",
+            "authorized_keys goes there.",
         )
         parser.add_argument(
             "--contact-timeout",
@@ -66,9 +64,8 @@ class Command(BaseCommand):
             raise CommandError(f"--share {share} is not a folder (is the demo volume mounted?).")
         credential = self._credential()
         _write_atomically(share_dir / "authorized_keys", _public_key_line(credential) + "\n", mode=0o644)
-        # The first node may coordinate: the demo model is registered on it.
+        # The first node may coordinate.
         demo_nodes = [self._node(name, credential, coordinator=i == 0) for i, name in enumerate(nodes)]
-        self._model(demo_nodes[0], share_dir / "models" / f"{MODEL_NAME}.gguf")
         first_contact = [n for n in demo_nodes if n.enabled and not (n.host_key or n.pending_host_key)]
         if first_contact:
             # Targets are built here: they read (and decrypt) the credential, which async code may not.
@@ -132,35 +129,6 @@ class Command(BaseCommand):
             )
         self.stdout.write(f"Registered demo node {name}.")
         return node
-
-    def _model(self, node: Node, path: Path) -> None:
-        """The demo model: written to the share (the nodes see it at the same path), then registered on
-        the first node as the model page registers a file: from its parsed GGUF header."""
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".part")
-            write_tiny_llama(partial)
-            partial.rename(path)
-        if ModelFile.objects.filter(name=MODEL_NAME).exists():
-            return
-        profile = gguf_profile.profile_path(path)
-        with transaction.atomic():
-            model = ModelFile.objects.create(
-                name=MODEL_NAME,
-                node=node,
-                path=str(path),
-                shard_paths=profile.pop("shard_paths", [str(path)]),
-                size_bytes=profile.get("size_bytes", 0),
-                profile=profile,
-            )
-            history.record(
-                None,
-                "model.register",
-                model,
-                changes={"node": node.name, "path": str(path), "architecture": profile["architecture"]},
-                actor_name=ACTOR,
-            )
-        self.stdout.write(f"Registered the demo model {MODEL_NAME} ({model.size_bytes:,} bytes) on {node}.")
 
 
 # -- first contact: the offered host keys become pending -------------------------------------------------
