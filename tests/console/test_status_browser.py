@@ -24,7 +24,7 @@ from playwright.sync_api import expect
 from deployments import monitor
 from deployments.models import Deployment, DeploymentState
 from modelfiles.models import ModelFile
-from nodes.models import Reachability
+from nodes.models import Reachability, Transport
 from ramdeck_site.roles import may_use
 from tests.browser import REPORT_CSP_VIOLATIONS, csp_problems, log_in
 from tests.console.test_error_pages import UNKNOWN_PATHS
@@ -314,3 +314,33 @@ def test_every_copy_button_puts_its_snippet_on_the_clipboard(live_server_url, br
             assert sorted(copied) == sorted(snippets), copied
             for selector, text in copied.items():
                 assert text and text == _shown(page, selector), (role, selector, text)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_on_the_consoles_own_host_an_operator_is_told_an_admin_restarts_it_instead_of_a_button_that_refuses(
+    live_server_url, browser, family, width
+):
+    desk = NodeFactory(name="desk", address="127.0.0.1", transport=Transport.LOCAL, may_coordinate=True,
+                       last_seen_at=timezone.now(), reachability=Reachability.REACHABLE)  # fmt: skip
+    broken = _running("phi", desk, 8082)
+    _left_degraded_by_the_monitor(broken)
+    run_url = f"{live_server_url}{reverse('deployments:run', args=[broken.pk])}"
+    for role in ("admin", "operator"):
+        admin = role == "admin"
+        with browsing(browser, live_server_url, family[role], width) as page:
+            expect(page.locator(f"#dash-down-{broken.pk}")).to_contain_text("is not working")
+            expect(page.locator(f"#dash-restart-{broken.pk}")).to_have_count(1 if admin else 0)
+            page.goto(run_url)
+            expect(page.locator("#down-sentence")).to_contain_text(f"{broken.name} is not working")
+            for button in ("#restart-button", "#stop-button"):
+                expect(page.locator(button)).to_have_count(1 if admin else 0)
+            note = page.locator("#admins-only")
+            if admin:
+                expect(note).to_have_count(0)
+            else:
+                expect(note).to_contain_text("desk is the console's own host")
+                # The Stop question, reached by its address, says the same rather than offer a refusal.
+                page.goto(f"{live_server_url}{reverse('deployments:stop', args=[broken.pk])}")
+                expect(page.locator("#admins-only")).to_contain_text("Ask an admin to stop it.")
+                expect(page.locator("#confirm-stop")).to_have_count(0)
+            fits_the_window(page)
