@@ -26,7 +26,7 @@ from deployments.models import Deployment, DeploymentState
 from modelfiles.models import ModelFile
 from nodes.models import Reachability, Transport
 from ramdeck_site.roles import may_use
-from tests.browser import REPORT_CSP_VIOLATIONS, csp_problems, log_in
+from tests.browser import CHROMIUM_FLAGS, REPORT_CSP_VIOLATIONS, chromium_path, csp_problems, log_in
 from tests.console.test_error_pages import UNKNOWN_PATHS
 from tests.factories import PASSWORD, DeviceFactory, NodeFactory, UserFactory
 
@@ -344,3 +344,62 @@ def test_on_the_consoles_own_host_an_operator_is_told_an_admin_restarts_it_inste
                 expect(page.locator("#admins-only")).to_contain_text("Ask an admin to stop it.")
                 expect(page.locator("#confirm-stop")).to_have_count(0)
             fits_the_window(page)
+
+
+LAN_NAME = "ramdeck.home.arpa"  # how the household reaches the console with RAMDECK_BIND=0.0.0.0
+
+
+@pytest.fixture
+def lan_browser(browser):
+    """A Chromium that finds LAN_NAME at 127.0.0.1: a page from http://ramdeck.home.arpa:PORT is no secure
+    context (only loopback and https are), as the console is over plain http from another machine."""
+    instance = browser.browser_type.launch(
+        executable_path=chromium_path(),
+        headless=True,
+        args=[*CHROMIUM_FLAGS, f"--host-resolver-rules=MAP {LAN_NAME} 127.0.0.1"],
+    )
+    yield instance
+    instance.close()
+
+
+@pytest.fixture
+def lan_hosts(settings):
+    """Set before the live server forks, so it answers to LAN_NAME."""
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, LAN_NAME]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_copy_buttons_work_over_plain_http_from_another_machine(
+    lan_hosts, live_server_url, lan_browser, family, width
+):
+    working = family["working"]
+    lan_url = live_server_url.replace("127.0.0.1", LAN_NAME)
+    context = lan_browser.new_context(viewport={"width": width, "height": 900})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=live_server_url)
+    context.set_default_timeout(15_000)
+    context.add_init_script(REPORT_CSP_VIOLATIONS)
+    console: list[str] = []
+    try:
+        page = context.new_page()
+        page.on("console", lambda message: console.append(message.text))
+        log_in(page, lan_url, family["chat"].username, PASSWORD)
+        page.goto(f"{lan_url}{reverse('deployments:api_key', args=[working.pk])}")
+        assert not page.evaluate("window.isSecureContext") and page.evaluate("!navigator.clipboard")
+        # The clipboard is read from a page that may read it: one on loopback, in the same browser.
+        reader = context.new_page()
+        reader.goto(f"{live_server_url}/login/")
+        buttons = page.locator("[data-copy]:visible")
+        assert buttons.count() == 5
+        for index in range(buttons.count()):
+            button = buttons.nth(index)
+            selector = button.get_attribute("data-copy")
+            reader.evaluate("navigator.clipboard.writeText('')")
+            page.bring_to_front()
+            button.click()
+            expect(button).to_have_text("Copied")
+            reader.bring_to_front()
+            text = reader.evaluate("navigator.clipboard.readText()")
+            assert text and text == _shown(page, selector), (selector, text)
+    finally:
+        context.close()
+    assert not csp_problems(console), csp_problems(console)
