@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -23,12 +24,28 @@ MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short s
 MEASURE_TOKENS = 32
 
 
+# llama-server writes its log from a thread of its own: on a busy machine the lines of the load (with -lv 4,
+# thousands of them) can reach the file seconds after /health already answers. How long verify waits for them.
+LOAD_REPORT_WAIT_S = 30.0
+LOAD_REPORT_PATTERN = "buffer size|offloaded|n_ctx|n_seq_max|n_slots|training context"
+
+
+async def read_load_report(transport, log_path: str, *, wait: float = LOAD_REPORT_WAIT_S) -> str:
+    """The lines of llama-server's log that say where llama.cpp put what, once its buffer sizes are in the
+    file (or what is there after `wait` seconds: the comparison then says what is missing)."""
+    deadline = asyncio.get_running_loop().time() + wait
+    while True:
+        result = await transport.run(["grep", "-E", LOAD_REPORT_PATTERN, log_path], timeout=60)
+        text = "\n".join(line.text for line in result.lines if line.stream == "out")
+        if "buffer size" in text or asyncio.get_running_loop().time() >= deadline:
+            return text
+        await asyncio.sleep(0.5)
+
+
 async def verify_body(ctx) -> str:
     deployment = await load_deployment(ctx)
     info = llama_process(deployment)
-    pattern = "buffer size|offloaded|n_ctx|n_seq_max|n_slots|training context"
-    result = await ctx.transport.run(["grep", "-E", pattern, info["log"]], timeout=60)
-    log_text = "\n".join(line.text for line in result.lines if line.stream == "out")
+    log_text = await read_load_report(ctx.transport, info["log"])
     log_text = rpc_guard.planned_endpoints_in(log_text, info.get("local_ends") or {})
     report = placement.compare(deployment.plan, log_text)
     for line in report["lines"]:

@@ -74,7 +74,9 @@ def run_context(user, deployment: Deployment) -> dict:
     measured = deployment.measured_decode_tps
     deploy_runs = list(lifecycle.runs_of(deployment, lifecycle.DEPLOY)[:11])
     steps = _steps(deployment, deploy_runs[0] if deploy_runs else None)
-    on_console_host = bool(lifecycle.local_refusal(deployment, user))
+    # Why this user may not start or stop it (its nodes include the console's own host), or "".
+    local_refusal = lifecycle.local_refusal(deployment, user)
+    on_console_host = bool(local_refusal)
     return {
         # Templates ask `user|may:"route"` before offering an action; the websocket re-render has no request.
         "user": user,
@@ -109,10 +111,16 @@ def run_context(user, deployment: Deployment) -> dict:
         # The API key is shown to the chat role too (a family member's chat program needs it), with the same
         # exception: the console's own host's is the admins'.
         "may_see_key": may_use(user, "deployments:api_key") and not on_console_host,
-        "may_deploy": deployment.state == DeploymentState.CONFIRMED,
-        "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
-        "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED),
-        "may_redeploy": deployment.state in REDEPLOYABLE_STATES,
+        # Deploy, Stop, Restart and Redeploy start or end processes: on the console's own host they are the
+        # admins' (lifecycle.local_refusal), so an operator is told so instead of shown buttons that refuse.
+        "local_refusal": local_refusal,
+        "may_deploy": deployment.state == DeploymentState.CONFIRMED and not on_console_host,
+        "may_stop": deployment.state in ACTIVE_STATES
+        and deployment.state != DeploymentState.STOPPING
+        and not on_console_host,
+        "may_restart": deployment.state in (DeploymentState.RUNNING, DeploymentState.DEGRADED)
+        and not on_console_host,
+        "may_redeploy": deployment.state in REDEPLOYABLE_STATES and not on_console_host,
         "may_delete": deployment.state in lifecycle.DELETABLE_STATES,
         # This deployment's earlier deploy runs (Redeploy and Restart start a new run of the same one).
         "earlier_runs": deploy_runs[1:],
@@ -227,6 +235,7 @@ def deployment_stop(request, pk: int):
             "rows": rows,
             "endpoint": endpoint_url(deployment),
             "may_stop": deployment.state in ACTIVE_STATES and deployment.state != DeploymentState.STOPPING,
+            "local_refusal": lifecycle.local_refusal(deployment, request.user),
         }
         status = 400 if request.method == "POST" else 200
         return render(request, "deployments/lifecycle/stop_confirm.html", context, status=status)

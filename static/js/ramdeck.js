@@ -1,16 +1,60 @@
 // Small behaviours shared by every page. htmx does the heavy lifting.
 
 // Copy buttons: <button data-copy="#element-id">Copy</button>
+//
+// navigator.clipboard exists only in a secure context (https, or loopback). A console opened over plain
+// http from another machine of the household (RAMDECK_BIND=0.0.0.0) has none, so the text is copied there
+// through a selection in a hidden text box, which browsers still allow on a click.
+const copyBySelection = (text) => {
+  const buffer = document.createElement("textarea");
+  buffer.value = text;
+  buffer.readOnly = true;
+  buffer.className = "copy-buffer";
+  document.body.append(buffer);
+  buffer.select();
+  let copied = false;
+  try {
+    copied = document.execCommand("copy");
+  } finally {
+    buffer.remove();
+  }
+  return copied ? Promise.resolve() : Promise.reject(new Error("the browser refused to copy"));
+};
+
+const copyText = (text) =>
+  window.isSecureContext && navigator.clipboard ? navigator.clipboard.writeText(text) : copyBySelection(text);
+
+// Nothing could be copied: the text is selected instead, for the reader's own Ctrl+C.
+const selectForCopying = (source) => {
+  if (source.select) {
+    source.select();
+    return;
+  }
+  const range = document.createRange();
+  range.selectNodeContents(source);
+  const selection = window.getSelection();
+  selection.removeAllRanges();
+  selection.addRange(range);
+};
+
 document.addEventListener("click", (event) => {
   const button = event.target.closest("[data-copy]");
   if (!button) return;
   const source = document.querySelector(button.dataset.copy);
   if (!source) return;
-  navigator.clipboard.writeText(source.value ?? source.textContent).then(() => {
-    const label = button.textContent;
-    button.textContent = "Copied";
+  const label = button.dataset.label ?? button.textContent;
+  button.dataset.label = label;
+  const say = (text) => {
+    button.textContent = text;
     setTimeout(() => { button.textContent = label; }, 1500);
-  });
+  };
+  copyText(source.value ?? source.textContent).then(
+    () => say("Copied"),
+    () => {
+      selectForCopying(source);
+      say("Selected: press Ctrl+C");
+    },
+  );
 });
 
 // Plain forms that ask first: <form data-confirm="Delete this?"> (no inline onsubmit: the page's

@@ -53,9 +53,15 @@ def celery_worker(lab_node_host, transactional_db, tmp_path):
 
 
 @pytest.fixture
-def live_url(celery_worker, settings, live_server_url):
-    """The live server, forked after the worker's queue became the console's and with short chat answers."""
+def short_answers(settings):
+    """Set before the live server forks (a setting changed after the fork never reaches it), so the chat
+    answers with at most CHAT_MAX_TOKENS tokens."""
     settings.RAMDECK_CHAT_MAX_TOKENS = CHAT_MAX_TOKENS
+
+
+@pytest.fixture
+def live_url(celery_worker, short_answers, live_server_url):
+    """The live server, forked after the worker's queue became the console's and with short chat answers."""
     return live_server_url
 
 

@@ -363,3 +363,43 @@ def test_a_key_file_is_written_from_memory_0600_and_nothing_passes_through_the_c
     assert path.read_text() == "the-api-key\n" and oct(path.stat().st_mode & 0o777) == "0o600"
     assert during == [[]] and list(console_tmp.iterdir()) == []
     assert ctx.lines == []  # not a word of it in the job log
+
+
+LOAD_LINES = [
+    "load_tensors: offloaded 5/5 layers to GPU",
+    "load_tensors:          CPU model buffer size =     1.94 MiB",
+    "llama_kv_cache:        CPU KV buffer size =     2.00 MiB",
+]
+
+
+def test_verify_waits_for_the_load_report_that_llama_servers_log_thread_writes_late(tmp_path):
+    from deployments.steps.checks import read_load_report
+    from remote.local import LocalTransport
+
+    log = tmp_path / "llama-server.log"
+    log.write_text("main: loading model\n")  # /health answers before the load's lines reach the file
+
+    async def scenario():
+        async def catch_up():
+            await asyncio.sleep(1.5)
+            with log.open("a") as handle:
+                handle.write("\n".join(LOAD_LINES) + "\nmain: server is listening\n")
+
+        async with LocalTransport(command_timeout=30) as transport:
+            late = asyncio.create_task(catch_up())
+            started = asyncio.get_running_loop().time()
+            text = await read_load_report(transport, str(log), wait=20)
+            waited = asyncio.get_running_loop().time() - started
+            await late
+            # A log that never holds them is read again until the wait is over, then taken as it is.
+            missing = tmp_path / "quiet.log"
+            missing.write_text("main: server is listening\n")
+            started = asyncio.get_running_loop().time()
+            quiet = await read_load_report(transport, str(missing), wait=1.0)
+            gave_up = asyncio.get_running_loop().time() - started
+        return text, waited, quiet, gave_up
+
+    text, waited, quiet, gave_up = asyncio.run(scenario())
+    assert text.splitlines() == LOAD_LINES
+    assert 1.5 <= waited < 10
+    assert quiet == "" and 1.0 <= gave_up < 5

@@ -4,6 +4,7 @@ until it answers; deleting a node takes its probe history off the dashboard."""
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -164,3 +165,34 @@ def test_the_wait_between_looks_at_an_offline_node_doubles_up_to_the_limit(setti
         node.last_probe_at = due
     assert waits == [5, 5, 10, 20, 40, 60, 60, 60]
     assert Node(name="desk").next_probe_at() is None  # a node that answers: every round
+
+
+def _text(html: str) -> str:
+    return " ".join(re.sub(r"<[^>]+>", " ", html).split())
+
+
+def _banner(client, node: Node) -> str:
+    body = client.get(node.get_absolute_url()).content.decode()
+    if 'id="unreachable-banner"' not in body:
+        return ""
+    return body.split('id="unreachable-banner"', 1)[1].split("</div>", 1)[0]
+
+
+def test_the_node_page_says_since_when_a_node_is_offline_in_the_dashboards_one_line(viewer_client):
+    node = NodeFactory(name="pc2", last_seen_at=timezone.now() - timedelta(hours=3),
+                       reachability=Reachability.REACHABLE)  # fmt: skip
+    assert _banner(viewer_client, node) == ""
+    assert node.mark_unreachable("10.77.3.2:22 did not answer within 10 s.\nssh: connect timed out")
+    banner = _banner(viewer_client, node)
+    since = timezone.localtime(node.unreachable_since)
+    sentence = f"pc2 offline since {since:%H:%M}, last seen 3\xa0hours ago"
+    assert sentence in banner and "Offline</span>" in banner and "did not answer within 10 s." in banner
+    assert "Unreachable." not in banner  # the sentence says it, with since when
+    # The same line as the dashboard's, which links to the node page; both keep to one line of reason.
+    line = offline_line(viewer_client, node)
+    assert sentence in line and f'href="{node.get_absolute_url()}"' in line
+    assert _text(line.split(">", 1)[1]) == _text(banner.split(">", 1)[1])
+    # A second failure keeps the reason current, not the time it went away.
+    node.mark_unreachable("No route to host")
+    banner = _banner(viewer_client, node)
+    assert sentence in banner and "No route to host" in banner and "did not answer" not in banner

@@ -337,14 +337,17 @@ def test_no_page_offers_a_role_a_link_or_a_form_that_refuses_it(db, world):
     assert not wrong + running, "Pages offering what refuses the role:\n" + "\n".join(wrong + running)
     # The running deployment's page did offer the running actions to those who may use them.
     pages = {}
-    for role in ("viewer", "chat", "operator"):
+    for role in ("viewer", "chat", "operator", "admin"):
         client = Client()
         client.force_login(world["users"][role])
         pages[role] = client.get(reverse("deployments:run", args=[deployment.pk])).content.decode()
     assert "Chat with it" not in pages["viewer"] and "Re-calibrate" not in pages["viewer"]
     assert "Chat with it" in pages["chat"] and 'id="chat-form"' in pages["chat"]
     assert "Re-calibrate" not in pages["chat"] and 'id="stop-button"' not in pages["chat"]
-    assert "Re-calibrate" in pages["operator"] and 'id="stop-button"' in pages["operator"]
+    # It runs on desk, the console's own host: stopping it is the admins'; an operator is told so instead.
+    assert "Re-calibrate" in pages["operator"] and 'id="stop-button"' not in pages["operator"]
+    assert "desk is the console&#x27;s own host" in pages["operator"].split('id="admins-only"', 1)[1]
+    assert 'id="stop-button"' in pages["admin"] and 'id="admins-only"' not in pages["admin"]
 
 
 # --- Websockets -------------------------------------------------------------------------------------------
