@@ -17,6 +17,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from llamacpp.rpc_reach import firewall_fix
+
 NETWORKING_MODES = ("nat", "mirrored", "virtioproxy", "none")
 # With DNS tunnelling (on by default in recent WSL) this address sits on the VM's loopback interface and
 # `hostname -I` lists it: it is not where Windows can forward to.
@@ -126,7 +128,8 @@ class WindowsSide:
 
     @property
     def rpc_firewall_rule(self) -> str:
-        return self.firewall_rule(self.rpc_port)
+        """The same rule the deployment's preflight names when a Windows worker's port is closed."""
+        return firewall_fix("windows", "", self.rpc_port)
 
     @property
     def ssh_forward(self) -> str:
@@ -136,14 +139,22 @@ class WindowsSide:
     def ssh_firewall_rule(self) -> str:
         return self.firewall_rule(self.ssh_port)
 
+    @staticmethod
+    def hyperv_rule_for(port: int, name: str) -> str:
+        """Mirrored networking: Hyper-V's firewall admits `port` into WSL's VM (PowerShell)."""
+        return (
+            f'New-NetFirewallHyperVRule -Name "RAMDeck-{name}-{port}" -DisplayName "RAMDeck {name} {port}" '
+            f'-Direction Inbound -VMCreatorId "{WSL_VM_CREATOR_ID}" -Protocol TCP -LocalPorts {port} '
+            "-Action Allow"
+        )
+
     @property
     def hyperv_rule(self) -> str:
-        """Mirrored networking: Hyper-V's firewall admits the RPC port into WSL's VM (PowerShell)."""
-        return (
-            f'New-NetFirewallHyperVRule -Name "RAMDeck-RPC-{self.rpc_port}" -DisplayName "RAMDeck RPC '
-            f'{self.rpc_port}" -Direction Inbound -VMCreatorId "{WSL_VM_CREATOR_ID}" -Protocol TCP '
-            f"-LocalPorts {self.rpc_port} -Action Allow"
-        )
+        return self.hyperv_rule_for(self.rpc_port, "RPC")
+
+    @property
+    def ssh_hyperv_rule(self) -> str:
+        return self.hyperv_rule_for(self.ssh_port, "SSH")
 
     wslconfig = WSLCONFIG
 

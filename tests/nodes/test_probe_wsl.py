@@ -94,8 +94,12 @@ def test_the_windows_side_lines_carry_the_nodes_ports_and_only_a_real_address():
         "connectaddress=172.29.144.5"
     )
     assert side.rpc_firewall_rule == (
-        'netsh advfirewall firewall add rule name="RAMDeck TCP 50123" dir=in action=allow protocol=TCP '
+        'netsh advfirewall firewall add rule name="ggml-rpc-server 50123" dir=in action=allow protocol=TCP '
         "localport=50123"
+    )
+    assert side.ssh_firewall_rule == (
+        'netsh advfirewall firewall add rule name="RAMDeck TCP 2222" dir=in action=allow protocol=TCP '
+        "localport=2222"
     )
     assert "listenport=2222" in side.ssh_forward and "connectport=2222" in side.ssh_forward
     hostile = windows_side({"version": 2, "address": "& calc.exe"}, rpc_port=50052, ssh_port=22)
@@ -112,7 +116,7 @@ def test_the_node_page_of_a_wsl2_node_shows_the_port_forward_for_its_rpc_port(vi
         "netsh interface portproxy add v4tov4 listenport=50123 listenaddress=0.0.0.0 connectport=50123 "
         "connectaddress=172.29.144.5"
     ) in page
-    rule = "netsh advfirewall firewall add rule name=&quot;RAMDeck TCP 50123&quot; dir=in action=allow"
+    rule = "netsh advfirewall firewall add rule name=&quot;ggml-rpc-server 50123&quot; dir=in action=allow"
     assert rule in page
     assert "networkingMode=mirrored" in page and "wsl --shutdown" in page
     # The hardware panel that htmx refreshes carries it as well.
