@@ -91,7 +91,9 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     assert build.source_kind == "existing" and build.llama_server_path == f"{llamacpp_on_path}/llama-server"
     assert build.rpc_protocol and build.version
     # The recorded build queued this machine's first calibration by itself: the plan rests on measurements.
-    calibration = Job.objects.get(node=node, kind="calibrate")
+    queued = Job.objects.filter(node=node, kind="calibrate")
+    wait_for(queued.exists, timeout=60, what="the calibration the build queues")
+    calibration = queued.get()
     ended = lambda: Job.objects.get(pk=calibration.pk).is_terminal  # noqa: E731
     wait_for(ended, timeout=300, what="the first calibration")
     calibration.refresh_from_db()

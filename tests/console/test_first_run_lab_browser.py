@@ -137,7 +137,9 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     assert build.rpc_protocol and build.llama_server_path.endswith("/llama-server")
     assert "build" in dashboard(page, live_url, 5)
     # The recorded build queued the node's first calibration by itself; it ticks the next step.
-    calibration = Job.objects.get(node=node, kind="calibrate")
+    queued = Job.objects.filter(node=node, kind="calibrate")
+    wait_for(queued.exists, timeout=60, what="the calibration the build queues")
+    calibration = queued.get()
     ended = lambda: Job.objects.get(pk=calibration.pk).is_terminal  # noqa: E731
     wait_for(ended, timeout=300, what="the first calibration")
     calibration.refresh_from_db()
