@@ -75,6 +75,14 @@ printf "vulkan_icd=%s\n" "$icds"
 
 # What brings each piece, per OS family (`os_family`). Names are the distributions' own packages.
 PACKAGES: dict[str, dict[str, str]] = {
+    # cmake, make (or ninja), a C++ compiler, tar and git; on a Mac the compiler and git come with Xcode's
+    # command line tools (`xcode-select --install`).
+    "build_tools": {
+        "debian": "build-essential cmake git",
+        "fedora": "gcc-c++ make cmake git tar",
+        "arch": "base-devel cmake git",
+        "macos": "cmake",
+    },
     "vulkan_driver": {
         "debian": "mesa-vulkan-drivers",
         "fedora": "mesa-vulkan-drivers",
@@ -222,6 +230,8 @@ def missing_prerequisites(
         missing.append("tar")
     if source == "git" and not found.get("git"):
         missing.append("git")
+    if missing:
+        missing.append(f"the build tools in one go: {packages_for('build_tools', family)}")
     if backend == "cuda" and not found.get("nvcc"):
         missing.append("nvcc (the CUDA toolkit) for the NVIDIA GPU")
     if backend == "rocm":

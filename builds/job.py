@@ -21,6 +21,7 @@ import os
 import posixpath
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -47,6 +48,17 @@ from remote.text import printable
 
 # How many of the devices its rpc-server's banner lists a Build keeps.
 MAX_BANNER_DEVICES = 32
+
+# What the apps above builds do once a build is recorded, each registered in its AppConfig.ready() (builds
+# imports none of them): calibration queues the node's first calibration. A hook takes the Build, runs in
+# synchronous code, and returns a sentence for the build's log, or "".
+AFTER_RECORDED: list[Callable[[Build], str]] = []
+
+
+def after_recorded(hook: Callable[[Build], str]) -> None:
+    """Register `hook` to run after every recorded build (once per hook, however often it is registered)."""
+    if hook not in AFTER_RECORDED:
+        AFTER_RECORDED.append(hook)
 
 
 def cache_has_flags(cmake_cache: str, flags: list[str]) -> bool:
@@ -303,6 +315,10 @@ async def build_body(ctx) -> str:
     else:
         offered = ", ".join(f"{d['name']} ({d['free_mib']} MiB free)" for d in probed["devices"])
         await ctx.log(f"its rpc-server offers {offered}; the planner may place on these and the CPU")
+    for hook in AFTER_RECORDED:
+        said = await db(hook)(build)
+        if said:
+            await ctx.log(said)
     return (
         f"llama.cpp {probed['version']} with {probed['rpc_binary']} (RPC {probed['rpc_protocol']}), {backend}"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
+from audit import history
 from jobs.models import Job
 from nodes.models import Node
 from remote.text import printable_json
@@ -118,3 +119,24 @@ def start_calibration(node, *, user=None):
         job = Job.objects.create(kind=CALIBRATE, node=node, title=f"Calibrate {node.name}", created_by=user)
         job.enqueue()
     return job
+
+
+def calibrate_after_first_build(build) -> str:
+    """After a node's build is recorded (builds/job.py `after_recorded`): a node that was never calibrated is
+    calibrated now, so the first plan it is in rests on measurements rather than the table. Queued as the
+    build's own creator and audited; a sentence for the build's log, or "" when the node has its figures or a
+    calibration is already under way."""
+    node = Node.objects.get(pk=build.node_id)
+    if node.calibrated_at is not None:
+        return ""
+    build_job = Job.objects.select_related("created_by").filter(pk=build.job_id).first()
+    user = build_job.created_by if build_job else None
+    with transaction.atomic():
+        job = start_calibration(node, user=user)
+        if job is not None:
+            history.record(user, "node.calibrate", node, changes={"job": job.pk, "after_build": build.pk})
+    if job is not None:
+        return f"{node.name} has never been calibrated: calibrating it now (job {job.pk})."
+    if reason := refusal(node):
+        return f"{node.name} has never been calibrated, and cannot be now: {reason}"
+    return ""

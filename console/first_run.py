@@ -28,6 +28,8 @@ class FirstRunState:
     has_trusted_node: bool = False
     has_probed_node: bool = False
     has_build: bool = False
+    # Some node has calibration figures (calibration/: queued by itself after a node's first build).
+    has_calibrated_node: bool = False
     has_model: bool = False
     has_deployment: bool = False
     has_run_deployment: bool = False
@@ -35,6 +37,8 @@ class FirstRunState:
     # Where the next step of each kind happens (a node's name, a model's or deployment's pk), if any.
     first_node: str = ""
     node_without_build: str = ""
+    # The first node with a build and no calibration yet: where the Calibrate button is.
+    node_without_calibration: str = ""
     first_model: int | None = None
     first_deployment: int | None = None
     # The node the small real model would go to (one with a build, else any the console may act on): its pk.
@@ -63,6 +67,10 @@ def checklist(state: FirstRunState) -> list[Step]:
         reverse("nodes:detail", args=[state.node_awaiting_key]) if state.node_awaiting_key else node_page
     )
     build_node = state.node_without_build or state.first_node
+    calibrate_node = state.node_without_calibration or state.first_node
+    calibrate_page = (
+        reverse("nodes:detail", args=[calibrate_node]) if calibrate_node else reverse("nodes:list")
+    )
     builds_page = reverse("builds:node", args=[build_node]) if build_node else reverse("nodes:list")
     plan_page = (
         reverse("deployments:plan", args=[state.first_model])
@@ -99,6 +107,15 @@ def checklist(state: FirstRunState) -> list[Step]:
             "build", "llama.cpp recorded", state.has_build, builds_page, "Build or use the detected install"
         ),
         Step(
+            "calibrated",
+            "Its speed measured (calibrated)",
+            state.has_calibrated_node,
+            calibrate_page,
+            "Calibrate it",
+            help="It starts by itself once a node's first build is recorded, and takes about a minute; until "
+            "then plans guess each device's speed from a table.",
+        ),
+        Step(
             "model",
             "A GGUF model",
             state.has_model,
@@ -121,6 +138,12 @@ def gather_state() -> FirstRunState:
     without_build = (
         nodes.filter(builds__isnull=True, last_seen_at__isnull=False).values_list("name", flat=True).first()
     )
+    without_calibration = (
+        nodes.filter(builds__isnull=False, calibrated_at__isnull=True)
+        .order_by("created_at", "pk")
+        .values_list("name", flat=True)
+        .first()
+    )
     model = ModelFile.objects.order_by("created_at", "pk").values_list("pk", flat=True).first()
     deployments = Deployment.objects.order_by("-created_at", "-pk")
     built = trusted.filter(builds__isnull=False).order_by("created_at", "pk").values_list("pk", flat=True)
@@ -135,6 +158,7 @@ def gather_state() -> FirstRunState:
         has_trusted_node=trusted.exists(),
         has_probed_node=nodes.filter(last_seen_at__isnull=False).exists(),
         has_build=Build.objects.filter(node__enabled=True).exists(),
+        has_calibrated_node=nodes.filter(calibrated_at__isnull=False).exists(),
         has_model=model is not None,
         has_deployment=deployments.exists(),
         has_run_deployment=deployments.filter(running_at__isnull=False).exists(),
@@ -142,6 +166,7 @@ def gather_state() -> FirstRunState:
         has_answering_deployment=deployments.filter(chat_answered_at__isnull=False).exists(),
         first_node=nodes.order_by("created_at", "pk").values_list("name", flat=True).first() or "",
         node_without_build=without_build or "",
+        node_without_calibration=without_calibration or "",
         first_model=model,
         first_deployment=deployments.values_list("pk", flat=True).first(),
         real_model_node=real_model_node,

@@ -17,6 +17,7 @@ from django.utils.timesince import timesince
 
 from audit import history
 from llamacpp.rpc_guard import binds_everywhere
+from nodes.probe.wsl import WindowsSide, windows_side
 from nodes.validators import validate_host
 from ramdeck_site import crypto
 from remote.text import printable
@@ -256,6 +257,12 @@ class Node(models.Model):
         """An admin let ggml-rpc-server listen on every interface: it has no authentication, so say so."""
 
         return binds_everywhere(self.rpc_bind_address)
+
+    @property
+    def wsl_windows_side(self) -> WindowsSide | None:
+        """When the last probe found WSL: the port forward and firewall lines its Windows side needs, built
+        with this node's ports (nodes/probe/wsl.py). None on any other node."""
+        return windows_side((self.facts or {}).get("wsl"), rpc_port=self.rpc_port, ssh_port=self.ssh_port)
 
     @property
     def is_local(self) -> bool:

@@ -156,6 +156,7 @@ def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
         "error": error or refused,
         "bars": bars.plan_bars(plan) if fits else None,
         "one_machine": nothing_to_split(plan),
+        "uncalibrated": uncalibrated_nodes(plan),
         "commands": command_lines(model, plan) if fits else None,
         "stale_reasons": _stale_reasons(form),
         "confirm_fields": _confirm_fields(form) if confirmable else [],
@@ -247,6 +248,13 @@ def plan_confirm(request, pk: int):
         return redirect("deployments:run", pk=deployment.pk)
     messages.success(request, f"Confirmed {deployment.name}. Deploy it when you are ready.")
     return redirect(deployment.get_absolute_url())
+
+
+def uncalibrated_nodes(plan: dict | None) -> list[str]:
+    """The plan's nodes that were never calibrated, by name: their speed figures are the table's guesses."""
+    if not plan or not plan.get("coordinator"):
+        return []
+    return sorted(n.name for n in _plan_nodes(plan) if n.calibrated_at is None)
 
 
 def _plan_nodes(plan: dict) -> list[Node]:

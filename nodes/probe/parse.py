@@ -18,6 +18,7 @@ from nodes.probe.bandwidth import apple_bandwidth, cpu_bandwidth, gpu_bandwidth
 from nodes.probe.devices import DeviceInfo
 from nodes.probe.gpus import add_vulkan, parse_gfx_targets
 from nodes.probe.script import PROBE_SCRIPT
+from nodes.probe.wsl import parse_wsl
 from remote.listeners import Listener, holders_of, parse_lsof, parse_ss
 
 __all__ = ["PROBE_SCRIPT", "DeviceInfo", "ProbeReport", "build_report", "parse_gfx_targets"]
@@ -54,6 +55,8 @@ class ProbeReport:
     rpc_port_pid: int | None = None
     rpc_port_process: str = ""
     rtt_ms: float | None = None
+    # WSL: {"version": 2, "networking_mode": "nat", "address": "172.28.1.2"} (nodes/probe/wsl.py), or {}.
+    wsl: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -101,6 +104,8 @@ _FILE_SECTIONS = [
     ("cpuinfo", "/proc/cpuinfo"),
     ("meminfo", "/proc/meminfo"),
     ("status", "/proc/self/status"),
+    ("osrelease", "/proc/sys/kernel/osrelease"),
+    ("proc-version", "/proc/version"),
     ("cgroup-v2-max", "/memory.max"),
     ("cgroup-v2-current", "/memory.current"),
     ("cgroup-v1-limit", "/memory.limit_in_bytes"),
@@ -415,6 +420,12 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
         total = limit
         available = min(available, max(0, limit - (usage or 0)))
     report.ram_total_bytes, report.ram_available_bytes = total, available
+    report.wsl = parse_wsl(sections, report.kernel)
+    if report.wsl.get("version") == 2 and report.wsl.get("networking_mode") != "mirrored":
+        report.warnings.append(
+            "This is WSL2 behind Windows' NAT: other machines reach it only through a port forward on the "
+            "Windows side, or with mirrored networking (its node page has the lines to run)."
+        )
     report.cpu_quota_cores = cgroup_cpu_quota(sections)
     report.cpu_quota_period_ms = cgroup_cpu_period_ms(sections)
     if report.cpu_quota_cores is not None:

@@ -39,6 +39,7 @@ Darwin)
   done < /proc/self/cgroup
   sec files
   head -v -n 100000 /etc/os-release /proc/cpuinfo /proc/meminfo /proc/self/status \
+    /proc/sys/kernel/osrelease /proc/version \
     "/sys/fs/cgroup$cg2/memory.max" /sys/fs/cgroup/memory.max \
     "/sys/fs/cgroup$cg2/memory.current" /sys/fs/cgroup/memory.current \
     "/sys/fs/cgroup/memory$cg1/memory.limit_in_bytes" /sys/fs/cgroup/memory/memory.limit_in_bytes \
@@ -47,6 +48,21 @@ Darwin)
     "/sys/fs/cgroup$cg2/cpu.max" "/sys/fs/cgroup/cpu$cgc/cpu.cfs_quota_us" \
     "/sys/fs/cgroup/cpu$cgc/cpu.cfs_period_us" \
     2>/dev/null
+  # WSL2, a Linux VM inside Windows: its kernel calls itself "microsoft-standard-WSL2" (uname -r, read again
+  # from /proc above), and WSL itself leaves /run/WSL and, in its own sessions, WSL_INTEROP. The kernel alone
+  # is not enough: Docker Desktop's containers run on the same kernel, behind Docker's networking. Only on
+  # WSL: its networking mode (wslinfo, WSL 2.0 and later) and the VM's own addresses, which a port forward
+  # on the Windows side points at. `addresses=` comes last: `ip` may print several lines.
+  sec wsl
+  case "$3" in *[Mm]icrosoft*|*WSL*)
+    [ -e /run/WSL ] && echo "run_wsl=yes"
+    [ -n "${WSL_INTEROP:-}" ] && echo "interop=yes"
+    if [ -e /run/WSL ] || [ -n "${WSL_INTEROP:-}" ]; then
+      command -v wslinfo >/dev/null 2>&1 && echo "networking_mode=$(wslinfo --networking-mode 2>/dev/null)"
+      echo "addresses=$(hostname -I 2>/dev/null || ip -4 -o addr show scope global 2>/dev/null)"
+    fi
+    ;;
+  esac
   sec nvidia-smi
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits 2>&1

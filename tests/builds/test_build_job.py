@@ -68,6 +68,19 @@ def test_missing_tools_are_named_as_a_person_installs_them():
     assert "cmake" not in missing
 
 
+def test_a_bare_debian_node_is_told_the_one_line_that_brings_every_build_tool():
+    bare = LINUX_ALL.replace("cmake=/usr/bin/cmake", "cmake=").replace("g++=/usr/bin/g++", "g++=")
+    bare = bare.replace("c++=/usr/bin/c++", "c++=") + "distro=ubuntu debian\n"
+    missing = missing_prerequisites(parse_prerequisites(bare), source="tarball", backend="cpu")
+    assert missing == [
+        "cmake",
+        "a C++ compiler (g++ or clang++)",
+        "the build tools in one go: sudo apt-get install build-essential cmake git",
+    ]
+    mac = missing_prerequisites(parse_prerequisites(MAC_NO_CLT), source="git", backend="metal")
+    assert "the build tools in one go: brew install cmake" in mac
+
+
 def test_an_nvidia_node_needs_nvcc():
     found = parse_prerequisites(LINUX_ALL)
     assert choose_backend("auto", found, {"cuda", "cpu"}) == "cuda"

@@ -29,7 +29,7 @@ def done(state: FirstRunState) -> dict[str, bool]:
 def test_an_empty_console_has_every_step_to_do_and_offers_this_machine_first():
     steps = checklist(FirstRunState())
     assert [s.key for s in steps] == [
-        "credential", "node", "host_key", "probe", "build", "model", "plan", "deploy", "chat"
+        "credential", "node", "host_key", "probe", "build", "calibrated", "model", "plan", "deploy", "chat"
     ]  # fmt: skip
     assert not any(s.done for s in steps)
     assert steps[0].post and steps[0].url == reverse("nodes:add_this_machine")
@@ -61,7 +61,14 @@ def test_the_state_comes_from_the_database(admin_user):
     assert state.node_without_build == "box" and not state.has_build
     Build.objects.create(node=node, source_kind="existing", rpc_server_path=f"{BIN}/ggml-rpc-server",
                          llama_server_path=f"{BIN}/llama-server")  # fmt: skip
-    assert gather_state().has_build
+    state = gather_state()
+    assert state.has_build and not state.has_calibrated_node and state.node_without_calibration == "box"
+    step = next(s for s in checklist(state) if s.key == "calibrated")
+    assert not step.done and step.url == reverse("nodes:detail", args=["box"])
+    Node.objects.filter(pk=node.pk).update(calibrated_at=timezone.now())
+    state = gather_state()
+    assert state.has_calibrated_node and state.node_without_calibration == ""
+    assert done(state)["calibrated"]
     # A deployment whose measure step got tokens has not "answered" yet: the chat box's first answer ticks it.
     model = ModelFile.objects.create(name="tiny", node=node, path="/m/tiny.gguf")
     deployment = Deployment.objects.create(
@@ -82,7 +89,7 @@ def test_the_state_comes_from_the_database(admin_user):
 
 def test_the_dashboard_shows_the_checklist_until_everything_is_done(admin_client):
     page = admin_client.get(reverse("dashboard")).content.decode()
-    assert 'id="first-run"' in page and "0 of 9 done" in page
+    assert 'id="first-run"' in page and "0 of 10 done" in page
     assert 'id="first-run-credential-action"' in page  # the Add this machine button
 
 
@@ -244,8 +251,9 @@ def test_the_checklist_is_gone_once_every_step_is_done(admin_client, monkeypatch
 
     everything = FirstRunState(
         has_credential=True, has_local_node=True, has_node=True, has_trusted_node=True, has_probed_node=True,
-        has_build=True, has_model=True, has_deployment=True, has_run_deployment=True,
-        has_answering_deployment=True, first_node="box", first_model=1, first_deployment=1,
+        has_build=True, has_calibrated_node=True, has_model=True, has_deployment=True,
+        has_run_deployment=True, has_answering_deployment=True, first_node="box", first_model=1,
+        first_deployment=1,
     )  # fmt: skip
     assert all(step.done for step in checklist(everything))
     monkeypatch.setattr(first_run, "gather_state", lambda: everything)

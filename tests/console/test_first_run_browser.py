@@ -74,7 +74,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     shots = screenshot_dir(tmp_path)
     admin = UserFactory(username="nina-new", role="admin")
     log_in(page, live_url, "nina-new", PASSWORD)
-    expect(page.locator("#first-run")).to_contain_text("0 of 9 done")
+    expect(page.locator("#first-run")).to_contain_text("0 of 10 done")
     assert checklist_ticks(page) == set()
 
     # 1. Add this machine: a Local node that may coordinate, probed at once.
@@ -90,9 +90,17 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     build = Build.objects.get(node=node)
     assert build.source_kind == "existing" and build.llama_server_path == f"{llamacpp_on_path}/llama-server"
     assert build.rpc_protocol and build.version
+    # The recorded build queued this machine's first calibration by itself: the plan rests on measurements.
+    queued = Job.objects.filter(node=node, kind="calibrate")
+    wait_for(queued.exists, timeout=60, what="the calibration the build queues")
+    calibration = queued.get()
+    ended = lambda: Job.objects.get(pk=calibration.pk).is_terminal  # noqa: E731
+    wait_for(ended, timeout=300, what="the first calibration")
+    calibration.refresh_from_db()
+    assert calibration.state == JobState.SUCCEEDED, calibration.result
     page.goto(f"{live_url}/")
-    expect(page.locator("#first-run")).to_contain_text("5 of 9 done")
-    assert checklist_ticks(page) == {"credential", "node", "host_key", "probe", "build"}
+    expect(page.locator("#first-run")).to_contain_text("6 of 10 done")
+    assert checklist_ticks(page) == {"credential", "node", "host_key", "probe", "build", "calibrated"}
     save_screenshots(page, shots, "first-run")
 
     # The builds page shows it in use and no longer offers the detected install.
@@ -119,13 +127,15 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     # Loopback (this machine only, the console's chat included) on a port nobody else's test holds.
     page.fill("#endpoint-port", str(free_port()))
     expect(page.locator("#confirm-plan")).to_be_enabled()
+    # This machine is calibrated: its speed figures are measured, not the table's guesses.
+    expect(page.locator("#speed-guess")).to_have_count(0)
     save_screenshots(page, shots, "plan")
     page.click("#confirm-plan")
     expect(page.locator("#deployment-state")).to_have_text("Confirmed")
     assert Deployment.objects.count() == 1
 
     page.goto(f"{live_url}/")
-    expect(page.locator("#first-run")).to_contain_text("7 of 9 done")
+    expect(page.locator("#first-run")).to_contain_text("8 of 10 done")
     expect(page.locator("#first-run-deploy-action")).to_have_attribute(
         "href", f"/deployments/{Deployment.objects.get().pk}/run/"
     )

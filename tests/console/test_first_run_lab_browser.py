@@ -67,7 +67,7 @@ def live_url(celery_worker, short_answers, live_server_url):
 
 def dashboard(page, live_url: str, done: int) -> set[str]:
     page.goto(f"{live_url}/")
-    expect(page.locator("#first-run")).to_contain_text(f"{done} of 9 done")
+    expect(page.locator("#first-run")).to_contain_text(f"{done} of 10 done")
     return checklist_ticks(page)
 
 
@@ -142,6 +142,15 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     build = Build.objects.get(node=node)
     assert build.rpc_protocol and build.llama_server_path.endswith("/llama-server")
     assert "build" in dashboard(page, live_url, 5)
+    # The recorded build queued the node's first calibration by itself; it ticks the next step.
+    queued = Job.objects.filter(node=node, kind="calibrate")
+    wait_for(queued.exists, timeout=60, what="the calibration the build queues")
+    calibration = queued.get()
+    ended = lambda: Job.objects.get(pk=calibration.pk).is_terminal  # noqa: E731
+    wait_for(ended, timeout=300, what="the first calibration")
+    calibration.refresh_from_db()
+    assert calibration.state == JobState.SUCCEEDED, calibration.result
+    assert "calibrated" in dashboard(page, live_url, 6)
 
     # 5. A model on the node, registered by its path there (the console reads its header over SFTP).
     path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4, n_embd=128, seed=TALKATIVE_SEED))
@@ -151,7 +160,7 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     page.fill("#register-model input[name=path]", str(path))
     page.click("#register-model button[type=submit]")
     expect(page.locator(".message.success")).to_contain_text("Registered tiny.")
-    assert "model" in dashboard(page, live_url, 6)
+    assert "model" in dashboard(page, live_url, 7)
 
     # 6. The plan, confirmed: the coordinator is not the console's, so the endpoint is on its LAN address.
     page.click("#first-run-plan-action")
@@ -160,7 +169,7 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
     page.click("#confirm-plan")
     expect(page.locator("#deployment-state")).to_have_text("Confirmed")
     deployment = Deployment.objects.get()
-    assert "plan" in dashboard(page, live_url, 7)
+    assert "plan" in dashboard(page, live_url, 8)
 
     try:
         # 7. Deploy: the worker starts the real llama-server on the lab host.
@@ -174,7 +183,7 @@ def test_a_new_admin_follows_the_checklist_to_a_lab_host_over_ssh(
             raise AssertionError(f"{deployment.state}: {deployment.state_reason}; steps: {steps}") from None
         expect(page.locator("#endpoint-url")).to_contain_text(f"http://{host.address}:")
         # Running and measured, but nobody has talked to it yet: the last step is still to do.
-        assert "chat" not in dashboard(page, live_url, 8)
+        assert "chat" not in dashboard(page, live_url, 9)
 
         # 8. Talk to it, from the checklist's link: the answer streams from the lab host through the console.
         page.click("#first-run-chat-action")

@@ -327,3 +327,25 @@ def test_the_plan_page_says_where_a_mixture_of_experts_puts_its_experts(db, tmp_
     assert '<p class="muted experts" data-experts="desk/CPU">experts of blocks 0–1</p>' in page
     assert '<p class="muted experts" data-experts="desk/CUDA0">experts of blocks 2–3</p>' in page
     assert "-ot &#x27;blk\\.(0|1)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU&#x27;" in page
+
+
+def test_until_its_nodes_are_calibrated_the_plans_speed_is_marked_a_guess_from_the_table(
+    model, pool, viewer_client
+):
+    url = reverse("deployments:plan", args=[model.pk])
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    guess = re.search(r'<div class="speed-guess" id="speed-guess">(.*?)</div>', page, flags=re.S)
+    assert guess, "no guess note beside the prediction"
+    assert "guess: not measured yet" in guess.group(1)
+    assert "desk, pc are not calibrated yet: their speed figures come from a table" in guess.group(1)
+    assert 'data-guess="desk/CPU"' in page and 'data-guess="pc/CPU"' in page
+    # One calibrated node: only the other's figures are still guesses.
+    pool["pc"].devices.get().record_measurement(bandwidth_gbs=40.0, overhead_ms=0.1)
+    type(pool["pc"]).objects.filter(pk=pool["pc"].pk).update(calibrated_at=timezone.now())
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert "desk is not calibrated yet: its speed figures come from a table" in page
+    assert 'data-guess="desk/CPU"' in page and 'data-guess="pc/CPU"' not in page
+    # Both calibrated: no guess is left on the page.
+    type(pool["desk"]).objects.filter(pk=pool["desk"].pk).update(calibrated_at=timezone.now())
+    page = viewer_client.get(url, {"ctx": 1024}).content.decode()
+    assert "guess: not measured yet" not in page and 'id="speed-guess"' not in page
