@@ -34,6 +34,8 @@ class NodeForm(forms.ModelForm):
             "rpc_bind_address",
             "rpc_tunnel",
             "authorized_keys_path",
+            "rpc_cache_limit_gib",
+            "llama_cache_dir",
             "platform_hint",
             "notes",
             "enabled",
