@@ -212,3 +212,16 @@ def test_trimming_removes_the_oldest_entries_first_down_to_the_limit(local_node,
     found = asyncio.run(cache.run_script(ctx, local_node, "trim", 250_000))
     assert [name for name, _ in found["removed"]] == [middle.name] and newest.exists()
     assert any("removed 1 entries" in line for line in ctx.lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_probe_reads_the_cache_for_the_node_page(local_node, tmp_path, admin_client):
+    local_node.llama_cache_dir = str(tmp_path)
+    local_node.save()
+    _entries(tmp_path / "rpc", [5000, 7000])
+    probe = run(Job.objects.create(kind="probe", node=local_node))
+    assert probe.state == JobState.SUCCEEDED, log_text(probe)[-2000:]
+    local_node.refresh_from_db()
+    assert local_node.rpc_cache_state["entries"] == 2 and local_node.rpc_cache_state["bytes"] == 12_000
+    page = admin_client.get(local_node.get_absolute_url()).content.decode()
+    assert "11.7 KiB in 2 entries" in page
