@@ -133,6 +133,12 @@ def _local_disk_s(host, model: Path, tmp_path: Path) -> float:
 def pair(lab, lab_hosts, tmp_path, settings):
     use_cached_llamacpp(settings)
     cluster = Cluster(lab, lab_hosts(2), tmp_path)
+    # Names of this run's own: the processes' logs go to ~/.ramdeck/run/d<deployment>-<node>-..., and the lab
+    # hosts share this machine's home with every other test run on it, whose databases number their
+    # deployments from 1 too and whose clusters are also called desk and old-pc-1.
+    for node in cluster.nodes:
+        node.name = f"{node.name}-{os.getpid()}"
+        node.save(update_fields=["name"])
     cluster.build_all()
     return cluster
 
@@ -195,6 +201,13 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         figures[f"{run}_s"] = round(_load_s(deployment), 3)
         figures["weights_bytes"] = _worker_model_bytes(deployment)
         figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
+        # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server
+        # started: empty before the cold run, the cold run's entries before the warm one.
+        worker = cluster.workers[0]
+        worker.refresh_from_db()
+        expected = 0 if run == "cold" else figures["cache_after_cold"]
+        assert worker.rpc_cache_state["bytes"] == expected, worker.rpc_cache_state
+        assert worker.rpc_cache_state["dir"] == str(cache)
         deployment = cluster.stop(deployment, monkeypatch)
         assert deployment.state == DeploymentState.STOPPED
         cluster.assert_clean(deployment)
