@@ -44,13 +44,14 @@ def main() -> None:
     os.environ["RAMDECK_FIRST_WORD_MODEL_MIB"] = str(args.model_mib)
     rounds = [figures_from_test(TEST, "FIRST-WORD", timeout=3600) for _ in range(args.rounds)]
     for i, f in enumerate(rounds, start=1):
+        link = f"{f['link_mbit']:g} Mbit/s" if f["link_mbit"] else "unlimited"
         print(
-            f"round {i}: link {f['link_mbit'] or 'unlimited'} Mbit/s, {f['n_layer']} blocks, worker weights "
+            f"round {i}: link {link}, {f['n_layer']} blocks, worker weights "
             f"{f['weights_bytes'] / 2**20:.1f} MiB ({f['cacheable_fraction']:.1%} of them above the 10 MiB "
             f"cache threshold)\n"
             f"  cold: {f['cold_s']:.2f} s, {f['cold_bytes'] / 2**20:.1f} MiB received by the worker\n"
             f"  warm: {f['warm_s']:.2f} s, {f['warm_bytes'] / 2**20:.1f} MiB received "
-            f"({f['warm_fraction']:.1%} of its weights; target under 5%)\n"
+            f"({f['warm_fraction']:.2%} of its weights; target under 5%)\n"
             f"  local disk, one machine: {f['local_disk_s']:.2f} s"
         )
 
