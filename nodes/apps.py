@@ -15,3 +15,4 @@ class NodesConfig(AppConfig):
 
         register_node_transport(transport_for)
         kinds.register("probe", "Hardware probe", "nodes.probe.job.probe", queue=kinds.CONTROL)
+        kinds.register("rpc_cache", "RPC cache", "nodes.cache.rpc_cache_body", queue=kinds.CONTROL)

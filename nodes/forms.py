@@ -34,6 +34,8 @@ class NodeForm(forms.ModelForm):
             "rpc_bind_address",
             "rpc_tunnel",
             "authorized_keys_path",
+            "rpc_cache_limit_gib",
+            "llama_cache_dir",
             "platform_hint",
             "notes",
             "enabled",
@@ -80,6 +82,10 @@ class NodeForm(forms.ModelForm):
         # Needed for SSH only (see _clean_ssh): the page hides them for a Local node.
         self.fields["address"].required = False
         self.fields["ssh_port"].required = False
+        # Left out of a post (an older page, a script): the node keeps its limit, a new one the default.
+        if self.is_bound and "rpc_cache_limit_gib" not in self.data:
+            self.data = self.data.copy()
+            self.data["rpc_cache_limit_gib"] = self.instance.rpc_cache_limit_gib
 
     def clean_name(self):
         return self.cleaned_data["name"].strip().lower()

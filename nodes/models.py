@@ -16,9 +16,10 @@ from django.utils.text import slugify
 from django.utils.timesince import timesince
 
 from audit import history
+from llamacpp import rpc_cache
 from llamacpp.rpc_guard import binds_everywhere
 from nodes.probe.wsl import WindowsSide, windows_side
-from nodes.validators import validate_host
+from nodes.validators import validate_cache_folder, validate_host
 from ramdeck_site import crypto
 from remote.text import printable
 
@@ -143,6 +144,25 @@ class Node(models.Model):
         "Empty: ~/.ssh/authorized_keys.",
     )
     platform_hint = models.CharField(max_length=10, choices=PlatformHint.choices, default=PlatformHint.AUTO)
+    rpc_cache_limit_gib = models.PositiveIntegerField(
+        "RPC cache limit (GiB)",
+        default=rpc_cache.DEFAULT_LIMIT_GIB,
+        validators=[MaxValueValidator(1_000_000)],
+        help_text="Room on disk for ggml-rpc-server's tensor cache, which spares re-sending a model's "
+        "weights at each start; the oldest entries go first before a deployment starts here. "
+        "0 turns the cache off.",
+    )
+    llama_cache_dir = models.CharField(
+        "llama.cpp cache folder",
+        max_length=500,
+        blank=True,
+        validators=[validate_cache_folder],
+        help_text="Absolute path given to ggml-rpc-server as LLAMA_CACHE (its entries go in its rpc/ "
+        "folder). Empty: llama.cpp's default, ~/.cache/llama.cpp (~/Library/Caches/llama.cpp on macOS).",
+    )
+    # What the last look at the RPC cache found (nodes/cache.py): {"dir", "entries", "bytes", "free_bytes",
+    # "read_at"}. Read over the node's transport by a job, never by a page.
+    rpc_cache_state = models.JSONField(default=dict, blank=True, editable=False)
     notes = models.TextField(blank=True)
     enabled = models.BooleanField(default=True)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 from django.urls import path
 
 from nodes.views import this_machine
+from nodes.views.cache import rpc_cache_clear, rpc_cache_read
 from nodes.views.nodes import (
     approve_host_key,
     credential_create,
@@ -32,5 +33,7 @@ urlpatterns = [
     path("<slug:name>/delete/", node_delete, name="delete"),
     path("<slug:name>/hardware/", hardware, name="hardware"),
     path("<slug:name>/probe/", probe_now, name="probe"),
+    path("<slug:name>/rpc-cache/read/", rpc_cache_read, name="rpc_cache_read"),
+    path("<slug:name>/rpc-cache/clear/", rpc_cache_clear, name="rpc_cache_clear"),
     path("<slug:name>/host-key/approve/", approve_host_key, name="approve_host_key"),
 ]

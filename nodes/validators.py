@@ -33,3 +33,13 @@ def validate_host(value: str) -> None:
         raise ValidationError(
             "%(value)s is not a valid hostname or IP address.", code="invalid_host", params={"value": value}
         )
+
+
+def validate_cache_folder(value: str) -> None:
+    """A node's llama.cpp cache folder: empty, or an absolute path without control characters."""
+    from llamacpp.rpc_cache import CacheError, check_folder
+
+    try:
+        check_folder(value)
+    except CacheError as exc:
+        raise ValidationError(str(exc)) from exc

@@ -47,6 +47,8 @@ def lab_node(lab, host, **fields) -> Node:
         "ssh_user": "root",
         # The lab's sshd reads the keys from the host's folder; ~/.ssh is this machine's own (shared).
         "authorized_keys_path": str(host.workdir / "authorized_keys"),
+        # Lab hosts share this machine's home: each keeps its RPC cache in its own folder, gone with it.
+        "llama_cache_dir": str(host.workdir / "llama-cache"),
     }
     options.update(fields)
     node = NodeFactory(credential=credential, host_key=host.host_public_key, **options)

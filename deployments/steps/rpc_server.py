@@ -13,7 +13,8 @@ from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, run_dir, wait_listening
-from llamacpp import rpc_guard
+from llamacpp import rpc_cache, rpc_guard
+from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
 
@@ -29,6 +30,11 @@ async def rpc_server_body(ctx) -> str:
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
     log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     argv = [build.rpc_server_path, *params["args"]]
+    if ctx.node.rpc_cache_limit_gib:
+        # Weights the server has seen before are read from its disk, not sent again (llamacpp/rpc_cache.py);
+        # the cache is trimmed to the node's limit first, oldest entries first.
+        await cache.trim_before_start(ctx, ctx.node)
+        argv = rpc_cache.server_argv(build.rpc_server_path, params["args"], ctx.node.llama_cache_dir)
     if params.get("exposed"):
         await ctx.log(
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "

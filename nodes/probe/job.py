@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from audit import history
 from jobs.aio import db, run_to_completion
 from jobs.context import JobFailed
 from jobs.models import Job
+from nodes import cache
 from nodes.models import Node, Reachability
 from nodes.probe.collect import ProbeUnsupported, apply_probe_report, collect, record_probe_failure
 from nodes.probe.parse import ProbeReport
@@ -129,6 +131,10 @@ async def probe(ctx: JobContext) -> str:
     for line in summary_lines(report, build.llama_server_path if build else ""):
         await ctx.log(line)
     devices = await db(apply_probe_report)(node, report)
+    if report.platform != "windows":
+        # The RPC cache's size and the free disk, for the node page; a probe does not fail for want of them.
+        with contextlib.suppress(JobFailed, TransportError):
+            await cache.run_script(ctx, node, "usage")
     if (ctx.job.params or {}).get("register_detected"):
         job = ctx.job
         build_job = await db(lambda: start_detected_install_build(node, user=job.created_by))()

@@ -1,0 +1,228 @@
+"""The bytes a deploy sends to a worker, cold and warm, counted on the worker's link in the lab.
+
+Two lab hosts over real sshd: a coordinator and a worker whose rpc-server the console starts with its tensor
+cache (`-c`, in the worker's own cache folder). The model is generated in the shape of a real one: few, wide
+blocks (n_embd 2560, grouped-query attention with 4 KV heads, n_ff 6912, f16) whose attention and
+feed-forward matrices are 12.5 to 34 MiB, above the pinned build's 10 MiB HASH_THRESHOLD; only the K and V
+projections (2.5 MiB) and the norms stay under it. The console deploys it twice, each time a fresh
+deployment of the same plan on a cold then a warm cache, and the worker's veth counts what it received
+(`rx_bytes` in its namespace) from the start of each deploy to its end. The load time is the llama-server
+step (the model read and the worker's weights sent). `local_disk_s` is the same model loaded by one
+llama-server from its local disk, all on its CPU.
+
+The figures for benchmarks/first_word.py come out on a line `FIRST-WORD {...}`; the link is limited with a
+token bucket to RAMDECK_FIRST_WORD_LINK_MBIT (default 100; 0: no limit) and the model has about
+RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 512).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deployments.models import Deployment, DeploymentState
+from llamacpp.gguf import profile_path
+from llamacpp.logs import parse_load_log
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles.models import ModelFile
+from nodes.models import Device, DeviceKind
+from planning import planner
+from tests.deploy_fixtures import (
+    LLAMA_PORT,
+    MIB,
+    Cluster,
+    planner_nodes_of,
+    start_in,
+    stop_proc,
+)
+from tests.llamacpp_build import require_llamacpp, use_cached_llamacpp
+
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.llamacpp,
+    pytest.mark.e2e,
+    pytest.mark.timeout(1800),
+    pytest.mark.django_db(transaction=True),
+]
+
+# One block of the generated model: q and o 12.5 MiB, k and v 2.5 MiB, three 33.75 MiB feed-forward
+# matrices, two norms: about 131 MiB, of which the k and v projections and the norms (3.8%) are under the
+# 10 MiB threshold and cross the link at every load.
+SHAPE = {"n_embd": 2560, "n_head": 20, "n_head_kv": 4, "n_ff": 6912}
+BLOCK_MIB = 131
+HASH_THRESHOLD = 10 * MIB
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, "") or default)
+
+
+def rx_bytes(host) -> int:
+    """What the worker's end of its veth has received, read in its namespace."""
+    path = f"/sys/class/net/{host.veth_ns}/statistics/rx_bytes"
+    out = subprocess.run(
+        host.exec_argv(["cat", path]), capture_output=True, text=True, timeout=30, check=True
+    )
+    return int(out.stdout.strip())
+
+
+def rpc_counter(host, port: int) -> None:
+    """A counting rule (no target: it only counts) for TCP to `port` in the worker's mangle table, which
+    packets pass before any filter rule, the console's own firewall rule included."""
+    rule = ["-p", "tcp", "--dport", str(port)]
+    subprocess.run(host.exec_argv(["iptables", "-w", "-t", "mangle", "-I", "PREROUTING", *rule]), check=True)
+
+
+def rpc_bytes(host, port: int) -> int:
+    """Bytes (IP packets) counted so far by rpc_counter."""
+    listing = ["iptables", "-w", "-t", "mangle", "-nvx", "-L", "PREROUTING"]
+    out = subprocess.run(host.exec_argv(listing), capture_output=True, text=True, timeout=30, check=True)
+    for line in out.stdout.splitlines():
+        if f"dpt:{port}" in line:
+            return int(line.split()[1])
+    raise AssertionError(f"no counting rule for port {port}:\n{out.stdout}")
+
+
+def _load_s(deployment: Deployment) -> float:
+    job = deployment.steps.filter(name="llama-server").select_related("job").latest("order").job
+    return (job.finished_at - job.started_at).total_seconds()
+
+
+def _worker_model_bytes(deployment: Deployment) -> int:
+    """The worker's weights as llama-server reports them (its RPC buffer's `model buffer size`)."""
+    log = next(i["log"] for i in deployment.processes.values() if i["role"] == "llama-server")
+    sizes = parse_load_log(Path(log).read_text(errors="replace").splitlines())["devices"]
+    return sum(s["model"] for key, s in sizes.items() if key != "CPU")
+
+
+def _cache_files(folder: Path) -> dict[str, int]:
+    return (
+        {p.name: p.stat().st_size for p in folder.glob("*") if len(p.name) == 16} if folder.exists() else {}
+    )
+
+
+def _local_disk_s(host, model: Path, tmp_path: Path) -> float:
+    """One llama-server loading the whole model from its own disk onto its CPU: start to /health 200."""
+    binaries = require_llamacpp()
+    port = LLAMA_PORT + 7
+    argv = [str(binaries.llama_server), "-m", str(model), "-c", "512", "--host", host.address, "--port"]
+    start = time.monotonic()
+    proc = start_in(host, [*argv, str(port), "--device", "none", "-ngl", "0"], tmp_path / "local.log")
+    try:
+        with httpx.Client(timeout=5) as client:
+            while time.monotonic() - start < 600:
+                assert proc.poll() is None, (tmp_path / "local.log").read_text()[-2000:]
+                try:
+                    if client.get(f"http://{host.address}:{port}/health").status_code == 200:
+                        return time.monotonic() - start
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+    finally:
+        stop_proc(proc)
+    raise AssertionError("llama-server did not answer /health within 600 s")
+
+
+@pytest.fixture
+def pair(lab, lab_hosts, tmp_path, settings):
+    use_cached_llamacpp(settings)
+    cluster = Cluster(lab, lab_hosts(2), tmp_path)
+    # Names of this run's own: the processes' logs go to ~/.ramdeck/run/d<deployment>-<node>-..., and the lab
+    # hosts share this machine's home with every other test run on it, whose databases number their
+    # deployments from 1 too and whose clusters are also called desk and old-pc-1.
+    for node in cluster.nodes:
+        node.name = f"{node.name}-{os.getpid()}"
+        node.save(update_fields=["name"])
+    cluster.build_all()
+    return cluster
+
+
+def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair, monkeypatch):
+    cluster = pair
+    link_mbit = _env_float("RAMDECK_FIRST_WORD_LINK_MBIT", 100)
+    model_mib = _env_float("RAMDECK_FIRST_WORD_MODEL_MIB", 512)
+    n_layer = max(2, round(model_mib / BLOCK_MIB))
+    path = write_tiny_llama(cluster.tmp_path / "wide.gguf", TinyLlama(n_layer=n_layer, **SHAPE))
+    profile = profile_path(path)
+    model = ModelFile.objects.create(
+        name="wide",
+        node=cluster.coordinator,
+        path=str(path),
+        size_bytes=profile["size_bytes"],
+        profile=profile,
+    )
+    # The worker is given room for about half the blocks, and the faster memory, so it gets them.
+    worker_mib = BLOCK_MIB * (n_layer // 2) + 300
+    for node, mib, gbs in ((cluster.coordinator, 24000, 2.0), (cluster.workers[0], worker_mib, 40.0)):
+        Device.objects.create(
+            node=node,
+            name="CPU",
+            kind=DeviceKind.CPU,
+            total_bytes=mib * MIB,
+            free_bytes=mib * MIB,
+            bandwidth_gbs=gbs,
+        )
+    plan = planner.plan(
+        profile, planner_nodes_of(cluster.coordinator, cluster.workers), planner.Settings(ctx=512)
+    )
+    assert plan["fits"] and any(p["endpoint"] and p["layers"] for p in plan["placements"]), plan
+    worker_host = cluster.hosts[1]
+    if link_mbit:
+        cluster.lab.limit_link(worker_host, link_mbit)
+    cache = Path(cluster.workers[0].llama_cache_dir) / "rpc"
+    assert not _cache_files(cache)
+    rpc_port = cluster.workers[0].rpc_port
+    rpc_counter(worker_host, rpc_port)
+    figures: dict = {"link_mbit": link_mbit or None, "model_bytes": profile["size_bytes"], "n_layer": n_layer}
+    for run in ("cold", "warm"):
+        deployment = Deployment.objects.create(
+            name=f"wide-{run}",
+            model_file=model,
+            coordinator=cluster.coordinator,
+            plan=plan,
+            plan_settings=plan["settings"],
+            port=LLAMA_PORT,
+            created_by=cluster.operator,
+            # Direct mode: the RPC traffic has a port of its own on the worker, counted apart from SSH.
+            rpc_mode="direct",
+        )
+        before, rpc_before = rx_bytes(worker_host), rpc_bytes(worker_host, rpc_port)
+        deployment = cluster.deploy(deployment, monkeypatch)
+        received = rx_bytes(worker_host) - before
+        figures[f"{run}_rpc_bytes"] = rpc_bytes(worker_host, rpc_port) - rpc_before
+        assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
+        figures[f"{run}_bytes"] = received
+        figures[f"{run}_s"] = round(_load_s(deployment), 3)
+        figures["weights_bytes"] = _worker_model_bytes(deployment)
+        figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
+        # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server
+        # started: empty before the cold run, the cold run's entries before the warm one.
+        worker = cluster.workers[0]
+        worker.refresh_from_db()
+        expected = 0 if run == "cold" else figures["cache_after_cold"]
+        assert worker.rpc_cache_state["bytes"] == expected, worker.rpc_cache_state
+        assert worker.rpc_cache_state["dir"] == str(cache)
+        deployment = cluster.stop(deployment, monkeypatch)
+        assert deployment.state == DeploymentState.STOPPED
+        cluster.assert_clean(deployment)
+    if link_mbit:
+        cluster.lab.unlimit_link(worker_host)
+    figures["local_disk_s"] = round(_local_disk_s(cluster.hosts[0], path, cluster.tmp_path), 3)
+    weights, cached = figures["weights_bytes"], figures["cache_after_cold"]
+    figures["cacheable_fraction"] = round(cached / weights, 4)
+    figures["warm_fraction"] = round(figures["warm_bytes"] / weights, 4)
+    print("\nFIRST-WORD " + json.dumps(figures))
+    # Cold: every weight crossed the link, and the cache kept each tensor above the threshold.
+    assert figures["cold_bytes"] >= weights
+    assert 0.9 * weights < cached <= weights
+    # Warm: the cache is not written again, and what crosses is the part under the threshold, plus the
+    # deploy's own traffic (SSH, the measure step's completions): far less than the weights.
+    assert figures["cache_after_warm"] == cached
+    assert figures["warm_bytes"] < (weights - cached) + 0.03 * weights
+    assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]
