@@ -20,6 +20,7 @@ from django.db import transaction
 
 from audit.history import record
 from builds.offers import plan_device_refusal
+from calibration.store import CALIBRATE
 from calibration.store import refusal as calibration_refusal
 from deployments import live
 from deployments.models import (
@@ -164,6 +165,12 @@ def refusal(deployment: Deployment) -> str:
         if build is None:
             return f"{node.name} has no llama.cpp build: build or register one on its page first."
         protocols[node.name] = build.rpc_protocol
+    # A calibration holds the node's RPC port and its cores (the first one starts by itself after a build):
+    # a deploy beside it would reap its rpc-server and both would measure nonsense.
+    calibrating = Job.objects.active().filter(kind=CALIBRATE, node__in=nodes).select_related("node").first()
+    if calibrating is not None:
+        node, title = calibrating.node.name, calibrating.title
+        return f"{node} is being calibrated ({title}): deploy once that job ends."
     return protocol_mismatch(protocols) or plan_device_refusal(plan)
 
 

@@ -32,7 +32,8 @@ def start_probe(node: Node, *, user=None, register_detected: bool = False) -> Jo
     """Queue a probe of `node` unless one is already queued or running; the job, or None when skipped.
 
     `register_detected`: when the probe finds a llama.cpp install no build records yet, it queues the build
-    job that records it (source "existing": nothing is compiled). "Add this machine" asks for that."""
+    job that records it (source "existing": nothing is compiled). "Add this machine" and the probe after a
+    host key's approval ask for that."""
     with transaction.atomic():
         # Lock the node row so two callers (beat and a button) cannot both pass the check.
         Node.objects.select_for_update().filter(pk=node.pk).first()

@@ -304,5 +304,7 @@ def approve_host_key(request, name: str):
         return redirect(node)
     messages.success(request, f"Host key {node.host_key_fingerprint} approved for {node.name}.")
     if node.enabled:
-        start_probe(node, user=request.user)
+        # The first probe over the trusted connection also records a llama.cpp it finds on the node (a
+        # release someone installed, the compose trial's demo nodes): the node is ready to plan on.
+        start_probe(node, user=request.user, register_detected=True)
     return redirect(node)

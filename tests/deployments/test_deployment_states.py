@@ -211,6 +211,22 @@ def test_nodes_speaking_different_rpc_protocols_are_refused(cluster, no_enqueue)
     assert "old-pc speaks 3.0.0" in reason
 
 
+def test_a_node_being_calibrated_is_refused_until_its_calibration_ends(cluster, no_enqueue):
+    from deployments.lifecycle.actions import start_deploy
+    from jobs.models import Job, JobState
+
+    deployment = _ready(cluster)
+    _build(cluster[0])
+    _build(cluster[1])
+    calibration = Job.objects.create(kind="calibrate", node=cluster[1], title="Calibrate old-pc")
+    started, reason = start_deploy(deployment)
+    assert not started
+    assert reason == "old-pc is being calibrated (Calibrate old-pc): deploy once that job ends."
+    assert not deployment.steps.exists() and no_enqueue == []
+    Job.objects.filter(pk=calibration.pk).update(state=JobState.SUCCEEDED)
+    assert start_deploy(Deployment.objects.get(pk=deployment.pk))[0] is True
+
+
 def test_deploy_pressed_twice_creates_one_ordered_run(
     cluster, no_enqueue, django_capture_on_commit_callbacks
 ):

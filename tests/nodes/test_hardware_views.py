@@ -57,6 +57,8 @@ def test_admin_approves_a_first_contact_key_and_a_probe_is_queued(
     assert event.actor == admin_user and event.object_id == str(node.pk)
     probe = Job.objects.get(node=node, kind="probe")
     assert no_broker == [probe.pk]
+    # That first probe over the trusted connection records a llama.cpp it finds (the compose trial's nodes).
+    assert probe.params == {"register_detected": True}
 
 
 def test_approving_a_changed_key_replaces_the_old_one_and_audits_both(admin_client):
