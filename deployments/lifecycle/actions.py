@@ -165,9 +165,14 @@ def refusal(deployment: Deployment) -> str:
         if build is None:
             return f"{node.name} has no llama.cpp build: build or register one on its page first."
         protocols[node.name] = build.rpc_protocol
-    # A calibration holds the node's RPC port and its cores (the first one starts by itself after a build):
-    # a deploy beside it would reap its rpc-server and both would measure nonsense.
-    calibrating = Job.objects.active().filter(kind=CALIBRATE, node__in=nodes).select_related("node").first()
+    # A running calibration holds the node's RPC port and its cores (the first one starts by itself after a
+    # build): a deploy beside it would reap its rpc-server and both would measure nonsense. One still queued
+    # is no obstacle: it refuses to start on a node a deployment holds (calibration/store.py `refusal`).
+    calibrating = (
+        Job.objects.filter(kind=CALIBRATE, node__in=nodes, state=JobState.RUNNING)
+        .select_related("node")
+        .first()
+    )
     if calibrating is not None:
         node, title = calibrating.node.name, calibrating.title
         return f"{node} is being calibrated ({title}): deploy once that job ends."

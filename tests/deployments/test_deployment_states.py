@@ -219,6 +219,7 @@ def test_a_node_being_calibrated_is_refused_until_its_calibration_ends(cluster, 
     _build(cluster[0])
     _build(cluster[1])
     calibration = Job.objects.create(kind="calibrate", node=cluster[1], title="Calibrate old-pc")
+    Job.objects.filter(pk=calibration.pk).update(state=JobState.RUNNING)
     started, reason = start_deploy(deployment)
     assert not started
     assert reason == "old-pc is being calibrated (Calibrate old-pc): deploy once that job ends."
