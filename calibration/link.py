@@ -21,8 +21,8 @@ port (open to the coordinator in either mode; one handshake is one network round
 (llamacpp/rpc_reach.py). The planner uses that pair's figure when that node coordinates.
 
 Where neither protection is available (no tunnels allowed, and the SSH user is neither root nor allowed by
-sudo to run the rule's iptables commands, or the node is not Linux) the link is not measured, and the job
-log says why: the port is never opened to the network for a figure.
+sudo to run the rule's iptables commands, the node has no iptables, or it is not Linux) the link is not
+measured, and the job log says why: the port is never opened to the network for a figure.
 """
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ async def _behind_firewall(ctx, node, procs, start) -> tuple[rpc_link.LinkFigure
     if sudo is None:
         why = "its SSH user is not root and may not run the firewall rule's iptables commands through sudo -n"
         return await _not_measured(ctx, node, why)
-    result = await ctx.transport.run(rpc_guard.iptables_argv("-I", rule, sudo=sudo), timeout=60)
+    try:
+        result = await ctx.transport.run(rpc_guard.iptables_argv("-I", rule, sudo=sudo), timeout=60)
+    except TransportError as exc:  # no iptables at all (a container, a minimal install): exit status 127
+        return await _not_measured(ctx, node, f"the firewall rule could not be inserted: {exc}")
     if not result.ok:
         why = f"iptables refused the firewall rule: {result.stderr.strip()[:300] or 'no iptables'}"
         return await _not_measured(ctx, node, why)

@@ -78,6 +78,8 @@ RULES: dict[str, dict[str, object]] = {
     "nodes:hardware": _rule(LOGIN, 302, 302, 302),  # an htmx fragment; a plain GET goes to the node page
     "nodes:probe": _rule(LOGIN, 403, 302, 302),
     "calibration:node": _rule(LOGIN, 403, 302, 302),
+    "nodes:rpc_cache_read": _rule(LOGIN, 403, 302, 302),  # POST; a job reads the RPC cache's size
+    "nodes:rpc_cache_clear": _rule(LOGIN, 403, 200, 200),  # the question; its POST clears the cache
     "calibration:figures": _rule(LOGIN, 403, 403, 200),
     "nodes:approve_host_key": _rule(LOGIN, 403, 403, 302),
     # Jobs: viewers read logs, operators run commands and cancel.
