@@ -56,6 +56,12 @@ class _Tables:
         # By (j, k): the dense part of blocks j..k-1 in memory (with KV) and as read, and how many of them
         # have experts. Only k >= j is used.
         self.dense_mem = span(problem.prefix) - span(xmem)
+        # The coordinator's CPU holding blocks 0..j-1, by j: the file range llama.cpp maps for them (with and
+        # without the output layer, `costs.cpu_weight_tables`) and their KV, less their experts.
+        self.cpu_dense = {
+            output: np.asarray(table, dtype=np.float64) + problem.kv_prefix - xmem
+            for output, table in ((False, problem.cpu_weights), (True, problem.cpu_weights_out))
+        }
         self.dense_read = span(problem.read_prefix) - span(xread)
         self.own = span(mcount)
         self.h = np.arange(self.nm + 1, dtype=np.float64)
@@ -90,14 +96,22 @@ class _Tables:
         h = self.h[None, None, :]
         own = self.own[:, :, None]
         more = h > own  # it holds other blocks' experts too
+        jj = np.arange(self.n + 1)[:, None, None]
+        kk = np.arange(self.n + 1)[None, :, None]
+        first = (jj == 0) & (kk > jj)  # its blocks start at block 0 (`costs.evaluate`'s `first`)
+
+        def buffer(role: str) -> np.ndarray:
+            return np.where(first, s.compute_for(role, 1, first=True), s.compute_for(role, 1))
+
         if last:
-            jj = np.arange(self.n + 1)[:, None, None]
-            kk = np.arange(self.n + 1)[None, :, None]
-            # `costs._role`: at most the last block, and no other block's experts.
-            tail = (kk - jj <= 1) & (kk == self.n) & ~more
-            compute = np.where(tail, s.compute_for("tail", 1), s.compute_for("out", 1))
+            # `costs._role`: the output layer alone, or with only the last block; no other block's experts.
+            logits = (kk == jj) & ~more
+            tail = (kk - jj == 1) & (kk == self.n) & ~more
+            compute = np.where(
+                logits, s.compute_for("logits", 1), np.where(tail, buffer("tail"), buffer("out"))
+            )
         else:
-            compute = s.compute_for("mid", 1)
+            compute = buffer("mid")
         fixed = self.out_bytes if last else 0.0
         used = self.dense_mem[:, :, None] + h * self.unit_mem + compute + fixed
         work = (self.dense_read[:, :, None] + h * self.unit_read + fixed) / s.bandwidth
@@ -119,17 +133,19 @@ class _Tables:
     def cpu(self, output: bool) -> np.ndarray:
         """The coordinator's CPU holding blocks 0..j-1 (all of them and the output layer when `output`) and
         the experts of h blocks, by (j, h)."""
-        c, p = self.p.cpu, self.p
+        c = self.p.cpu
         h = self.h[None, :]
         own = self.own[0][:, None]
         more = h > own
+        holds_blocks = np.arange(self.n + 1)[:, None] > 0
         if output:
-            compute = c.compute_for("out", 1)
+            compute = np.where(holds_blocks, c.compute_for("out", 1, first=True), c.compute_for("out", 1))
         else:
-            idle = (np.arange(self.n + 1)[:, None] == 0) & ~more
-            compute = np.where(idle, c.compute_for("idle", 1), c.compute_for("mid", 1))
+            idle = ~holds_blocks & ~more
+            mid = np.where(holds_blocks, c.compute_for("mid", 1, first=True), c.compute_for("mid", 1))
+            compute = np.where(idle, c.compute_for("idle", 1), mid)
         fixed = self.out_bytes if output else 0.0
-        used = self.dense_mem[0][:, None] + h * self.unit_mem + p.cpu_base + compute + fixed
+        used = self.cpu_dense[output][:, None] + h * self.unit_mem + compute
         work = (self.dense_read[0][:, None] + h * self.unit_read + fixed) / c.bandwidth
         cost = np.where(used <= c.capacity, c.quota_time(work), INF)
         if output:
@@ -333,7 +349,7 @@ def search_experts(problem: Problem) -> tuple[Split | None, float]:
     for k, group in enumerate(groups):
         for last in group:
             slot = problem.slots[last]
-            if slot.compute_for("tail", 1) + t.out_bytes > slot.capacity:
+            if slot.compute_for("logits", 1) + t.out_bytes > slot.capacity:
                 continue
             run = _Run(t)
             f, run.steps = states[k][0], list(states[k][1])
