@@ -14,10 +14,12 @@ order, takes a slice of the dense blocks and holds the experts of some number of
 then other devices' (`_assign`). With blocks of the same size, which blocks' experts a device holds does
 not change the cost, only how many, and whether they are its own (a block whose experts are elsewhere pays
 the RPC cost of the remote devices on its way, `costs.excursion_s`): a device that holds fewer experts
-than it has blocks sends the others away and takes none in, which no optimum does better than. So the
-result is optimal over every placement of blocks and experts; tests/planning/test_moe.py proves it against
-exhaustive search. Blocks of different sizes are planned with the largest experts' bytes for memory, so
-the plan always fits, and priced by `evaluate`.
+than it has blocks sends the others away and takes none in, which no optimum does better than. The order
+of the devices matters through which one is last and, when the coordinator's CPU holds no block, which one
+takes block 0 (its compute buffer is larger: `costs.first_block_bytes`): the search tries each device first,
+the others in canonical order after it. So the result is optimal over every placement of blocks and
+experts; tests/planning/test_moe.py proves it against exhaustive search. Blocks of different sizes are
+planned with the largest experts' bytes for memory, so the plan always fits, and priced by `evaluate`.
 
 A coordinator whose CPU shares one memory with its GPU (a Mac) keeps each block's experts with the block.
 """
@@ -191,13 +193,18 @@ class _Run:
         self.t = tables
         self.steps: list[tuple] = []
 
-    def run(self, order: list[list[int]], start: np.ndarray, last_slot: int | None) -> np.ndarray:
+    def run(
+        self, order: list[list[int]], start: np.ndarray, last_slot: int | None, paid: str | None = None
+    ) -> np.ndarray:
+        """The costs by (blocks placed, experts placed) after `order`; `paid`: the node whose overhead a
+        device earlier in the chain already paid (the runs with a chosen first device)."""
         t = self.t
         f = start
         for group in order:
             remote = t.p.slots[group[0]].remote and len(group) > 1
+            node_paid = t.p.slots[group[0]].node.name == paid
             if remote:
-                a, b = f, np.full_like(f, INF)
+                a, b = (np.full_like(f, INF), f) if node_paid else (f, np.full_like(f, INF))
                 for i in group:
                     last = i == last_slot
                     first = t.device(i, last, True)
@@ -215,7 +222,7 @@ class _Run:
             else:
                 for i in group:
                     last = i == last_slot
-                    dev = t.device(i, last, True)
+                    dev = t.device(i, last, not node_paid)
                     options = [("dev", f, dev, None)]
                     if not last:
                         options.append(("host", f, t.host(i), None))
@@ -346,15 +353,36 @@ def search_experts(problem: Problem) -> tuple[Split | None, float]:
     for group in groups[:-1]:
         f = prefix.run([group], states[-1][0], None)
         states.append((f, list(prefix.steps)))
+    lasts = [
+        last
+        for group in groups
+        for last in group
+        if problem.slots[last].compute_for("logits", 1) + t.out_bytes <= problem.slots[last].capacity
+    ]
     for k, group in enumerate(groups):
         for last in group:
-            slot = problem.slots[last]
-            if slot.compute_for("logits", 1) + t.out_bytes > slot.capacity:
+            if last not in lasts:
                 continue
             run = _Run(t)
             f, run.steps = states[k][0], list(states[k][1])
             rest = _order_for_last(groups, last)[k:]
             consider(run, run.run(rest, f, last), last)
+    # No block on the coordinator's CPU: the device that takes block 0 holds more compute buffer
+    # (`costs.first_block_bytes`), so the order matters through which device is first too.
+    no_cpu_block = np.full_like(start, INF)
+    no_cpu_block[0] = start[0]
+    for first in range(len(problem.slots)):
+        slot = problem.slots[first]
+        paid = slot.node.name if slot.remote else None
+        others = [[i for i in g if i != first] for g in groups]
+        others = [g for g in others if g]
+        for last in lasts:
+            if last == first:
+                continue  # alone, or after others that took no block: the canonical runs cover it
+            run = _Run(t)
+            f = run.run([[first]], no_cpu_block, None)
+            f[0] = INF  # it takes block 0 (at least one block), so its node's overhead is paid
+            consider(run, run.run(_order_for_last(others, last), f, last, paid), last)
     if best is None:
         return None, INF
     return best[1], best[0]
