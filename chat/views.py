@@ -116,6 +116,8 @@ async def deployment_chat(request, pk: int):
         "stream": True,
         "max_tokens": settings.RAMDECK_CHAT_MAX_TOKENS,
     }
+    if settings.RAMDECK_CHAT_TEMPERATURE is not None:
+        body["temperature"] = settings.RAMDECK_CHAT_TEMPERATURE
     client = httpx.AsyncClient(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
     request_up = client.build_request(
         "POST",

@@ -17,6 +17,10 @@ LLAMA_SERVER_BINARY = "llama-server"
 BINARIES = (*RPC_SERVER_BINARIES, LLAMA_SERVER_BINARY)
 
 
+# llama.cpp's default physical batch (-ub), which the console passes only when a plan asks for another.
+DEFAULT_UBATCH = 512
+
+
 def layer_assignment(splits: list[float], n_layer: int, n_gpu_layers: int) -> list[int]:
     """Device index of each of the n_layer + 1 slots (blocks, then the output layer); -1 means the CPU.
 
@@ -70,6 +74,9 @@ def llama_server_args(placements: list[dict[str, Any]], settings: dict[str, Any]
     for p in placements:
         if p.get("expert_blocks"):
             args += ["-ot", expert_override(p["expert_blocks"], buffer_type(p))]
+    if int(settings.get("ubatch", DEFAULT_UBATCH)) != DEFAULT_UBATCH:
+        # The compute buffers were planned for this physical batch (planning/costs.py).
+        args += ["-ub", str(settings["ubatch"])]
     return args
 
 

@@ -485,7 +485,12 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
     has_output = False
     embd_bytes = 0
     total = 0
-    for header in headers:
+    # Where each group of tensors lies in each shard's data: {shard: [first byte, end]}. llama.cpp maps the
+    # coordinator CPU's tensors as one range per shard, from its first tensor to the end of its last
+    # (llama_model_loader::get_mapping_range), so what its CPU holds depends on the order of the file.
+    block_spans: list[dict[int, list[int]]] = [{} for _ in range(n_layer)]
+    group_spans: dict[str, dict[int, list[int]]] = {"input": {}, "output": {}, "other": {}}
+    for shard, header in enumerate(headers):
         for tensor in header.tensors:
             size = tensor.n_bytes
             total += size
@@ -494,21 +499,31 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
                 block_bytes[int(match[1])] += size
                 if _EXPERTS_RE.match(tensor.name):
                     expert_bytes[int(match[1])] += size
+                spans = block_spans[int(match[1])]
             elif tensor.name == "output.weight":
                 output_bytes += size
                 has_output = True
+                spans = group_spans["output"]
             elif tensor.name.startswith("output_norm."):
                 output_bytes += size
+                spans = group_spans["output"]
             elif tensor.name.startswith("token_embd."):
                 input_bytes += size
                 if tensor.name == "token_embd.weight":
                     embd_bytes = size
+                spans = group_spans["input"]
             else:
                 # rope_freqs and friends: small, kept with the input on the coordinator's CPU.
                 other_bytes += size
+                spans = group_spans["other"]
+            span = spans.setdefault(shard, [tensor.offset, tensor.offset + size])
+            span[0], span[1] = min(span[0], tensor.offset), max(span[1], tensor.offset + size)
+    tied_output_bytes = 0
     if not has_output:
-        # Tied embeddings: llama.cpp loads a second copy of token_embd as the output matrix.
+        # Tied embeddings: the output matrix is token_embd. A device other than the coordinator's CPU gets a
+        # copy of it; on that CPU it is the input's own (mapped once).
         output_bytes += embd_bytes
+        tied_output_bytes = embd_bytes
 
     tokens = fields.get("tokenizer.ggml.tokens")
     n_vocab = (
@@ -545,6 +560,11 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "block_expert_bytes": expert_bytes,
         "output_bytes": output_bytes,
         "tied_embeddings": not has_output,
+        "tied_output_bytes": tied_output_bytes,
+        "tensor_spans": {
+            **{group: _span_list(spans) for group, spans in group_spans.items()},
+            "blocks": [_span_list(spans) for spans in block_spans],
+        },
         "input_embedding_bytes": input_bytes,
         "other_bytes": other_bytes,
         "weights_total_bytes": total,
@@ -552,6 +572,11 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "split_count": len(headers),
         "shards": shard_names or [],
     }
+
+
+def _span_list(spans: dict[int, list[int]]) -> list[list[int]]:
+    """[[shard, first byte, end], ...] (JSON keeps no integer keys)."""
+    return [[shard, start, end] for shard, (start, end) in sorted(spans.items())]
 
 
 def split_count(header: GGUFHeader) -> int:

@@ -102,39 +102,84 @@ def kv_bytes_per_block(profile: dict[str, Any], settings: Settings) -> list[int]
     return out
 
 
+# Bytes per ubatch token beyond the activations in a compute buffer (positions, token ids, row indexes, and
+# the allocator's alignment), as llama.cpp's logs show them: on the coordinator's CPU, on another device.
+CPU_TOKEN_BYTES = 40
+DEVICE_TOKEN_BYTES = 20
+# llama.cpp's default logical batch (-b): it caps the physical batch (-ub) with the context.
+DEFAULT_BATCH = 2048
+
+
+def reserve_ubatch(settings: Settings) -> int:
+    """The tokens of the batch llama.cpp reserves its compute buffers for: -ub, capped by -b and the whole
+    context (llama_context: n_batch = min(n_ctx, n_batch), n_ubatch = min(n_batch, n_ubatch))."""
+    _, total = kv_cells(settings)
+    return max(1, min(settings.ubatch, DEFAULT_BATCH, total))
+
+
+def logits_bytes(profile: dict[str, Any], settings: Settings) -> int:
+    """One f32 row of logits per output: llama-server reserves one output per slot (-np)."""
+    return 4 * int(profile.get("vocab_size") or 32000) * settings.parallel
+
+
 def compute_bytes(
     profile: dict[str, Any], settings: Settings, *, role: str, coordinator_cpu: bool, pipeline: bool = False
 ) -> int:
-    """An upper estimate of one copy of a device's compute buffer (ggml_backend_sched's reservation).
+    """One copy of a device's compute buffer as ggml_backend_sched reserves it (llama_context's worst-case
+    graph: -ub tokens, one output per slot, flash attention with its f16 mask over one sequence's cells).
 
-    No closed form exists; this is fitted to llama.cpp's own logs on its CPU and RPC backends with flash
-    attention (its default) and kept above them (tests/planning/test_planner_vs_llamacpp.py holds it to within
-    2x). Per ubatch token: f32 activations, plus the f16 attention mask over the cells of one sequence.
-    `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output layer and at
-    most the last block, whose feed-forward runs on the output rows only), "idle" (the coordinator's CPU
-    computing no block: input embeddings and the mask). With pipeline parallelism the graph is cut into
-    more, smaller splits, so the feed-forward share is smaller (but there are four copies; a CPU worker only
-    writes one of them and the copies of its inputs: `Slot.compute_for`).
+    Without pipeline parallelism the figures are llama.cpp's own, read from its logs for dense llama-style
+    models on its CPU and RPC backends (tests/planning/test_memory_vs_llamacpp.py holds them to 2%): per
+    ubatch token, the f16 mask row plus f32 activations, whose peak is the feed-forward's three n_ff rows
+    beside a few n_embd rows; a device whose blocks end in the output layer holds the larger of that and
+    the logits. `role`: "mid" (blocks, no output), "out" (blocks and the output layer), "tail" (the output
+    layer and the last block only, whose feed-forward runs on the output rows only), "logits" (the output
+    layer alone), "idle" (the coordinator's CPU computing no block: input embeddings and the mask). The
+    coordinator's CPU also holds the host copy of the logits (llama.cpp's "CPU output buffer"), counted here.
+    A device other than the CPU that holds block 0 holds two rows more (`first_block_bytes`).
+
+    With pipeline parallelism the graph is cut into more, smaller splits, so the feed-forward share is
+    smaller (but there are four copies; a CPU worker only writes one of them and the copies of its inputs:
+    `Slot.compute_for`); that estimate is kept above llama.cpp's reservation, within 2x.
     """
     per_seq, _ = kv_cells(settings)
-    ub = min(settings.ubatch, per_seq)
+    ub = reserve_ubatch(settings)
     n_embd = int(profile["embedding_length"])
     n_ff = profile.get("feed_forward_length") or 4 * n_embd
     n_ff = max(n_ff) if isinstance(n_ff, list) else int(n_ff)
     n_ff *= max(1, int(profile.get("expert_used_count") or 1))
     n_vocab = int(profile.get("vocab_size") or 32000)
-    if role == "idle":
-        floats = 4 * n_embd
-    elif role == "tail":
-        floats = 5 * n_embd
+    host_logits = logits_bytes(profile, settings) if coordinator_cpu else 0
+    mask = 2 * per_seq
+    if pipeline:
+        ub = min(settings.ubatch, per_seq)
+        if role == "idle":
+            floats = 4 * n_embd
+        elif role in ("tail", "logits"):
+            floats = 5 * n_embd
+        else:
+            floats = n_ff + 4 * n_embd
+        if role in ("out", "tail", "logits"):
+            floats = max(floats, n_vocab // ub + 2 * n_embd)
+        return ub * (4 * floats + mask) + host_logits
+    extra = CPU_TOKEN_BYTES if coordinator_cpu else DEVICE_TOKEN_BYTES
+    if role == "logits":
+        return logits_bytes(profile, settings) + host_logits
+    if role == "idle" or role == "tail":
+        activations = ub * (4 * 4 * n_embd + extra)
+    elif coordinator_cpu:
+        activations = ub * (4 * (3 * n_ff + 5 * n_embd) + extra)
     else:
-        floats = n_ff + 4 * n_embd if pipeline else 3 * n_ff + 5 * n_embd
+        activations = ub * (4 * (3 * n_ff + 2 * n_embd) + extra)
     if role in ("out", "tail"):
-        # The logits replace the activations once the last block is done, so the peak is the larger one.
-        floats = max(floats, n_vocab + 2 * n_embd)
-    if coordinator_cpu:
-        floats += n_vocab if role == "idle" else n_embd + n_vocab
-    return ub * (4 * floats + 2 * per_seq)
+        activations = max(activations, logits_bytes(profile, settings))
+    return activations + ub * mask + host_logits
+
+
+def first_block_bytes(profile: dict[str, Any], settings: Settings) -> int:
+    """What a device other than the coordinator's CPU holds more when its blocks start at block 0 (without
+    pipeline parallelism): two more f32 rows per ubatch token, as llama.cpp's logs show."""
+    return reserve_ubatch(settings) * 4 * 2 * int(profile["embedding_length"])
 
 
 def input_copy_bytes(profile: dict[str, Any], settings: Settings) -> int:
@@ -182,6 +227,8 @@ class Slot:
     lazy: bool = False
     # One copy of its split's inputs (`input_copy_bytes`).
     input_copy: int = 0
+    # What its compute buffer holds more when its blocks start at block 0 (`first_block_bytes`).
+    first_extra: int = 0
     # The CPU of a remote node held to a CPU quota, when it is the node's only device: the quota's period
     # (seconds) and the quota in cores (see `quota_time`). 0.0: no quota to model.
     burst_s: float = 0.0
@@ -210,8 +257,11 @@ class Slot:
             return seconds
         return np.maximum(seconds - self.burst_s, seconds * min(1.0, self.quota_cores))
 
-    def compute_for(self, role: str, copies: int) -> int:
-        if copies > 1 and self.lazy:
+    def compute_for(self, role: str, copies: int, first: bool = False) -> int:
+        """Its compute buffer in `role` with `copies` graph copies; `first`: its blocks start at block 0."""
+        if copies == 1:
+            return self.compute[(role, False)] + (self.first_extra if first else 0)
+        if self.lazy:
             # Measured with the lab's limit_memory on a real rpc-server (the split_speed model: 8 blocks of
             # n_embd 1536 and n_ff 4096, -c 512), after prompts of 500 tokens, which write a whole ubatch:
             # beyond its weights and KV cache the worker held 47.6 MiB with the plan's 6 blocks and the
@@ -245,6 +295,11 @@ class Problem:
     read_prefix: np.ndarray = field(default_factory=lambda: np.zeros(1))
     expert_bytes: list[int] = field(default_factory=list)
     expert_read: list[float] = field(default_factory=list)
+    # The weights llama.cpp maps on the coordinator's CPU when it holds blocks 0..j-1, by j, without and with
+    # the output layer (`cpu_weight_tables`); the KV cache of blocks 0..j-1, by j.
+    cpu_weights: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    cpu_weights_out: np.ndarray = field(default_factory=lambda: np.zeros(1))
+    kv_prefix: np.ndarray = field(default_factory=lambda: np.zeros(1))
     # A coordinator with unified memory: the index in `slots` of its unified GPU, which shares one pool
     # with the CPU; the CPU's and that GPU's bytes together stay within `pool_capacity` (the pool's limit
     # `pool_limit` minus the margin).
@@ -262,10 +317,59 @@ class Problem:
     pipeline_s: float = 0.0
 
 
+def tied_output_bytes(profile: dict[str, Any]) -> int:
+    """The output matrix's bytes that are token_embd's own (tied embeddings; profiles read before the field
+    existed: the input embedding)."""
+    if "tied_output_bytes" in profile:
+        return int(profile["tied_output_bytes"])
+    return int(profile.get("input_embedding_bytes", 0)) if profile.get("tied_embeddings") else 0
+
+
+def _mapped(ranges: dict[int, list[int]]) -> int:
+    return sum(end - start for start, end in ranges.values())
+
+
+def _widen(ranges: dict[int, list[int]], spans: list[list[int]]) -> None:
+    for shard, start, end in spans:
+        have = ranges.setdefault(int(shard), [int(start), int(end)])
+        have[0], have[1] = min(have[0], int(start)), max(have[1], int(end))
+
+
+def cpu_weight_tables(profile: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The weights llama.cpp holds on the coordinator's CPU with blocks 0..j-1 there, by j: (without the
+    output layer, with it).
+
+    llama.cpp maps the CPU's tensors from the file: one range per shard, from the first of them to the end
+    of the last (llama_model_loader::get_mapping_range), which is what its log reports as the CPU_Mapped
+    model buffer. In a file whose blocks are not in numeric order (SmolLM2's: blk.0, blk.1, blk.10, ...)
+    that range covers other blocks too. With tied embeddings the output matrix is the input's token_embd,
+    mapped once. Profiles read before the tensor ranges were recorded count the tensors' own bytes."""
+    weights = np.array([int(b) for b in profile["block_weight_bytes"]], dtype=np.float64)
+    base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
+    output = int(profile["output_bytes"]) - tied_output_bytes(profile)
+    spans = profile.get("tensor_spans")
+    if not spans or len(spans.get("blocks", [])) != len(weights):
+        without = np.concatenate([[0.0], np.cumsum(weights)]) + base
+        return without, without + output
+    tables = []
+    for with_output in (False, True):
+        ranges: dict[int, list[int]] = {}
+        _widen(ranges, spans.get("input", []))
+        _widen(ranges, spans.get("other", []))
+        if with_output:
+            _widen(ranges, spans.get("output", []))
+        table = [_mapped(ranges)]
+        for block in spans["blocks"]:
+            _widen(ranges, block)
+            table.append(_mapped(ranges))
+        tables.append(np.array(table, dtype=np.float64))
+    return tables[0], tables[1]
+
+
 def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
     return {
         (role, pp): compute_bytes(profile, settings, role=role, coordinator_cpu=coordinator_cpu, pipeline=pp)
-        for role in ("mid", "out", "tail", "idle")
+        for role in ("mid", "out", "tail", "logits", "idle")
         for pp in (False, True)
     }
 
@@ -329,6 +433,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             compute=_compute_table(profile, settings, coordinator_cpu=False),
             lazy=remote and device.kind == "cpu",
             input_copy=input_copy_bytes(profile, settings),
+            first_extra=first_block_bytes(profile, settings),
             **_quota(node, device) if remote else {},
         )
 
@@ -336,6 +441,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     cpu_device = next((d for d in coordinator.devices if d.name == "CPU"), None) or cpu_of_unified(unified)
     cpu = slot(cpu_device, coordinator)
     cpu.compute = _compute_table(profile, settings, coordinator_cpu=True)
+    cpu.first_extra = 0
     slots = [slot(d, coordinator) for d in coordinator.devices if d.name != "CPU"]
     for node in nodes:
         if not node.coordinator:
@@ -353,6 +459,8 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             "pool_capacity": _less_margin(pool_limit, settings),
         }
     cpu_base = int(profile.get("input_embedding_bytes", 0)) + int(profile.get("other_bytes", 0))
+    cpu_weights, cpu_weights_out = cpu_weight_tables(profile)
+    kv_prefix = np.concatenate([[0.0], np.cumsum(np.array(kv, dtype=np.float64))])
     pass_ms = coordinator.pass_overhead_ms
     fixed_s = (pass_ms if pass_ms is not None else DEFAULT_PASS_OVERHEAD_MS) / 1000.0
     pipeline_ms = coordinator.pipeline_overhead_ms
@@ -376,6 +484,9 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
         read_prefix=read_prefix,
         expert_bytes=experts,
         expert_read=expert_read,
+        cpu_weights=cpu_weights,
+        cpu_weights_out=cpu_weights_out,
+        kv_prefix=kv_prefix,
         **pool,
     )
 
@@ -437,7 +548,9 @@ def _role(is_cpu: bool, start: int, count: int, output: bool, n: int, hosts_more
     if is_cpu:
         return "out" if output else ("idle" if count == 0 and not hosts_more else "mid")
     if output:
-        return "tail" if count <= 1 and start + count == n and not hosts_more else "out"
+        if count == 0 and not hosts_more:
+            return "logits"
+        return "tail" if count == 1 and start + count == n and not hosts_more else "out"
     return "mid"
 
 
@@ -485,11 +598,14 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
         weights = sum(problem.weights[b] - ex[b] for b in own) + sum(ex[b] for b in holds)
         weights += out_bytes if output else 0
         if slot is problem.cpu:
-            weights += problem.cpu_base
+            # The file range llama.cpp maps for the CPU's blocks, less the experts placed elsewhere, plus
+            # the experts of other blocks placed here (both zero for a dense model).
+            weights = int((problem.cpu_weights_out if output else problem.cpu_weights)[count])
+            weights += sum(ex[b] for b in holds if b not in own) - sum(ex[b] for b in own if b not in holds)
         kv = sum(problem.kv[start : start + count])
         hosts_more = any(not start <= b < start + count for b in holds)
         role = _role(slot is problem.cpu, start, count, output, n, hosts_more)
-        compute = slot.compute_for(role, copies)
+        compute = slot.compute_for(role, copies, first=start == 0 and count > 0)
         fits = fits and weights + kv + compute <= slot.capacity
         read = sum(problem.read_bytes[b] - ex_read[b] for b in own) + sum(ex_read[b] for b in holds)
         work = (read + (out_bytes if output else 0)) / slot.bandwidth

@@ -14,10 +14,12 @@ order, takes a slice of the dense blocks and holds the experts of some number of
 then other devices' (`_assign`). With blocks of the same size, which blocks' experts a device holds does
 not change the cost, only how many, and whether they are its own (a block whose experts are elsewhere pays
 the RPC cost of the remote devices on its way, `costs.excursion_s`): a device that holds fewer experts
-than it has blocks sends the others away and takes none in, which no optimum does better than. So the
-result is optimal over every placement of blocks and experts; tests/planning/test_moe.py proves it against
-exhaustive search. Blocks of different sizes are planned with the largest experts' bytes for memory, so
-the plan always fits, and priced by `evaluate`.
+than it has blocks sends the others away and takes none in, which no optimum does better than. The order
+of the devices matters through which one is last and, when the coordinator's CPU holds no block, which one
+takes block 0 (its compute buffer is larger: `costs.first_block_bytes`): the search tries each device first,
+the others in canonical order after it. So the result is optimal over every placement of blocks and
+experts; tests/planning/test_moe.py proves it against exhaustive search. Blocks of different sizes are
+planned with the largest experts' bytes for memory, so the plan always fits, and priced by `evaluate`.
 
 A coordinator whose CPU shares one memory with its GPU (a Mac) keeps each block's experts with the block.
 """
@@ -56,6 +58,12 @@ class _Tables:
         # By (j, k): the dense part of blocks j..k-1 in memory (with KV) and as read, and how many of them
         # have experts. Only k >= j is used.
         self.dense_mem = span(problem.prefix) - span(xmem)
+        # The coordinator's CPU holding blocks 0..j-1, by j: the file range llama.cpp maps for them (with and
+        # without the output layer, `costs.cpu_weight_tables`) and their KV, less their experts.
+        self.cpu_dense = {
+            output: np.asarray(table, dtype=np.float64) + problem.kv_prefix - xmem
+            for output, table in ((False, problem.cpu_weights), (True, problem.cpu_weights_out))
+        }
         self.dense_read = span(problem.read_prefix) - span(xread)
         self.own = span(mcount)
         self.h = np.arange(self.nm + 1, dtype=np.float64)
@@ -90,14 +98,22 @@ class _Tables:
         h = self.h[None, None, :]
         own = self.own[:, :, None]
         more = h > own  # it holds other blocks' experts too
+        jj = np.arange(self.n + 1)[:, None, None]
+        kk = np.arange(self.n + 1)[None, :, None]
+        first = (jj == 0) & (kk > jj)  # its blocks start at block 0 (`costs.evaluate`'s `first`)
+
+        def buffer(role: str) -> np.ndarray:
+            return np.where(first, s.compute_for(role, 1, first=True), s.compute_for(role, 1))
+
         if last:
-            jj = np.arange(self.n + 1)[:, None, None]
-            kk = np.arange(self.n + 1)[None, :, None]
-            # `costs._role`: at most the last block, and no other block's experts.
-            tail = (kk - jj <= 1) & (kk == self.n) & ~more
-            compute = np.where(tail, s.compute_for("tail", 1), s.compute_for("out", 1))
+            # `costs._role`: the output layer alone, or with only the last block; no other block's experts.
+            logits = (kk == jj) & ~more
+            tail = (kk - jj == 1) & (kk == self.n) & ~more
+            compute = np.where(
+                logits, s.compute_for("logits", 1), np.where(tail, buffer("tail"), buffer("out"))
+            )
         else:
-            compute = s.compute_for("mid", 1)
+            compute = buffer("mid")
         fixed = self.out_bytes if last else 0.0
         used = self.dense_mem[:, :, None] + h * self.unit_mem + compute + fixed
         work = (self.dense_read[:, :, None] + h * self.unit_read + fixed) / s.bandwidth
@@ -119,17 +135,19 @@ class _Tables:
     def cpu(self, output: bool) -> np.ndarray:
         """The coordinator's CPU holding blocks 0..j-1 (all of them and the output layer when `output`) and
         the experts of h blocks, by (j, h)."""
-        c, p = self.p.cpu, self.p
+        c = self.p.cpu
         h = self.h[None, :]
         own = self.own[0][:, None]
         more = h > own
+        holds_blocks = np.arange(self.n + 1)[:, None] > 0
         if output:
-            compute = c.compute_for("out", 1)
+            compute = np.where(holds_blocks, c.compute_for("out", 1, first=True), c.compute_for("out", 1))
         else:
-            idle = (np.arange(self.n + 1)[:, None] == 0) & ~more
-            compute = np.where(idle, c.compute_for("idle", 1), c.compute_for("mid", 1))
+            idle = ~holds_blocks & ~more
+            mid = np.where(holds_blocks, c.compute_for("mid", 1, first=True), c.compute_for("mid", 1))
+            compute = np.where(idle, c.compute_for("idle", 1), mid)
         fixed = self.out_bytes if output else 0.0
-        used = self.dense_mem[0][:, None] + h * self.unit_mem + p.cpu_base + compute + fixed
+        used = self.cpu_dense[output][:, None] + h * self.unit_mem + compute
         work = (self.dense_read[0][:, None] + h * self.unit_read + fixed) / c.bandwidth
         cost = np.where(used <= c.capacity, c.quota_time(work), INF)
         if output:
@@ -175,13 +193,18 @@ class _Run:
         self.t = tables
         self.steps: list[tuple] = []
 
-    def run(self, order: list[list[int]], start: np.ndarray, last_slot: int | None) -> np.ndarray:
+    def run(
+        self, order: list[list[int]], start: np.ndarray, last_slot: int | None, paid: str | None = None
+    ) -> np.ndarray:
+        """The costs by (blocks placed, experts placed) after `order`; `paid`: the node whose overhead a
+        device earlier in the chain already paid (the runs with a chosen first device)."""
         t = self.t
         f = start
         for group in order:
             remote = t.p.slots[group[0]].remote and len(group) > 1
+            node_paid = t.p.slots[group[0]].node.name == paid
             if remote:
-                a, b = f, np.full_like(f, INF)
+                a, b = (np.full_like(f, INF), f) if node_paid else (f, np.full_like(f, INF))
                 for i in group:
                     last = i == last_slot
                     first = t.device(i, last, True)
@@ -199,7 +222,7 @@ class _Run:
             else:
                 for i in group:
                     last = i == last_slot
-                    dev = t.device(i, last, True)
+                    dev = t.device(i, last, not node_paid)
                     options = [("dev", f, dev, None)]
                     if not last:
                         options.append(("host", f, t.host(i), None))
@@ -330,15 +353,36 @@ def search_experts(problem: Problem) -> tuple[Split | None, float]:
     for group in groups[:-1]:
         f = prefix.run([group], states[-1][0], None)
         states.append((f, list(prefix.steps)))
+    lasts = [
+        last
+        for group in groups
+        for last in group
+        if problem.slots[last].compute_for("logits", 1) + t.out_bytes <= problem.slots[last].capacity
+    ]
     for k, group in enumerate(groups):
         for last in group:
-            slot = problem.slots[last]
-            if slot.compute_for("tail", 1) + t.out_bytes > slot.capacity:
+            if last not in lasts:
                 continue
             run = _Run(t)
             f, run.steps = states[k][0], list(states[k][1])
             rest = _order_for_last(groups, last)[k:]
             consider(run, run.run(rest, f, last), last)
+    # No block on the coordinator's CPU: the device that takes block 0 holds more compute buffer
+    # (`costs.first_block_bytes`), so the order matters through which device is first too.
+    no_cpu_block = np.full_like(start, INF)
+    no_cpu_block[0] = start[0]
+    for first in range(len(problem.slots)):
+        slot = problem.slots[first]
+        paid = slot.node.name if slot.remote else None
+        others = [[i for i in g if i != first] for g in groups]
+        others = [g for g in others if g]
+        for last in lasts:
+            if last == first:
+                continue  # alone, or after others that took no block: the canonical runs cover it
+            run = _Run(t)
+            f = run.run([[first]], no_cpu_block, None)
+            f[0] = INF  # it takes block 0 (at least one block), so its node's overhead is paid
+            consider(run, run.run(_order_for_last(others, last), f, last, paid), last)
     if best is None:
         return None, INF
     return best[1], best[0]

@@ -49,8 +49,10 @@ def expected_offload(plan: dict[str, Any]) -> int | None:
 def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
     """Per device: planned vs logged weights and KV bytes. No `problems`: llama.cpp followed the plan.
 
-    The coordinator's CPU is reported but not held to the plan: it also holds the input embedding and
-    host-side copies whose size depends on the build (mmap, repacking).
+    Every device is held to the plan, the coordinator's CPU too: its weights are what llama.cpp maps from
+    the file (planning/costs.py `cpu_weight_tables`). Its logits buffer ("CPU output buffer") is part of
+    the compute estimate, which is reported beside what llama.cpp reserved but not held to it (a CPU worker
+    under pipeline parallelism is planned at what it writes, not at the reservation).
 
     A mixture of experts whose experts the plan put apart from their blocks (`expert_blocks`, `-ot` rules)
     is held to the same sizes: a device's planned weights count the experts it holds, not those of its own
@@ -72,10 +74,11 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
             "layers": item.get("layers", 0),
             "planned_weights": int(item.get("weights_bytes") or 0),
             "planned_kv": int(item.get("kv_bytes") or 0),
-            "logged_weights": int(got.get("model", 0) + got.get("output", 0)),
+            "logged_weights": int(got.get("model", 0)),
             "logged_kv": int(got.get("kv", 0)),
-            "logged_compute": int(got.get("compute", 0)),
-            "checked": key != "CPU",
+            "planned_compute": int(item.get("compute_bytes") or 0),
+            "logged_compute": int(got.get("compute", 0) + got.get("output", 0)),
+            "checked": True,
             "expert_blocks": list(item.get("expert_blocks") or []),
         }
         row["ok"] = not row["checked"] or (
@@ -86,9 +89,9 @@ def compare(plan: dict[str, Any], log_text: str) -> dict[str, Any]:
         lines.append(
             f"{key} ({row['node']}): weights {_mib(row['logged_weights'])} "
             f"vs planned {_mib(row['planned_weights'])}, "
-            f"KV {_mib(row['logged_kv'])} vs planned {_mib(row['planned_kv'])}"
+            f"KV {_mib(row['logged_kv'])} vs planned {_mib(row['planned_kv'])}, "
+            f"compute {_mib(row['logged_compute'])} vs planned {_mib(row['planned_compute'])}"
             + _experts_note(item)
-            + ("" if row["checked"] else " (coordinator CPU: reported only)")
             + ("" if row["ok"] else "  <-- differs")
         )
         if not row["ok"]:

@@ -72,11 +72,14 @@ class _Search:
     def used(self, i: int, last: bool, copies: int) -> np.ndarray:
         """Bytes slot i holds with blocks j..k-1 (and the output layer when last), by (j, k)."""
         s = self.p.slots[i]
-        fixed = s.compute_for("out" if last else "mid", copies) + (self.out_bytes if last else 0.0)
+        role = "out" if last else "mid"
+        fixed = np.full((self.n + 1, 1), s.compute_for(role, copies) + (self.out_bytes if last else 0.0))
+        # Row 0: its blocks start at block 0, which takes a little more compute buffer (`first_block_bytes`).
+        fixed[0] = s.compute_for(role, copies, first=True) + (self.out_bytes if last else 0.0)
         if last:
             # Rows j >= n - 1: the output device holds at most the last block (smaller compute buffer).
-            fixed = np.full((self.n + 1, 1), fixed)
-            fixed[self.n - 1 :] = s.compute_for("tail", copies) + self.out_bytes
+            fixed[self.n - 1] = s.compute_for("tail", copies, first=self.n == 1) + self.out_bytes
+            fixed[self.n] = s.compute_for("logits", copies) + self.out_bytes
         return self.span + fixed
 
     def matrix(self, i: int, last: bool, copies: int, cpu_bytes: float | None = None) -> np.ndarray:
@@ -100,16 +103,15 @@ class _Search:
     def cpu_used(self, copies: int) -> np.ndarray:
         """Bytes on the coordinator's CPU with blocks 0..j-1 and not the output layer, by j."""
         c = self.p.cpu
-        used = self.p.prefix + (self.p.cpu_base + c.compute_for("mid", copies))
+        used = self.p.kv_prefix + self.p.cpu_weights + c.compute_for("mid", copies)
         # With no block of its own the CPU's compute buffer is much smaller.
-        used[0] = self.p.cpu_base + c.compute_for("idle", copies)
+        used[0] = self.p.cpu_weights[0] + c.compute_for("idle", copies)
         return used
 
     def cpu_costs(self, copies: int, output: bool) -> np.ndarray:
         c = self.p.cpu
-        pre = self.p.prefix
         if output:
-            used = pre + (self.p.cpu_base + c.compute_for("out", copies) + self.out_bytes)
+            used = self.p.kv_prefix + self.p.cpu_weights_out + c.compute_for("out", copies)
         else:
             used = self.cpu_used(copies)
         read = self.p.read_prefix + (self.out_bytes if output else 0.0)
@@ -255,7 +257,7 @@ def search(problem: Problem) -> tuple[Split | None, float]:
     for k, group in enumerate(groups):
         for last in group:
             slot = problem.slots[last]
-            if slot.compute_for("tail", 1) + s.out_bytes > slot.capacity:
+            if slot.compute_for("logits", 1) + s.out_bytes > slot.capacity:
                 continue  # it cannot hold the output layer at all
             order = _order_for_last(groups, last)
             rest = order[k:]  # after the shared prefix groups[:k]

@@ -474,6 +474,12 @@ RAMDECK_HEALTH_TIMEOUT_PER_GIB_S = env_float(
 # The console's chat with a running deployment: at most this many tokens per answer (a model that never
 # stops, or a random-weights test model, would otherwise write until its context is full).
 RAMDECK_CHAT_MAX_TOKENS = env_int("RAMDECK_CHAT_MAX_TOKENS", 2048, minimum=1, maximum=1_000_000)
+# The chat's sampling temperature (0: greedy, the same answer every time); unset: llama-server's default.
+RAMDECK_CHAT_TEMPERATURE = (
+    env_float("RAMDECK_CHAT_TEMPERATURE", 0.0, minimum=0.0, maximum=5.0)
+    if os.environ.get("RAMDECK_CHAT_TEMPERATURE", "").strip()
+    else None
+)
 # How often beat checks that running deployments' processes are alive (0: never).
 RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S = env_int("RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S", 60, minimum=0)
 if RAMDECK_DEPLOYMENT_CHECK_INTERVAL_S:

@@ -1,7 +1,8 @@
 """A new admin follows the dashboard's first-run checklist on the console's own machine, in a real browser:
 "Add this machine" → the probe (a real Celery worker, the local transport) finds the real llama.cpp build →
-it is recorded as a build → a model is registered → a plan is confirmed → deployed (the worker starts the real
-llama-server) → an answer in the chat box; the checklist ticks at each step and is gone at the end.
+it is recorded as a build → the small real model (SmolLM2-135M-Instruct, from the package index) is
+registered with one button → a plan is confirmed → deployed (the worker starts the real llama-server) → an
+answer in English in the chat box (greedy sampling); the checklist ticks at each step and is gone at the end.
 
 On the way it saves the README's screenshots (tests/browser.py `save_screenshots`): into the test's tmp_path,
 or into RAMDECK_SCREENSHOTS_DIR when set (`make screenshots` sets docs/screenshots)."""
@@ -17,16 +18,20 @@ from playwright.sync_api import expect
 from builds.models import Build
 from deployments.models import Deployment, DeploymentState
 from jobs.models import Job, JobState
-from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from llamacpp import real_model
+from modelfiles.models import ModelFile
 from nodes.models import Node, Transport
 from tests.browser import checklist_ticks, in_own_thread, log_in, save_screenshots, screenshot_dir
-from tests.chat_fixtures import TALKATIVE_SEED, free_port, stop
+from tests.chat_fixtures import free_port, stop
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker, wait_for
 from tests.llamacpp_build import require_llamacpp
+from tests.real_model import require_real_model
 
 pytestmark = [pytest.mark.browser, pytest.mark.llamacpp, pytest.mark.e2e, pytest.mark.timeout(900)]
 CHAT_MAX_TOKENS = 48
+# Words nearly every English sentence of a few dozen words holds; a broken split or random weights write none.
+COMMON_WORDS = {"the", "is", "of", "a", "and", "to", "in", "it", "with", "that", "story", "fox"}
 
 
 @pytest.fixture
@@ -58,8 +63,9 @@ def celery_worker(llamacpp_on_path, model_dir, transactional_db, tmp_path):
 
 @pytest.fixture
 def short_answers(settings):
-    """Set before the live server forks, so the chat answers with at most CHAT_MAX_TOKENS tokens."""
+    """Set before the live server forks, so the chat answers greedily with at most CHAT_MAX_TOKENS tokens."""
     settings.RAMDECK_CHAT_MAX_TOKENS = CHAT_MAX_TOKENS
+    settings.RAMDECK_CHAT_TEMPERATURE = 0.0
 
 
 @pytest.fixture
@@ -71,6 +77,7 @@ def live_url(celery_worker, short_answers, live_server_url):
 def test_a_new_admin_follows_the_checklist_on_this_machine(
     live_url, page, llamacpp_on_path, tmp_path, monkeypatch
 ):
+    require_real_model()  # in the per-user cache: the button below finds it there
     shots = screenshot_dir(tmp_path)
     admin = UserFactory(username="nina-new", role="admin")
     log_in(page, live_url, "nina-new", PASSWORD)
@@ -108,22 +115,22 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     expect(page.locator("#builds")).to_contain_text(llamacpp_on_path)
     expect(page.locator("#use-detected-install")).to_have_count(0)
 
-    # 3. A model, from the checklist's link.
-    # Random weights from this seed seldom end an answer at once, so the chat below shows one.
-    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4, n_embd=128, seed=TALKATIVE_SEED))
+    # 3. A model: the checklist's button brings the small real model onto this machine, a job with a log.
     page.goto(f"{live_url}/")
-    page.click("#first-run-model-action")
-    page.fill("#register-model input[name=name]", "tiny")
-    page.select_option("#register-model select[name=node]", label=node.name)
-    page.fill("#register-model input[name=path]", str(path))
-    page.click("#register-model button[type=submit]")
-    expect(page.locator(".message.success")).to_contain_text("Registered tiny.")
+    page.click("#first-run-model-try")
+    job = Job.objects.get(kind="real_model")
+    assert job.node == node
+    expect(page.locator("body")).to_contain_text("Registered SmolLM2 135M Instruct", timeout=120_000)
+    job.refresh_from_db()
+    assert job.state == JobState.SUCCEEDED, job.result
+    model = ModelFile.objects.get()
+    assert model.name == real_model.MODEL_NAME and model.sha256 == real_model.GGUF_SHA256
 
     # 4. The plan, from the checklist's link, confirmed.
     page.goto(f"{live_url}/")
     assert "model" in checklist_ticks(page)
     page.click("#first-run-plan-action")
-    page.fill("input[name=name]", "tiny on this machine")
+    page.fill("input[name=name]", "SmolLM2 on this machine")
     # Loopback (this machine only, the console's chat included) on a port nobody else's test holds.
     page.fill("#endpoint-port", str(free_port()))
     expect(page.locator("#confirm-plan")).to_be_enabled()
@@ -148,9 +155,9 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     expect(page.locator("#audit-table")).to_contain_text(
         f"nina-new asked for a llama.cpp build on node {node.name}"
     )
-    expect(page.locator("#audit-table")).to_contain_text("nina-new registered model tiny: ")
+    expect(page.locator("#audit-table")).to_contain_text("nina-new registered model SmolLM2 135M Instruct: ")
     expect(page.locator("#audit-table")).to_contain_text(
-        "nina-new confirmed the plan of deployment tiny on this"
+        "nina-new confirmed the plan of deployment SmolLM2 on this"
     )
     expect(page.locator("#audit-table")).to_contain_text(re.compile(r"predicted tokens per s: \d"))
 
@@ -168,14 +175,16 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
             raise AssertionError(f"{deployment.state}: {deployment.state_reason}; steps: {steps}") from None
         expect(page.locator("#speed")).to_contain_text("Measured")
 
-        # 6. Talk to it: the answer of the real llama-server streams in through the console.
+        # 6. Talk to it: the real model's answer streams in through the console, in English.
         expect(page.locator("#chat-send")).to_be_enabled()
         page.fill("#chat-input", "Tell me a story about a fox.")
         page.press("#chat-input", "Enter")
         answer = page.locator(".chat-message.assistant")
         expect(answer.locator(".chat-meta")).to_contain_text("tokens", timeout=120_000)
         expect(answer).not_to_have_class("streaming")
-        assert answer.locator(".chat-text").inner_text().strip()
+        text = answer.locator(".chat-text").inner_text().strip()
+        words = set(re.findall(r"[a-z]+", text.lower()))
+        assert len(words & COMMON_WORDS) >= 3, text
         expect(page.locator("#chat-error")).to_be_hidden()
         deployment.refresh_from_db()
         assert deployment.api_key() and deployment.api_key() not in page.content()
@@ -187,7 +196,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
         # the dashboard's gauges and the running deployment.
         page.goto(f"{live_url}/")
         expect(page.locator("#first-run")).to_have_count(0)
-        expect(page.locator(f"#dash-deployment-{deployment.pk}")).to_contain_text("tiny on this machine")
+        expect(page.locator(f"#dash-deployment-{deployment.pk}")).to_contain_text("SmolLM2 on this machine")
         save_screenshots(page, shots, "dashboard")
 
         # 7. Stop (it asks first); nothing is left running.

@@ -391,6 +391,12 @@ def test_a_real_model_gives_exactly_the_profile_and_fields_it_gave_before_the_bo
         assert profile.pop("shard_paths") == [str(path.with_name(n)) for n in before["profile"]["shards"]]
         # Added since (issue 19): a dense model's blocks hold no experts.
         assert profile.pop("block_expert_bytes") == [0] * profile["block_count"]
+        # Added since (the tied output's bytes and where each tensor group lies in the file, for the
+        # coordinator CPU's mapped range): checked in tests/planning/test_memory_vs_llamacpp.py.
+        assert profile.pop("tied_output_bytes") == (
+            before["profile"]["input_embedding_bytes"] if before["profile"]["tied_embeddings"] else 0
+        )
+        assert len(profile.pop("tensor_spans")["blocks"]) == before["profile"]["block_count"]
         assert profile == before["profile"], route
     shards = [path.with_name(n) for n in before["profile"]["shards"]]
     for shard, expected in zip(shards, before["headers"], strict=True):

@@ -141,6 +141,27 @@ def test_the_planner_places_experts_at_the_exact_optimum_of_exhaustive_search(in
     assert ev.fits and ev.seconds_per_token == pytest.approx(seconds, rel=1e-9)
 
 
+@pytest.mark.parametrize(("gpu_mib", "r0_mib", "r1_mib"), [(130, 100, 200), (130, 140, 60), (130, 180, 60)])
+def test_the_exact_optimum_holds_when_the_device_with_block_0_is_not_the_fastest(gpu_mib, r0_mib, r1_mib):
+    # Three devices beside a coordinator CPU with room for no block: the device that takes block 0 holds a
+    # larger compute buffer (costs.first_block_bytes), so the fast GPU, first in the canonical order, may
+    # fit only later in the chain. The search once missed these optima (up to 27% slower than the best).
+    profile = make_moe_profile(2, 10.0, 100.0, output_mib=20.0, experts=(8, 2))
+    desk = (
+        device("desk", "CPU", 40 / 1024, 5.0),
+        device("desk", "CUDA0", gpu_mib / 1024, 400.0, kind="cuda"),
+    )
+    nodes = [
+        Node("desk", "10.0.0.1", desk, coordinator=True, pass_overhead_ms=1.0),
+        Node("r0", "10.0.0.2", (device("r0", "CPU", r0_mib / 1024, 40.0),), rtt_ms=0.1, hop_ms=0.5),
+        Node("r1", "10.0.0.3", (device("r1", "CPU", r1_mib / 1024, 30.0),), rtt_ms=0.1, hop_ms=0.5),
+    ]
+    problem = planner.build_problem(profile, nodes, Settings(ctx=256, margin_fraction=0.0))
+    split, seconds = planner.search(problem)
+    assert split is not None and split.cpu_blocks == 0
+    assert seconds == pytest.approx(exhaustive(problem), rel=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # llama.cpp's arguments for experts placed apart
 

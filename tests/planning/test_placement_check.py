@@ -71,7 +71,15 @@ def test_a_placement_that_matches_has_no_problems():
     assert report["problems"] == []
     assert report["offloaded"] == [9, 9]
     assert report["devices"]["10.77.1.2:50052"]["logged_kv"] == int(1.5 * MIB)
-    assert not report["devices"]["CPU"]["checked"]
+    assert report["devices"]["CPU"]["checked"] and report["devices"]["CPU"]["ok"]
+
+
+def test_the_coordinators_cpu_is_held_to_the_plan_too():
+    # The plan counted a second copy of a tied token embedding on the CPU: llama.cpp maps it once.
+    plan = _plan()
+    plan["placements"][0]["weights_bytes"] = int(0.30 * MIB)
+    problems = compare(plan, LOG)["problems"]
+    assert problems == ["CPU on desk got weights 0.15 MiB and KV 0.00 MiB, planned 0.30 MiB and 0.00 MiB"]
 
 
 def test_a_device_that_got_other_sizes_is_named():
@@ -120,7 +128,13 @@ def _moe_plan() -> dict:
     holds no block."""
     return {
         "placements": [
-            {"node": "desk", "llama_device": "CPU", "endpoint": None, "layers": 0, "weights_bytes": 0},
+            {
+                "node": "desk",
+                "llama_device": "CPU",
+                "endpoint": None,
+                "layers": 0,
+                "weights_bytes": int(0.15 * MIB),
+            },
             {
                 "node": "desk",
                 "llama_device": "CUDA0",

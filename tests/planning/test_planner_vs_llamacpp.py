@@ -198,11 +198,13 @@ def check_against_log(plan: dict, logged: dict, profile: dict) -> None:
         # The block count llama.cpp gave this device, from its model buffer.
         fixed = p["weights_bytes"] - p["layers"] * block
         assert round((got["model"] - fixed) / block) == p["layers"], report
-        # The compute estimate is an upper bound, within 2x (the CPU's logits buffer counts as compute);
-        # for a CPU worker under pipeline parallelism, of what it writes (`check_held`), and within 2x of
-        # what llama.cpp reserves.
+        # The compute estimate is an upper bound (to 2%: without pipeline parallelism it is llama.cpp's own
+        # figure, tests/planning/test_memory_vs_llamacpp.py), within 2x (the CPU's logits buffer counts as
+        # compute): a coordinator CPU that holds a single block of these small models needs no room for
+        # the attention mask beside its feed-forward, which the plan counts. For a CPU worker under pipeline
+        # parallelism, of what it writes (`check_held`), and within 2x of what llama.cpp reserves.
         actual = got["compute"] + got["output"]
-        assert lazy(plan, p) or actual <= p["compute_bytes"], (p["llama_device"], actual, report)
+        assert lazy(plan, p) or actual <= p["compute_bytes"] * 1.02, (p["llama_device"], actual, report)
         assert p["compute_bytes"] <= 2 * actual, (
             p["llama_device"],
             actual,
