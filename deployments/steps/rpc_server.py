@@ -14,6 +14,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, run_dir, wait_listening
 from llamacpp import rpc_guard
+from llamacpp.args import quiet_argv
 from nodes.guards import may_administer, remove_guard
 from planning import placement
 
@@ -28,7 +29,8 @@ async def rpc_server_body(ctx) -> str:
     directory = await run_dir(ctx)
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
     log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
-    argv = [build.rpc_server_path, *params["args"]]
+    # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
+    argv = quiet_argv([build.rpc_server_path, *params["args"]])
     if params.get("exposed"):
         await ctx.log(
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "
