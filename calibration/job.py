@@ -248,7 +248,7 @@ async def timed_run(
     host = _llama_host(ctx.node)
     argv = [build.llama_server_path, "-m", model_path, "-c", str(CTX), "-np", "1", "--fit", "off"]
     argv += [*placement, "--host", host, "--port", str(port), "--api-key-file", key_path]
-    pid = await procs.start(quiet_argv(argv), log_path)
+    pid = await procs.start(quiet_argv(argv, ctx.node.platform), log_path)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     try:
         await _wait_healthy(ctx, procs, pid, url, log_path)
@@ -297,7 +297,7 @@ async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, 
     # is what the plan will get.
     args = ["-H", host, "-p", str(port), "-d", device]
     args = quiet_rpc_server_args(args, node_cpu_threads(ctx.node.facts))
-    pid = await procs.start(quiet_argv([build.rpc_server_path, *args]), log_path)
+    pid = await procs.start(quiet_argv([build.rpc_server_path, *args], ctx.node.platform), log_path)
     await wait_listening(ctx, pid, port, log_path, timeout=30)
     return pid, log_path
 

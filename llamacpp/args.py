@@ -179,9 +179,11 @@ def quiet_rpc_server_args(args: list[str], threads: int | None) -> list[str]:
     return args
 
 
-def quiet_argv(argv: list[str]) -> list[str]:
+def quiet_argv(argv: list[str], platform: str = "linux") -> list[str]:
     """argv started through `env` with `QUIET_WAIT_ENV` (POSIX env execs the program in place, so the PID
-    the launcher reports is the program's own)."""
+    the launcher reports is the program's own). A Windows node's argv is left as it is (no `env` there)."""
+    if platform == "windows":
+        return list(argv)
     return ["env", *(f"{k}={v}" for k, v in QUIET_WAIT_ENV.items()), *argv]
 
 

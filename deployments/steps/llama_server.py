@@ -102,7 +102,7 @@ async def llama_server_body(ctx) -> str:
         "-lv",
         "4",
     ]
-    pid = await ctx.start_daemon(quiet_argv(argv), log_path=log_path)
+    pid = await ctx.start_daemon(quiet_argv(argv, ctx.node.platform), log_path=log_path)
     await db(deployment.add_process)(
         f"llama-server@{ctx.node.name}",
         {

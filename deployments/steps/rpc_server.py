@@ -30,7 +30,7 @@ async def rpc_server_body(ctx) -> str:
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
     log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
-    argv = quiet_argv([build.rpc_server_path, *params["args"]])
+    argv = quiet_argv([build.rpc_server_path, *params["args"]], ctx.node.platform)
     if params.get("exposed"):
         await ctx.log(
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "

@@ -74,6 +74,7 @@ def test_the_servers_start_through_env_with_openmps_passive_wait_and_are_still_r
     line = " ".join(argv)
     assert program_of(line) == "llama-server" and classify(line) == "llama-server"
     assert classify(" ".join(quiet_argv(["/opt/bin/ggml-rpc-server", "-p", "50052"]))) == "rpc-server"
+    assert quiet_argv(["llama-server.exe", "-m", "m.gguf"], "windows") == ["llama-server.exe", "-m", "m.gguf"]
 
 
 def test_the_probe_counts_hardware_threads_per_core_on_linux_and_macos():
