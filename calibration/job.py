@@ -57,6 +57,7 @@ from calibration.store import refusal, store
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
 from jobs.on_node import run_dir, tail_lines, wait_listening, write_secret_file
+from llamacpp.args import node_cpu_threads, quiet_argv, quiet_llama_server_args, quiet_rpc_server_args
 from llamacpp.gguf import profile_path
 from llamacpp.reaper import find_holders
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
@@ -247,7 +248,7 @@ async def timed_run(
     host = _llama_host(ctx.node)
     argv = [build.llama_server_path, "-m", model_path, "-c", str(CTX), "-np", "1", "--fit", "off"]
     argv += [*placement, "--host", host, "--port", str(port), "--api-key-file", key_path]
-    pid = await procs.start(argv, log_path)
+    pid = await procs.start(quiet_argv(argv, ctx.node.platform), log_path)
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     try:
         await _wait_healthy(ctx, procs, pid, url, log_path)
@@ -292,7 +293,11 @@ def _gbs(bps: float | None) -> float | None:
 
 async def _start_rpc_server(ctx, procs: Processes, build, host: str, port: int, device: str, workdir: str):
     log_path = posixpath.join(workdir, f"calibrate-{ctx.job.pk}-rpc-server-{port}.log")
-    pid = await procs.start([build.rpc_server_path, "-H", host, "-p", str(port), "-d", device], log_path)
+    # Started as a deployment starts it (threads and their waiting, llamacpp/args.py), so what is measured
+    # is what the plan will get.
+    args = ["-H", host, "-p", str(port), "-d", device]
+    args = quiet_rpc_server_args(args, node_cpu_threads(ctx.node.facts))
+    pid = await procs.start(quiet_argv([build.rpc_server_path, *args], ctx.node.platform), log_path)
     await wait_listening(ctx, pid, port, log_path, timeout=30)
     return pid, log_path
 
@@ -427,7 +432,7 @@ async def calibrate_body(ctx) -> str:
             }
         if (node.may_coordinate or node.is_local) and "CPU" in results["devices"]:
             # A coordinator's own CPU computes inside llama-server (its threads, not an rpc-server's).
-            alone = ["--device", "none", "-ngl", "0"]
+            alone = quiet_llama_server_args(["--device", "none", "-ngl", "0"], node_cpu_threads(node.facts))
             label = "CPU inside llama-server"
             local_runs = [await run(model, alone, label) for model in (shallow, deep)]
             local = fit(*local_runs)

@@ -138,7 +138,9 @@ class JobContext:
         pid = await self.transport.start_daemon(argv, log_path=log_path, cwd=cwd)
         self._daemon_pid = pid
         await self._note_pid(None)
-        await self.log(f"Started {argv[0]} as PID {pid}; its output goes to {log_path}.")
+        # `env VAR=value program ...` execs the program in place: the PID is the program's.
+        program = next((a for a in argv[1:] if "=" not in a), argv[0]) if argv[0] == "env" else argv[0]
+        await self.log(f"Started {program} as PID {pid}; its output goes to {log_path}.")
         return pid
 
     async def run_child(self, child: Job) -> Job:

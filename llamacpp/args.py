@@ -4,6 +4,7 @@ and ggml-rpc-server for a plan."""
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,78 @@ def rpc_server_args(host: str, port: int, devices: list[str], *, threads: int | 
     if threads:
         args += ["-t", str(threads)]
     return args
+
+
+# How llama.cpp's CPU threads wait for work, so that a busy machine slows them in proportion instead of
+# stalling them. The pinned build's CPU backend runs its threads under OpenMP (GGML_OPENMP, the default on
+# Linux): between the operations of a token they meet at `#pragma omp barrier`, where libgomp spins first
+# (OMP_WAIT_POLICY unset: a spin count of 300000), and llama-server's own threadpool busy-polls too
+# (`--poll`, 50 by default). When another program holds one of the cores, the thread that shares it with
+# that program is preempted while its partners spin for their whole time slice at every barrier: decode
+# fell from 50 to 1.3 tokens/s with one core taken (issue 19). `passive` makes OpenMP's threads sleep at
+# once, `--poll 0` does the same for the threadpool (benchmarks/busy_machine.py measures both).
+QUIET_WAIT_ENV = {"OMP_WAIT_POLICY": "passive"}
+
+
+def cpu_threads(
+    cores: int | None, *, threads_per_core: int | None = None, quota_cores: float | None = None
+) -> int | None:
+    """How many threads llama.cpp's CPU work gets on a node: its physical cores (decode is bound by memory
+    bandwidth, which a core's second hardware thread does not add to), of those the node may use (the probe
+    counts the CPUs its affinity allows), and no more than a CPU quota that binds allows (a thread per whole
+    core of quota, at least one: more threads than the quota's cores only wait for each other's time).
+    None when the probe found no cores: llama.cpp then decides."""
+    if not cores or cores < 1:
+        return None
+    threads = max(1, int(cores) // max(1, int(threads_per_core or 1)))
+    if quota_cores and 0 < quota_cores < threads:
+        threads = max(1, math.ceil(quota_cores))
+    return threads
+
+
+def node_cpu_threads(facts: dict[str, Any] | None) -> int | None:
+    """`cpu_threads` from a node's probed facts (`cpu_cores`, `cpu_threads_per_core`, `cpu_quota_cores`)."""
+    facts = facts or {}
+    return cpu_threads(
+        facts.get("cpu_cores"),
+        threads_per_core=facts.get("cpu_threads_per_core"),
+        quota_cores=facts.get("cpu_quota_cores"),
+    )
+
+
+def _has(args: list[str], *flags: str) -> bool:
+    return any(a in flags or any(a.startswith(f"{f}=") for f in flags if f.startswith("--")) for a in args)
+
+
+def quiet_llama_server_args(args: list[str], threads: int | None) -> list[str]:
+    """A plan's llama-server arguments with the threads' waiting and count set for a shared machine:
+    `--poll 0` (no busy-polling between tokens) and `-t` from the node's cores, unless already there."""
+    args = list(args)
+    if not _has(args, "--poll"):
+        args += ["--poll", "0"]
+    if threads and not _has(args, "-t", "--threads"):
+        args += ["-t", str(threads)]
+    return args
+
+
+def quiet_rpc_server_args(args: list[str], threads: int | None) -> list[str]:
+    """ggml-rpc-server's arguments with `-t` from the node's cores, unless already there (its own default is
+    half the machine's hardware threads, whatever the node may use)."""
+    args = list(args)
+    if threads and not _has(args, "-t", "--threads"):
+        args += ["-t", str(threads)]
+    return args
+
+
+def quiet_argv(argv: list[str], platform: str = "linux") -> list[str]:
+    """argv started through `env` with `QUIET_WAIT_ENV` (POSIX env execs the program in place, so the PID
+    the launcher reports is the program's own). A Windows node's argv is left as it is (no `env` there)."""
+    if platform == "windows":
+        return list(argv)
+    quiet = [f"{k}={v}" for k, v in QUIET_WAIT_ENV.items()]
+    if argv and argv[0] == "env":  # already started through env (the RPC cache's LLAMA_CACHE): one env
+        return ["env", *quiet, *argv[1:]]
+    return ["env", *quiet, *argv]
 
 
 def model_alias(name: str) -> str:

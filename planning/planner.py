@@ -429,6 +429,12 @@ def extra_device_bytes(profile: dict[str, Any], nodes: Sequence[Node], settings:
     return -(-hi // MIB) * MIB
 
 
+def _without_kv(problem: Problem) -> Problem:
+    """The problem as a token sees it with nothing in the KV cache: every block's read without its KV."""
+    read = [r - k for r, k in zip(problem.read_bytes, problem.kv, strict=True)]
+    return replace(problem, read_bytes=read)
+
+
 def speed_model(problem: Problem, split: Split | None) -> dict[str, Any]:
     """The fixed costs the prediction counts, for the page: the coordinator's pass, each remote node's hop
     (its measured or default hop plus its round trips) and the period of each used node's CPU quota."""
@@ -544,6 +550,10 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         placements=placements,
         unified_pool=unified_pool(problem, placements),
         predicted_tokens_per_s=_tps(seconds),
+        # The same split with an empty KV cache, and the cells the context holds: the measure step compares
+        # a measurement with the prediction at the context it filled (planning/speed_check.py).
+        predicted_tokens_per_s_empty=_tps(evaluate(_without_kv(problem), split).seconds_per_token),
+        kv_cells=kv_cells(settings)[1],
         pipeline_parallel=pipeline_parallel(split),
         speed_model=speed_model(problem, split),
         llama_server_args=llama_server_args(placements, _settings_dict(settings), n_layer),

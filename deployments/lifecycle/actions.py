@@ -34,7 +34,7 @@ from deployments.models import (
 from jobs.models import ACTIVE_STATES as ACTIVE_JOB_STATES
 from jobs.models import Job, JobState, may_use_local_node
 from llamacpp import rpc_guard
-from llamacpp.args import rpc_server_args
+from llamacpp.args import node_cpu_threads, quiet_rpc_server_args, rpc_server_args
 from llamacpp.versions import protocol_mismatch
 from nodes.guards import direct_bind, ipv4_of
 from nodes.models import Node
@@ -107,7 +107,9 @@ def workers_of(deployment: Deployment) -> list[Worker]:
         else:
             args = ["-H", worker.node.rpc_bind_host, *args]
         # The local tensor cache makes a second load of the same model send almost nothing: on by default.
-        worker.args = [*args, *([] if "-c" in args or "--cache" in args else ["-c"])]
+        args = [*args, *([] if "-c" in args or "--cache" in args else ["-c"])]
+        # As many threads as the node's physical cores (its own default is half its hardware threads).
+        worker.args = quiet_rpc_server_args(args, node_cpu_threads(worker.node.facts))
     return list(workers.values())
 
 

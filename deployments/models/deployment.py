@@ -12,6 +12,7 @@ from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
 from modelfiles.models import ModelFile
 from nodes.models import Node
+from planning.speed_check import SPEED_ERROR_LIMIT, miss_causes
 from ramdeck_site import crypto
 from remote.text import printable, printable_json
 
@@ -60,8 +61,8 @@ TERMINAL_STATES = (DeploymentState.STOPPED, DeploymentState.FAILED)
 REDEPLOYABLE_STATES = TERMINAL_STATES
 
 
-# A measured decode speed further than this from the prediction (either way) suggests re-calibrating.
-SPEED_ERROR_LIMIT = 0.25
+# The causes of a missed prediction that calibrating the node again addresses.
+RECALIBRATE_KINDS = ("calibration", "link")
 
 
 class RpcMode(models.TextChoices):
@@ -154,16 +155,24 @@ class Deployment(models.Model):
         return error is not None and abs(error) > SPEED_ERROR_LIMIT
 
     def recalibration_advice(self) -> list[str]:
-        """Which nodes to calibrate again when the measured speed is far from the prediction."""
-        return [row["node"] for row in self.speed_miss_reasons()]
+        """Which nodes to calibrate again when the measured speed is far from the prediction: those whose
+        figures the miss points at (not a machine that was busy, nor a prediction at another context)."""
+        return [row["node"] for row in self.speed_miss_reasons() if row["kind"] in RECALIBRATE_KINDS]
+
+    @property
+    def speed_check(self) -> dict:
+        """What the measure step stored about its measurement (verification["speed"]): samples, the context
+        it filled, the prediction there, the node's CPU use while it decoded."""
+        return (self.verification or {}).get("speed") or {}
 
     def speed_miss_reasons(self) -> list[dict[str, str]]:
-        """Why the measured speed is far from the prediction, likeliest first: [{"node", "reason"}].
+        """Why the measured speed is far from the prediction, likeliest first: [{"node", "kind", "reason"}].
 
-        One measurement cannot say which device was off, so: the nodes of the plan whose figures are not
-        measurements of their present hardware (never calibrated, hardware changed, a device missing,
-        stale), else the nodes whose link is slower now than when it was calibrated, else the node the
-        prediction leaned on most (the largest share of the predicted time)."""
+        What the measurement itself showed first (planning/speed_check.py: the coordinator was busy while it
+        decoded, the prediction was priced at a context the run did not fill), then the nodes of the plan
+        whose figures are not measurements of their present hardware (never calibrated, hardware changed, a
+        device missing, stale), the nodes whose link is slower now than when it was calibrated; only when
+        none of those shows, the node the prediction leaned on most (the largest share of its time)."""
         if not self.speed_is_off:
             return []
 
@@ -174,23 +183,22 @@ class Deployment(models.Model):
         share.setdefault(self.coordinator.name, 0.0)
         nodes = sorted(Node.objects.filter(name__in=share).prefetch_related("devices"), key=lambda n: n.name)
         figures = [{"node": n.name, "reason": reason} for n in nodes if (reason := _figures_problem(n))]
-        if figures:
-            return figures
         links = [
             {"node": n.name, "reason": reason}
             for n in nodes
             if n.pk != self.coordinator_id and (reason := _slow_link(n))
         ]
-        if links:
-            return links
-        if not share:
-            return []
+        check = {**self.speed_check, "error": self.speed_error}
+        causes = miss_causes(check, coordinator=self.coordinator.name, figures=figures, links=links)
+        if causes or not share:
+            return causes
         name = max(share, key=lambda node: share[node])
         total = sum(share.values())
         weight = f" ({share[name] / total:.0%} of the predicted time per token)" if total else ""
         return [
             {
                 "node": name,
+                "kind": "calibration",
                 "reason": f"its figures are fresh, but the prediction leans on them most{weight}",
             }
         ]

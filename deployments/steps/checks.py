@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 
 import httpx
 from django.conf import settings
@@ -15,13 +16,18 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from llamacpp.logs import parse_context_log
-from planning import placement
+from planning import placement, speed_check
 from remote.bounded_http import AnswerTooLarge, fetch
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
 
 
-MEASURE_TOKENS = 32
+# The measurement: a fixed length (ignore_eos: a model that stops early measures nothing useful), from an
+# empty cache, several times, the median kept.
+MEASURE_TOKENS = 128
+
+
+MEASURE_SAMPLES = 3
 
 
 # llama-server writes its log from a thread of its own: on a busy machine the lines of the load (with -lv 4,
@@ -67,24 +73,21 @@ async def verify_body(ctx) -> str:
     return f"placement matches the plan on {len(report['devices'])} device(s)"
 
 
-async def measure_body(ctx) -> str:
-    deployment = await load_deployment(ctx)
-    key = await db(deployment.api_key)()
-    url = endpoint_url(deployment)
-    body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "cache_prompt": False}
-    async with httpx.AsyncClient(timeout=600.0) as client:
-        try:
-            # Read with a bound: 32 tokens and their timings are a few kB, whatever the node sends.
-            status, raw = await fetch(
-                client,
-                "POST",
-                f"{url}/completion",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-                what="/completion answer",
-            )
-        except AnswerTooLarge as exc:
-            raise JobFailed(f"{exc}; cannot measure") from None
+async def _completion(client, url: str, key: str) -> dict:
+    """One measurement: MEASURE_TOKENS decoded whatever the model wants, from an empty cache; the timings."""
+    body = {"prompt": MEASURE_PROMPT, "n_predict": MEASURE_TOKENS, "ignore_eos": True, "cache_prompt": False}
+    try:
+        # Read with a bound: 128 tokens and their timings are a few kB, whatever the node sends.
+        status, raw = await fetch(
+            client,
+            "POST",
+            f"{url}/completion",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            what="/completion answer",
+        )
+    except AnswerTooLarge as exc:
+        raise JobFailed(f"{exc}; cannot measure") from None
     text = raw.decode("utf-8", "replace")
     if status != 200:
         raise JobFailed(f"POST /completion answered {status}: {text[:300]}")
@@ -103,16 +106,79 @@ async def measure_body(ctx) -> str:
             "llama-server answered /completion without speed timings "
             f"(predicted_per_second={decode!r}, prompt_per_second={prompt!r}); cannot measure"
         )
-    predicted = (deployment.plan or {}).get("predicted_tokens_per_s")
+    decoded = timings.get("predicted_n")
+    if isinstance(decoded, int) and decoded < MEASURE_TOKENS:
+        raise JobFailed(
+            f"llama-server decoded {decoded} tokens where {MEASURE_TOKENS} were asked for (ignore_eos): "
+            "too few to measure"
+        )
+    return timings
+
+
+async def _read_proc(ctx, pid: int | None) -> dict:
+    """The node's load and CPU time, and llama-server's, from Linux's /proc ({} elsewhere)."""
+    if ctx.node.platform != "linux" or not pid:
+        return {}
+    paths = ["/proc/loadavg", "/proc/stat", f"/proc/{int(pid)}/stat"]
+    result = await ctx.transport.run(["cat", *paths], timeout=30)
+    return speed_check.parse_proc(result.stdout) if result.ok else {}
+
+
+async def measure_body(ctx) -> str:
+    deployment = await load_deployment(ctx)
+    key = await db(deployment.api_key)()
+    url = endpoint_url(deployment)
+    pid = next(
+        (p.get("pid") for p in (deployment.processes or {}).values() if p.get("role") == "llama-server"), None
+    )
+    samples = []
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        before = await _read_proc(ctx, pid)
+        for _ in range(MEASURE_SAMPLES):
+            samples.append(await _completion(client, url, key))
+        after = await _read_proc(ctx, pid)
+    decode = statistics.median(t["predicted_per_second"] for t in samples)
+    prompt = statistics.median(t["prompt_per_second"] for t in samples)
+    prompt_n = samples[0].get("prompt_n")
+    filled = speed_check.filled_context(prompt_n, MEASURE_TOKENS) if isinstance(prompt_n, int) else None
+    plan = deployment.plan or {}
+    predicted, at_filled = speed_check.predicted_at(plan, filled)
+    check = {
+        "tokens": MEASURE_TOKENS,
+        "samples": [round(t["predicted_per_second"], 2) for t in samples],
+        "filled": filled,
+        "kv_cells": plan.get("kv_cells") or (plan.get("settings") or {}).get("ctx"),
+        "predicted_full": plan.get("predicted_tokens_per_s"),
+        "at_filled_context": at_filled,
+        "cpu_use": speed_check.cpu_use(before, after),
+    }
+    verification = {**(deployment.verification or {}), "speed": check}
     await db(deployment.record)(
-        measured_decode_tps=decode, measured_prompt_tps=prompt, predicted_decode_tps=predicted
+        measured_decode_tps=decode,
+        measured_prompt_tps=prompt,
+        predicted_decode_tps=predicted,
+        verification=verification,
     )
     error = deployment.speed_error
     off = f" ({error:+.0%} against the prediction)" if error is not None else ""
-    await ctx.log(
-        f"decode {decode:.1f} tokens/s (predicted {predicted or 0:.1f}){off}; prompt {prompt:.1f} tokens/s"
+    where = (
+        f" at the {filled:.0f} tokens of context it filled" if at_filled else " at the plan's full context"
     )
-    advice = await db(deployment.recalibration_advice)()
-    if advice:
-        await ctx.log(f"The prediction is off by more than 25%: calibrate {', '.join(advice)} again.")
+    await ctx.log(
+        f"decode {decode:.1f} tokens/s, the median of {len(samples)} runs of {MEASURE_TOKENS} tokens "
+        f"({', '.join(f'{s:.1f}' for s in check['samples'])}); predicted {predicted or 0:.1f}{where}{off}; "
+        f"prompt {prompt:.1f} tokens/s"
+    )
+    if check["cpu_use"]:
+        use = check["cpu_use"]
+        await ctx.log(
+            f"{ctx.node.name} while it decoded: llama-server used {use['own_cpus']:.1f} of its "
+            f"{use['cpus']} CPUs, other programs {use['others_cpus']:.1f}"
+        )
+    reasons = await db(deployment.speed_miss_reasons)()
+    if reasons:
+        await ctx.log(
+            f"The prediction is off by more than {speed_check.SPEED_ERROR_LIMIT:.0%}. Likely: "
+            + "; ".join(f"{row['node']}: {row['reason']}" for row in reasons)
+        )
     return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s"

@@ -22,7 +22,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, without_key, write_secret_file
 from llamacpp import rpc_guard
-from llamacpp.args import model_alias
+from llamacpp.args import model_alias, node_cpu_threads, quiet_argv, quiet_llama_server_args
 from remote.bounded_http import AnswerTooLarge, fetch
 
 
@@ -81,6 +81,9 @@ async def llama_server_body(ctx) -> str:
     host = bind_host(deployment)
     ends = local_ends(ctx, deployment)
     args = rpc_guard.tunnel_rpc_args(deployment.plan["llama_server_args"], ends)
+    # Threads that sleep while they wait, as many as the node's physical cores: a busy machine (the console
+    # itself, a browser) then slows decode in proportion instead of stalling it (llamacpp/args.py).
+    args = quiet_llama_server_args(args, node_cpu_threads(ctx.node.facts))
     argv = [
         build.llama_server_path,
         "-m",
@@ -99,7 +102,7 @@ async def llama_server_body(ctx) -> str:
         "-lv",
         "4",
     ]
-    pid = await ctx.start_daemon(argv, log_path=log_path)
+    pid = await ctx.start_daemon(quiet_argv(argv, ctx.node.platform), log_path=log_path)
     await db(deployment.add_process)(
         f"llama-server@{ctx.node.name}",
         {

@@ -14,6 +14,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
+from llamacpp.args import quiet_argv
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -35,6 +36,8 @@ async def rpc_server_body(ctx) -> str:
         # the cache is trimmed to the node's limit first, oldest entries first.
         await cache.trim_before_start(ctx, ctx.node)
         argv = rpc_cache.server_argv(build.rpc_server_path, params["args"], ctx.node.llama_cache_dir)
+    # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
+    argv = quiet_argv(argv, ctx.node.platform)
     if params.get("exposed"):
         await ctx.log(
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "

@@ -38,6 +38,9 @@ class ProbeReport:
     arch: str = ""
     cpu_model: str = ""
     cpu_cores: int = 0
+    # Hardware threads per physical core (2 with SMT/Hyper-Threading): llama.cpp's CPU threads are counted
+    # in physical cores (llamacpp/args.py cpu_threads).
+    cpu_threads_per_core: int = 1
     ram_total_bytes: int = 0
     ram_available_bytes: int = 0
     memory_limit_bytes: int | None = None  # A container's cgroup limit, when there is one.
@@ -185,6 +188,20 @@ def parse_cpuinfo(text: str) -> tuple[str, int]:
             model = fields[key]
             break
     return model, count
+
+
+def threads_per_core(cpuinfo: str) -> int:
+    """Hardware threads per physical core from /proc/cpuinfo's `siblings` (threads per package) over its
+    `cpu cores` (cores per package); 1 where it says neither (Arm boards)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    siblings, cores = fields.get("siblings", ""), fields.get("cpu cores", "")
+    if siblings.isdigit() and cores.isdigit() and int(cores) > 0 and int(siblings) >= int(cores):
+        return max(1, int(siblings) // int(cores))
+    return 1
 
 
 def parse_meminfo(text: str) -> tuple[int, int]:
@@ -408,6 +425,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
     os_release = parse_os_release(sections.get("os-release", ""))
     report.os_name = os_release.get("PRETTY_NAME") or os_release.get("NAME", "Linux")
     report.cpu_model, report.cpu_cores = parse_cpuinfo(sections.get("cpuinfo", ""))
+    report.cpu_threads_per_core = threads_per_core(sections.get("cpuinfo", ""))
     if sections.get("nproc", "").isdigit():
         # nproc honours CPU affinity (containers pinned to some cores); cpuinfo lists the whole machine.
         report.cpu_cores = int(sections["nproc"])
@@ -463,6 +481,9 @@ def _fill_macos(report: ProbeReport, sections: dict[str, str]) -> None:
     values = parse_sysctl(sections.get("sysctl", ""))
     report.cpu_model = values.get("machdep.cpu.brand_string", "")
     report.cpu_cores = int(values.get("hw.ncpu", "0") or 0)
+    physical = int(values.get("hw.physicalcpu", "0") or 0)
+    if 0 < physical < report.cpu_cores:
+        report.cpu_threads_per_core = report.cpu_cores // physical
     total = int(values.get("hw.memsize", "0") or 0)
     reclaimable = parse_vm_stat(sections.get("vm_stat", ""))
     report.ram_total_bytes = total

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -16,16 +20,26 @@ from deployments.steps.checks import measure_body
 from jobs.context import JobFailed
 from jobs.on_node import without_key, write_secret_file
 from llamacpp.reaper import runs_our_program
+from remote.local import LocalTransport
 from tests.deploy_fixtures import StepContext, step_deployment
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _serve(answer: dict) -> ThreadingHTTPServer:
+def _serve(
+    answer: dict | list[dict], *, asked: list | None = None, delay: float = 0.0
+) -> ThreadingHTTPServer:
+    """llama-server's /completion answers: `answer` every time, or the next of a list; the request bodies go
+    to `asked`."""
+    answers = list(answer) if isinstance(answer, list) else None
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            body = json.dumps(answer).encode()
+            request = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if asked is not None:
+                asked.append(json.loads(request))
+            time.sleep(delay)
+            body = json.dumps(answers.pop(0) if answers is not None else answer).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -88,7 +102,91 @@ def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again
     deployment.refresh_from_db()
     assert deployment.speed_error == pytest.approx(-0.6) and deployment.speed_is_off
     assert "(-60% against the prediction)" in ctx.lines[-2]
-    assert ctx.lines[-1] == "The prediction is off by more than 25%: calibrate console-host again."
+    assert ctx.lines[-1] == (
+        "The prediction is off by more than 25%. Likely: "
+        "console-host: never calibrated: the plan used table figures for it"
+    )
+
+
+def _timings(tps: float, decoded: int = 128) -> dict:
+    return {"timings": {"predicted_per_second": tps, "prompt_per_second": 80.0, "predicted_n": decoded,
+                        "prompt_n": 20}}  # fmt: skip
+
+
+EMPTY_AND_FULL = {
+    "llama_server_args": [],
+    "placements": [],
+    "predicted_tokens_per_s": 10.0,
+    "predicted_tokens_per_s_empty": 20.0,
+    "kv_cells": 16384,
+}
+
+
+def test_measure_decodes_a_fixed_length_several_times_and_compares_at_the_context_it_filled(local_node):
+    asked: list = []
+    server = _serve([_timings(10.0), _timings(30.0), _timings(19.0)], asked=asked)
+    try:
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        Deployment.objects.filter(pk=deployment.pk).update(plan=EMPTY_AND_FULL)
+        ctx = StepContext({"deployment": deployment.pk}, node=local_node)
+        asyncio.run(measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(asked) == 3
+    assert all(
+        a["n_predict"] == 128 and a["ignore_eos"] is True and a["cache_prompt"] is False for a in asked
+    )
+    deployment.refresh_from_db()
+    assert deployment.measured_decode_tps == 19.0  # the median
+    # Priced at its full 16384 cells the plan says 10 tok/s (+90%); at the 84 this run read, 19.8.
+    assert deployment.predicted_decode_tps == pytest.approx(1 / (0.05 + 0.05 * 84 / 16384))
+    assert not deployment.speed_is_off and deployment.speed_miss_reasons() == []
+    check = deployment.verification["speed"]
+    assert check["samples"] == [10.0, 30.0, 19.0] and check["filled"] == 84 and check["at_filled_context"]
+    assert "the median of 3 runs of 128 tokens (10.0, 30.0, 19.0)" in ctx.lines[0]
+    assert "at the 84 tokens of context it filled" in ctx.lines[0]
+
+
+def test_a_run_that_decodes_fewer_tokens_than_asked_is_no_measurement(local_node):
+    server = _serve(_timings(50.0, decoded=7))
+    try:
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        ctx = StepContext({"deployment": deployment.pk}, node=local_node)
+        with pytest.raises(JobFailed, match="decoded 7 tokens where 128 were asked for"):
+            asyncio.run(measure_body(ctx))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_slow_measurement_while_the_coordinator_is_busy_names_the_load_not_only_a_calibration(local_node):
+    burner = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    server = _serve(_timings(4.0), delay=0.7)
+    try:
+        deployment = step_deployment(local_node, port=server.server_address[1])
+        # The process measured is this test's own (the stand-in llama-server is a thread of it).
+        deployment.add_process("llama-server@console-host", {"role": "llama-server", "pid": os.getpid()})
+
+        async def measure():
+            async with LocalTransport() as transport:
+                ctx = StepContext({"deployment": deployment.pk}, node=local_node, transport=transport)
+                await measure_body(ctx)
+                return ctx
+
+        ctx = asyncio.run(measure())
+    finally:
+        server.shutdown()
+        server.server_close()
+        burner.kill()
+        burner.wait()
+    deployment.refresh_from_db()
+    use = deployment.verification["speed"]["cpu_use"]
+    assert use["others_cpus"] >= 0.5, use  # the burner's core, at least half of it
+    kinds = [row["kind"] for row in deployment.speed_miss_reasons()]
+    assert kinds[0] == "load" and "it was busy while it was measured" in ctx.lines[-1]
+    # Calibrating again is advised for the figures (never calibrated), not for the load.
+    assert kinds == ["load", "calibration"] and deployment.recalibration_advice() == ["console-host"]
 
 
 def test_processes_recorded_by_two_steps_are_both_kept(local_node):
@@ -403,3 +501,17 @@ def test_verify_waits_for_the_load_report_that_llama_servers_log_thread_writes_l
     assert text.splitlines() == LOAD_LINES
     assert 1.5 <= waited < 10
     assert quiet == "" and 1.0 <= gave_up < 5
+
+
+def test_the_page_says_the_prediction_was_taken_at_the_context_the_measurement_filled(
+    local_node, admin_client
+):
+    deployment = step_deployment(local_node)
+    speed = {"filled": 84.0, "at_filled_context": True, "predicted_full": 10.0, "samples": [19.0]}
+    deployment.record(measured_decode_tps=19.0, predicted_decode_tps=19.8, verification={"speed": speed})
+    page = admin_client.get(deployment.get_absolute_url()).content.decode()
+    assert (
+        "Measured 19.0 tok/s against 19.8 predicted at the 84 tokens of context the measurement filled"
+        in page
+    )
+    assert "(the plan's full context: 10.0)" in page and "Prediction held" in page

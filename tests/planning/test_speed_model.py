@@ -248,12 +248,17 @@ def test_a_missed_prediction_names_why_never_calibrated_stale_or_a_slow_link(set
     Node.objects.update(calibrated_at=now)
     Device.objects.filter(node__name="pc").update(measured_at=now - timedelta(days=40))
     [row] = deployment.speed_miss_reasons()
-    assert row == {"node": "pc", "reason": "its calibration is stale (older than 30 days)"}
+    assert row == {
+        "node": "pc",
+        "kind": "calibration",
+        "reason": "its calibration is stale (older than 30 days)",
+    }
     # Fresh figures everywhere, but the worker's round trip is far slower now than when it was calibrated.
     Device.objects.update(measured_at=now)
     Node.objects.filter(name="pc").update(link_rtt_ms=0.4, rtt_ms=6.0)
     [row] = deployment.speed_miss_reasons()
     assert row["node"] == "pc" and row["reason"].startswith("its link is slow: a round trip takes 6.0 ms now")
+    assert row["kind"] == "link"
     assert deployment.recalibration_advice() == ["pc"]
     # A prediction that was too pessimistic is a miss too: flagged the same way.
     Deployment.objects.filter(pk=deployment.pk).update(measured_decode_tps=140.0)
