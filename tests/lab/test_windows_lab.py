@@ -1,0 +1,147 @@
+"""The Windows command path through real SSH, against a lab host whose sshd answers like Windows' OpenSSH
+server with PowerShell as its shell (tests/lab/windows_host.py, tests/lab/fake_powershell.py): the transport
+tells its shell apart at the first connection, hostile values reach a Windows program exactly (or are
+refused), a POSIX command fails there as it would on Windows, the probe reads the PC's CIM classes, and the
+RPC port's holder is found with Get-NetTCPConnection and ended with Stop-Process -Id."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from remote.base import TransportError
+from remote.powershell import NotForWindows
+from remote.ssh import SSHTarget, SSHTransport
+from tests.lab.windows_host import USER_HOME, windows_like
+from tests.remote.test_powershell import HOSTILE
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
+
+THROUGH_SSH = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    derandomize=True,
+)
+
+
+def _target(lab, host, **options) -> SSHTarget:
+    """A target whose platform is not known yet: the transport tells its shell apart when it connects."""
+    return SSHTarget(
+        shell="",
+        host=host.address,
+        private_key=lab.client_private_key,
+        pinned_host_key=host.host_public_key,
+        connect_timeout=5.0,
+        command_timeout=60.0,
+        **options,
+    )
+
+
+@pytest.fixture
+def windows(lab, lab_host):
+    """(the fake PC's C: drive, a connected SSH transport that detected its shell, a sync runner)."""
+    drive = windows_like(lab, lab_host)
+    loop = asyncio.new_event_loop()
+    ssh = SSHTransport(_target(lab, lab_host))
+    loop.run_until_complete(ssh.__aenter__())
+    yield drive, ssh, loop.run_until_complete
+    loop.run_until_complete(ssh.__aexit__(None, None, None))
+    loop.close()
+
+
+def test_the_first_connection_tells_a_powershell_node_from_a_posix_one(lab, lab_hosts, windows):
+    _, ssh, run = windows
+    assert (ssh.shell, ssh.windows_shell) == ("windows", "powershell")
+    (posix_host,) = lab_hosts(1)
+
+    async def detect() -> tuple[str, str]:
+        async with SSHTransport(_target(lab, posix_host)) as plain:
+            return plain.shell, plain.windows_shell
+
+    assert asyncio.run(detect()) == ("posix", "")
+
+
+def test_a_posix_command_fails_on_the_windows_node_as_powershell_says(windows):
+    _, ssh, run = windows
+    for argv in (["printenv", "HOME"], ["sh", "-c", "echo hi"], ["ps", "-o", "args=", "-p", "1"]):
+        result = run(ssh.run(argv, timeout=30))
+        assert result.exit_status == 1
+        errors = "\n".join(line.text for line in result.lines if line.stream == "err")
+        assert f"The term '{argv[0]}' is not recognized as the name of a cmdlet" in errors, errors
+
+
+def test_the_transport_learns_the_pid_of_a_windows_command(windows):
+    _, ssh, run = windows
+
+    async def pid_of() -> int | None:
+        command = ssh.command(["echo-argv", "x"], timeout=30)
+        async for _ in command.lines():
+            pass
+        return command.pid
+
+    assert isinstance(run(pid_of()), int)
+
+
+@given(argv=st.lists(HOSTILE, min_size=1, max_size=6))
+@THROUGH_SSH
+def test_any_argument_vector_reaches_a_windows_program_exactly_or_is_refused(windows, argv):
+    _, ssh, run = windows
+    if any("\x00" in arg for arg in argv):
+        with pytest.raises(ValueError, match="NUL"):
+            run(ssh.run(["echo-argv", *argv], timeout=30))
+        return
+    try:
+        result = run(ssh.run(["echo-argv", *argv], timeout=30, check=True))
+    except NotForWindows as exc:
+        assert "not run" in str(exc) or "longer than the 8191" in str(exc)
+        return
+    assert json.loads(result.stdout) == argv
+
+
+@given(args=st.lists(HOSTILE.filter(lambda a: "\x00" not in a), min_size=0, max_size=4))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_a_detached_windows_program_gets_its_argument_vector_exactly(windows, args):
+    drive, ssh, run = windows
+    log = f"{USER_HOME}\\echo-{secrets.token_hex(4)}.log"
+    try:
+        pid = run(ssh.start_daemon(["C:\\Windows\\System32\\echo-argv.exe", *args], log_path=log))
+    except NotForWindows as exc:
+        assert "longer than the 8191" in str(exc)
+        return
+    for _ in range(100):
+        if not run(ssh.pid_alive(pid)):
+            break
+        run(asyncio.sleep(0.05))
+    assert json.loads(drive.local(log).read_text()) == args
+    assert drive.local(log + ".err").exists()
+
+
+def test_a_refused_value_names_the_argument_and_runs_nothing(windows):
+    _, ssh, run = windows
+    with pytest.raises(NotForWindows, match=r"Argument 2 of 'echo-argv' contains a double quote"):
+        run(ssh.run(["echo-argv", "ok", 'say "hi"'], timeout=30))
+
+
+def test_an_unknown_program_is_not_found_on_the_windows_node(windows):
+    _, ssh, run = windows
+    result = run(ssh.run(["C:\\llama\\rpc-server.exe", "--version"], timeout=30))
+    assert result.exit_status == 1
+    assert "is not recognized" in "\n".join(line.text for line in result.lines)
+
+
+def test_a_lost_connection_still_says_so(windows, lab, lab_host):
+    """The shell detection runs after authentication; an sshd that is gone is a TransportError as before."""
+    lab.stop_sshd(lab_host)
+
+    async def connect() -> None:
+        async with SSHTransport(_target(lab, lab_host)):
+            pass
+
+    with pytest.raises(TransportError):
+        asyncio.run(connect())
