@@ -14,10 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jobs.models import Job, JobState
+from nodes.models import DeviceKind
+from nodes.transports import shell_for
 from remote.base import TransportError
 from remote.powershell import NotForWindows
 from remote.ssh import SSHTarget, SSHTransport
+from tests.deploy_fixtures import lab_node, log_text, run
 from tests.lab.windows_host import USER_HOME, windows_like
+from tests.paths import DATA
 from tests.remote.test_powershell import HOSTILE
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
@@ -145,3 +150,53 @@ def test_a_lost_connection_still_says_so(windows, lab, lab_host):
 
     with pytest.raises(TransportError):
         asyncio.run(connect())
+
+
+# --- the probe, through the console's own job --------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_reads_a_windows_pcs_hardware_through_ssh(lab, lab_host):
+    windows_like(lab, lab_host)
+    node = lab_node(lab, lab_host)
+    assert shell_for(node) == ""  # never probed: the first connection tells the shells apart
+
+    probe = run(Job.objects.create(kind="probe", node=node))
+
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    node.refresh_from_db()
+    assert node.platform == "windows" and shell_for(node) == "windows"
+    assert (node.facts["os_name"], node.facts["hostname"]) == ("Microsoft Windows 11 Pro", "GAMING-PC")
+    assert node.facts["cpu_cores"] == 16 and node.facts["arch"] == "x86_64"
+    [cpu] = node.devices.all()
+    assert (cpu.name, cpu.kind) == ("CPU", DeviceKind.CPU)
+    assert cpu.description == "AMD Ryzen 7 5800X 8-Core Processor"
+    assert (cpu.total_bytes, cpu.free_bytes) == (33473476 * 1024, 21036544 * 1024)
+    # Its second probe knows it is Windows from the first; the RPC port's listener is asked of
+    # Get-NetTCPConnection, which sees nobody on it.
+    again = run(Job.objects.create(kind="probe", node=node))
+    assert again.state == JobState.SUCCEEDED, (again.result, log_text(again))
+    node.refresh_from_db()
+    assert node.facts["rpc_port_in_use"] is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_finds_nvidia_gpus_on_windows_through_nvidia_smi(lab, lab_host):
+    windows_like(lab, lab_host, nvidia_smi=(DATA / "probe" / "nvidia_smi_one_gpu.csv").read_text().strip())
+    node = lab_node(lab, lab_host)
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    gpu = node.devices.get(name="CUDA0")
+    assert (gpu.kind, gpu.description, gpu.total_bytes) == (
+        DeviceKind.CUDA,
+        "NVIDIA GeForce RTX 3090",
+        24576 * 1024**2,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_set_to_windows_that_answers_with_sh_is_told_what_to_change(lab, lab_host):
+    node = lab_node(lab, lab_host, platform_hint="windows")
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.FAILED
+    assert "answered with a POSIX shell" in probe.result and "WSL2" in probe.result
