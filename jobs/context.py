@@ -19,6 +19,7 @@ from django.conf import settings
 from jobs.aio import db
 from jobs.models import Job, LogStream
 from remote.base import Command, CommandResult, OutputBudget, OutputLine, TransportError, shell_join
+from remote.powershell import decode_script, is_powershell_argv
 
 if TYPE_CHECKING:
     from jobs.logwriter import LogWriter
@@ -85,7 +86,10 @@ class JobContext:
             raise JobCancelled()
         argv = [str(arg) for arg in argv]
         if echo:
-            await self.log("$ " + shell_join(argv))
+            # A Windows command travels base64-encoded (remote/powershell.py); people read its script.
+            await self.log(
+                f"PS> {decode_script(argv)}" if is_powershell_argv(argv) else "$ " + shell_join(argv)
+            )
         captured: list[OutputLine] = []
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         # Past the budget, lines are neither logged nor kept; the last of them are, after a note, since how

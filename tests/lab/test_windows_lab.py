@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import sys
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobs.models import Job, JobState
+from llamacpp.reaper import ForeignHolder, find_holders, reap_port
 from nodes.models import DeviceKind
 from nodes.transports import shell_for
 from remote.base import TransportError
 from remote.powershell import NotForWindows
 from remote.ssh import SSHTarget, SSHTransport
-from tests.deploy_fixtures import lab_node, log_text, run
+from tests.deploy_fixtures import lab_node, listeners_in, log_text, rpc_server_binary, run, start_in
 from tests.lab.windows_host import USER_HOME, windows_like
 from tests.paths import DATA
 from tests.remote.test_powershell import HOSTILE
@@ -200,3 +203,61 @@ def test_a_node_set_to_windows_that_answers_with_sh_is_told_what_to_change(lab, 
     probe = run(Job.objects.create(kind="probe", node=node))
     assert probe.state == JobState.FAILED
     assert "answered with a POSIX shell" in probe.result and "WSL2" in probe.result
+
+
+# --- reaping and starting rpc-server.exe --------------------------------------------------------------------
+
+
+@pytest.mark.llamacpp
+def test_rpc_server_exe_starts_detached_and_its_port_is_reaped_by_pid(lab, lab_host):
+    """The real ggml-rpc-server stands for C:\\llama\\rpc-server.exe: Start-Process starts it with its
+    output in a log file and its PID printed; Get-NetTCPConnection finds it on its port, Win32_Process's
+    command line says it is ours, and Stop-Process -Id ends it; a foreign listener is named, not touched."""
+    drive = windows_like(lab, lab_host)
+    drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
+    port = 41000 + secrets.randbelow(9000)
+    log = f"{USER_HOME}\\rpc-{port}.log"
+
+    async def scenario() -> tuple:
+        async with SSHTransport(_target(lab, lab_host)) as ssh:
+            pid = await ssh.start_daemon(
+                ["C:\\llama\\rpc-server.exe", "-H", "127.0.0.1", "-p", str(port)], log_path=log
+            )
+            holders: list = []
+            for _ in range(100):
+                holders = await find_holders(ssh, "windows", port)
+                if holders:
+                    break
+                await asyncio.sleep(0.1)
+            alive = await ssh.pid_alive(pid)
+            reaped = await reap_port(ssh, "windows", port, grace=2.0)
+            return pid, holders, alive, reaped, await ssh.pid_alive(pid)
+
+    pid, holders, alive, reaped, alive_after = asyncio.run(scenario())
+    assert alive and not alive_after
+    [holder] = holders
+    assert (holder.pid, holder.kind) == (pid, "rpc-server")
+    assert holder.cmdline == f'"C:\\llama\\rpc-server.exe" -H 127.0.0.1 -p {port}'
+    assert [h.pid for h in reaped.reaped] == [pid] and f"reaped rpc-server PID {pid}" in reaped.summary
+    assert drive.local(log).exists() and drive.local(log + ".err").exists()
+    assert not listeners_in(lab_host, port)
+
+
+def test_a_foreign_listener_on_a_windows_nodes_port_is_named_and_left_alone(lab, lab_host, tmp_path):
+    windows_like(lab, lab_host)
+    port = 41000 + secrets.randbelow(9000)
+    foreign = start_in(
+        lab_host, [sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port)], tmp_path / "h.log"
+    )
+    for _ in range(100):
+        if listeners_in(lab_host, port):
+            break
+        time.sleep(0.1)
+
+    async def reap() -> None:
+        async with SSHTransport(_target(lab, lab_host)) as ssh:
+            await reap_port(ssh, "windows", port, grace=1.0)
+
+    with pytest.raises(ForeignHolder, match=rf"PID {foreign.pid}.*http.server"):
+        asyncio.run(reap())
+    assert foreign.poll() is None  # never touched
