@@ -8,6 +8,7 @@ tests/lab/test_mac_tools_lab.py runs them on a lab host whose PATH holds only th
 from __future__ import annotations
 
 import asyncio
+import ntpath
 import posixpath
 import secrets
 
@@ -15,6 +16,7 @@ from jobs.context import JobFailed
 from llamacpp.logs import parse_rpc_banner
 from llamacpp.reaper import find_holders
 from remote.listeners import redact_cmdline
+from remote.powershell import connect_script, powershell_argv, run_dir_script, tail_script
 
 # Opens one TCP connection and closes it: perl and its IO::Socket::INET ship with stock macOS and with every
 # Linux distribution's base system (Debian's perl-base is essential), where `nc` and bash's /dev/tcp may not.
@@ -27,8 +29,21 @@ _CONNECT = (
 BANNER_TIMEOUT_S = 20.0
 
 
+def _windows(ctx) -> bool:
+    return getattr(ctx.transport, "shell", "posix") == "windows"
+
+
+def join(ctx, *parts: str) -> str:
+    """A path on the node: backslashes on Windows."""
+    return (ntpath if _windows(ctx) else posixpath).join(*parts)
+
+
 async def run_dir(ctx) -> str:
-    """~/.ramdeck/run on the node: logs and key files of the processes the console starts."""
+    """~/.ramdeck/run on the node (%USERPROFILE%\\.ramdeck\\run on Windows): logs and key files of the
+    processes the console starts."""
+    if _windows(ctx):
+        result = await ctx.transport.run(powershell_argv(run_dir_script()), timeout=30, check=True)
+        return result.stdout.strip().splitlines()[-1]
     home = (await ctx.transport.run(["printenv", "HOME"], timeout=30)).stdout.strip() or "/tmp"
     path = posixpath.join(home, ".ramdeck", "run")
     await ctx.transport.run(["mkdir", "-p", path], timeout=30)
@@ -36,7 +51,12 @@ async def run_dir(ctx) -> str:
 
 
 async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
-    result = await ctx.transport.run(["tail", "-n", str(count), path], timeout=30)
+    """The log's last lines; on Windows a detached program's stderr has a file of its own (path.err)."""
+    if _windows(ctx):
+        argv = powershell_argv(tail_script([path, path + ".err"], count))
+    else:
+        argv = ["tail", "-n", str(count), path]
+    result = await ctx.transport.run(argv, timeout=30)
     return [line.text for line in result.lines if line.stream == "out"]
 
 
@@ -87,7 +107,8 @@ async def flush_banner(ctx, pid: int, host: str, port: int, log_path: str) -> st
         f"the rpc-server's banner is not in its log yet (no stdbuf here to line-buffer it): one connection "
         f"to {host}:{port} makes it write it out"
     )
-    await ctx.transport.run(connect_argv(host, port), timeout=30)
+    connect = powershell_argv(connect_script(host, port)) if _windows(ctx) else connect_argv(host, port)
+    await ctx.transport.run(connect, timeout=30)
     deadline = asyncio.get_running_loop().time() + 5
     while not banner_complete(text) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)

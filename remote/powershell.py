@@ -194,6 +194,22 @@ def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None
     return " ".join(parts)
 
 
+def run_dir_script() -> str:
+    """%USERPROFILE%\\.ramdeck\\run, created when missing; prints its full path."""
+    return "(New-Item -ItemType Directory -Force -Path (Join-Path $env:USERPROFILE '.ramdeck\\run')).FullName"
+
+
+def tail_script(paths: Sequence[str], count: int) -> str:
+    """The last `count` lines of each file that exists (a detached program's stdout log and its .err)."""
+    files = " , ".join(ps_quote(path) for path in paths)
+    return f"Get-Content -LiteralPath {files} -Tail {int(count)} -ErrorAction SilentlyContinue"
+
+
+def connect_script(host: str, port: int) -> str:
+    """One TCP connection from the node itself, closed at once (.NET's TcpClient connects as it is made)."""
+    return f"(New-Object System.Net.Sockets.TcpClient({ps_quote(host)}, {int(port)})).Close()"
+
+
 def shell_of(output: str) -> str:
     """ "cmd", "powershell" or "posix": which shell answered DETECT_COMMAND (cmd.exe expands %OS% to
     Windows_NT; PowerShell prints one argument a line and expands $PSHOME; sh expands neither)."""

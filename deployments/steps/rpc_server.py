@@ -4,7 +4,6 @@ only the coordinator."""
 from __future__ import annotations
 
 import contextlib
-import posixpath
 
 from django.conf import settings
 from django.utils import timezone
@@ -12,7 +11,7 @@ from django.utils import timezone
 from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
-from jobs.on_node import flush_banner, run_dir, wait_listening
+from jobs.on_node import flush_banner, join, run_dir, wait_listening
 from llamacpp import rpc_guard
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -27,7 +26,7 @@ async def rpc_server_body(ctx) -> str:
     port = int(params["port"])
     directory = await run_dir(ctx)
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
-    log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
+    log_path = join(ctx, directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     argv = [build.rpc_server_path, *params["args"]]
     if params.get("exposed"):
         await ctx.log(

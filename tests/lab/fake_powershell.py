@@ -13,7 +13,9 @@ understands:
   `Select-Object ... | ConvertTo-Json -Compress`; `Get-Command` (nvidia-smi is absent unless the host was
   given one; the llama.cpp programs are found in the host's C: folders); `Get-NetTCPConnection` (the
   namespace's real listening sockets); `Get-Process -Id`, `Stop-Process -Id` and `Start-Process` (real
-  processes: a Windows path C:\\x maps to <root>/C/x); and `& 'program' 'args'`.
+  processes: a Windows path C:\\x maps to <root>/C/x); the run folder under $env:USERPROFILE (New-Item),
+  a log's last lines (Get-Content -Tail), one TCP connection (New-Object System.Net.Sockets.TcpClient);
+  and `& 'program' 'args'`.
 Strings are read by PowerShell's own rules for single-quoted (verbatim) literals, and the arguments of a
 native program by the Microsoft C runtime's (CommandLineToArgvW), after Windows PowerShell 5.1's way of
 building the command line (an argument with whitespace wrapped in double quotes, nothing escaped).
@@ -39,7 +41,7 @@ PSHOME = "C:\\Windows\\System32\\WindowsPowerShell\\v1.0"
 CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
-    "powershell",
+    "powershell", "Get-Content", "New-Item", "New-Object",
 }  # fmt: skip
 
 
@@ -353,6 +355,31 @@ class Host:
         sys.stderr.flush()
         self.last_exit_code = proc.returncode
 
+    def _run_dir(self, m, values):
+        folder = self.state["userprofile"] + "\\" + values[0]
+        self.local_path(folder).mkdir(parents=True, exist_ok=True)
+        self.print(folder)
+
+    def _tail(self, m, values):
+        count = int(m["count"])
+        for path in values:
+            local = self.local_path(path)
+            if local.exists():
+                lines = local.read_text(errors="replace").splitlines()
+                for line in lines[-count:] if count else []:
+                    self.print(line)
+
+    def _connect(self, m, values):
+        import socket
+
+        try:
+            socket.create_connection((values[0], int(m["port"])), timeout=5).close()
+        except OSError as exc:
+            raise PSError(
+                'Exception calling ".ctor" with "2" argument(s): "No connection could be made because the '
+                f'target machine actively refused it {values[0]}:{m["port"]}" ({exc})'
+            ) from None
+
     def _exit_last(self, m, values):
         return getattr(self, "last_exit_code", 0)
 
@@ -401,6 +428,15 @@ class Host:
             _start_process,
         ),
         (r"& §( §)*", _native),
+        (
+            r"\( New-Item -ItemType Directory -Force -Path \( Join-Path \$env:USERPROFILE § \) \) \.FullName",
+            _run_dir,
+        ),
+        (r"Get-Content -LiteralPath §( , §)* -Tail (?P<count>\d+) -ErrorAction SilentlyContinue", _tail),
+        (
+            r"\( New-Object System\.Net\.Sockets\.TcpClient \( § , (?P<port>\d+) \) \) \.Close \( \)",
+            _connect,
+        ),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),
     ]

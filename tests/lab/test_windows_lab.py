@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builds.models import Build, BuildSource
 from jobs.models import Job, JobState
 from llamacpp.reaper import ForeignHolder, find_holders, reap_port
 from nodes.models import DeviceKind
@@ -23,7 +24,15 @@ from nodes.transports import shell_for
 from remote.base import TransportError
 from remote.powershell import NotForWindows
 from remote.ssh import SSHTarget, SSHTransport
-from tests.deploy_fixtures import lab_node, listeners_in, log_text, rpc_server_binary, run, start_in
+from tests.deploy_fixtures import (
+    lab_node,
+    listeners_in,
+    log_text,
+    rpc_server_binary,
+    run,
+    start_in,
+    step_deployment,
+)
 from tests.lab.windows_host import USER_HOME, windows_like
 from tests.paths import DATA
 from tests.remote.test_powershell import HOSTILE
@@ -261,3 +270,56 @@ def test_a_foreign_listener_on_a_windows_nodes_port_is_named_and_left_alone(lab,
     with pytest.raises(ForeignHolder, match=rf"PID {foreign.pid}.*http.server"):
         asyncio.run(reap())
     assert foreign.poll() is None  # never touched
+
+
+@pytest.mark.llamacpp
+@pytest.mark.django_db(transaction=True)
+def test_the_rpc_server_step_and_the_reap_job_run_on_a_windows_node(lab, lab_host):
+    """The console's own rpc_server step on a Windows node: its log folder under %USERPROFILE%, rpc-server.exe
+    started detached, found listening with Get-NetTCPConnection, its banner read from its two log files once
+    one connection (TcpClient) made it write them out; then the reap job ends it by PID."""
+    drive = windows_like(lab, lab_host)
+    drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
+    node = lab_node(lab, lab_host)
+    assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+    node.refresh_from_db()
+    Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        source="C:\\llama",
+        rpc_protocol="7.0.0",
+        rpc_binary="rpc-server",
+        rpc_server_path="C:\\llama\\rpc-server.exe",
+        llama_server_path="C:\\llama\\llama-server.exe",
+    )
+    port = 41000 + secrets.randbelow(9000)
+    deployment = step_deployment(node, port=port + 1)
+    step = run(
+        Job.objects.create(
+            kind="rpc_server",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "args": ["-H", "127.0.0.1", "-p", str(port)],
+                "port": port,
+                "bind": "127.0.0.1",
+                "needs": {"CPU": 1},
+            },
+        )
+    )
+    assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
+    log = log_text(step)
+    assert "[rpc-server] Starting RPC server v7.0.0" in log
+    assert "PS> Start-Process -FilePath 'C:\\llama\\rpc-server.exe'" in log
+    deployment.refresh_from_db()
+    record = deployment.processes[f"rpc-server@{node.name}"]
+    pid = record["pid"]
+    assert record["log"] == f"{USER_HOME}\\.ramdeck\\run\\d{deployment.pk}-{node.name}-rpc-server-{port}.log"
+    assert drive.local(record["log"]).exists()
+    assert str(pid) in listeners_in(lab_host, port)
+    assert drive.processes[str(pid)].startswith('"C:\\llama\\rpc-server.exe" -H 127.0.0.1')
+
+    reap = run(Job.objects.create(kind="reap", node=node, params={"ports": [port]}))
+    assert reap.state == JobState.SUCCEEDED, (reap.result, log_text(reap))
+    assert f"reaped rpc-server PID {pid}" in reap.result
+    assert listeners_in(lab_host, port) == ""

@@ -54,7 +54,13 @@ def windows_like(lab, host, *, nvidia_smi: str = "") -> WindowsRoot:
     root.mkdir()
     recorded = json.loads(RECORDED_CIM.read_text())
     cim = {name: value for name, value in recorded.items() if name.startswith("Win32_")}
-    state = {"cim": cim, "nvidia_smi": nvidia_smi, "path": [SYSTEM32], "processes": {}}
+    state = {
+        "cim": cim,
+        "nvidia_smi": nvidia_smi,
+        "path": [SYSTEM32],
+        "processes": {},
+        "userprofile": USER_HOME,
+    }
     (root / "state.json").write_text(json.dumps(state))
     windows = WindowsRoot(root)
     echo = root / "echo-argv.py"
