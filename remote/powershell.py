@@ -178,9 +178,14 @@ def stop_script(pid: int) -> str:
     )
 
 
+def pid_file(log_path: str) -> str:
+    return log_path + ".pid"
+
+
 def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
-    """Start argv[0] detached with its output to `log_path` (stderr to `log_path`.err: Start-Process takes
-    two different files) and print its PID."""
+    """Start argv[0] with its output to `log_path` (stderr to `log_path`.err: Start-Process takes two
+    different files) and write its PID to `pid_file(log_path)`. Run by `launch_script`, outside the SSH
+    session."""
     program, *args = [str(a) for a in argv]
     parts = [
         "Start-Process",
@@ -189,9 +194,28 @@ def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None
         *([f"-WorkingDirectory {ps_quote(cwd)}"] if cwd else []),
         f"-RedirectStandardOutput {ps_quote(log_path)}",
         f"-RedirectStandardError {ps_quote(log_path + '.err')}",
-        "-WindowStyle Hidden -PassThru | Select-Object -ExpandProperty Id",
+        "-WindowStyle Hidden -PassThru | Select-Object -ExpandProperty Id |",
+        f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii",
     ]
     return " ".join(parts)
+
+
+def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
+    """Start argv detached for good; prints Win32_Process.Create's ReturnValue (0: started).
+
+    Windows' OpenSSH puts each session's processes in a job object that ends them all when the session
+    ends (by design: Win32-OpenSSH issues 1195 and 1642), so a Start-Process from the session itself would
+    die with the SSH command. A process that WMI's Win32_Process.Create starts is outside that job: it is
+    a PowerShell that runs the Start-Process line, which writes the program's PID to a file the transport
+    reads (`pid_file`; the stale one of an earlier start is removed first)."""
+    inner = " ".join(powershell_argv(start_detached_script(argv, log_path=log_path, cwd=cwd)))
+    return "\n".join(
+        [
+            f"Remove-Item -LiteralPath {ps_quote(pid_file(log_path))} -Force -ErrorAction SilentlyContinue",
+            "Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
+            f"@{{ CommandLine = {ps_quote(inner)} }} | Select-Object -ExpandProperty ReturnValue",
+        ]
+    )
 
 
 def run_dir_script() -> str:

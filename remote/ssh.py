@@ -502,10 +502,8 @@ class SSHTransport:
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
         if self.shell == "windows":
-            script = powershell.start_detached_script(argv, log_path=log_path, cwd=cwd)
-            result = await self._helper(powershell.powershell_argv(script))
-        else:
-            result = await self._helper(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)])
+            return await self._start_on_windows(argv, log_path=log_path, cwd=cwd)
+        result = await self._helper(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)])
         if not result.ok:
             tail = "; ".join(line.text for line in result.lines[-3:])
             raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
@@ -513,6 +511,23 @@ class SSHTransport:
             return int(result.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError) as exc:
             raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID.") from exc
+
+    async def _start_on_windows(self, argv: Sequence[str], *, log_path: str, cwd: str | None) -> int:
+        """remote/powershell.py's launch_script, then the PID from the file its Start-Process writes."""
+        script = powershell.launch_script(argv, log_path=log_path, cwd=cwd)
+        result = await self._helper(powershell.powershell_argv(script))
+        answer = result.stdout.strip().splitlines()[-1:] if result.ok else []
+        if answer != ["0"]:
+            tail = "; ".join(line.text for line in result.lines[-3:])
+            raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
+        read_pid = powershell.powershell_argv(powershell.tail_script([powershell.pid_file(log_path)], 1))
+        deadline = asyncio.get_running_loop().time() + 15
+        while asyncio.get_running_loop().time() < deadline:
+            text = (await self._helper(read_pid)).stdout.strip()
+            if text.isdigit():
+                return int(text)
+            await asyncio.sleep(0.2)
+        raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID in 15 s.")
 
     async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
         if self.shell == "windows":

@@ -37,11 +37,13 @@ import time
 from pathlib import Path
 
 SINGLE_QUOTES = "'\u2018\u2019\u201a\u201b"
+# Set in the environment of a command line that Win32_Process.Create runs (outside the session's job).
+OUTSIDE_JOB = "RAMDECK_FAKE_OUTSIDE_JOB"
 PSHOME = "C:\\Windows\\System32\\WindowsPowerShell\\v1.0"
 CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
-    "powershell", "Get-Content", "New-Item", "New-Object",
+    "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
 }  # fmt: skip
 
 
@@ -190,6 +192,7 @@ class Host:
         self.state = json.loads((root / "state.json").read_text())
         self.out = sys.stdout
         self.exit_status = 0
+        self.in_job: list[int] = []
 
     def save(self) -> None:
         (self.root / "state.json").write_text(json.dumps(self.state))
@@ -314,7 +317,7 @@ class Host:
         file_path = values.pop(0)
         arg_line = values.pop(0) if m["args"] else ""
         cwd = self.local_path(values.pop(0)) if m["cwd"] else None
-        stdout_path, stderr_path = (self.local_path(v) for v in values)
+        stdout_path, stderr_path = (self.local_path(v) for v in values[:2])
         if stdout_path == stderr_path:
             raise PSError(
                 'Start-Process : This command cannot be run because "RedirectStandardOutput" and '
@@ -338,7 +341,37 @@ class Host:
         quoted = f'"{file_path}"'
         self.state["processes"][str(proc.pid)] = f"{quoted} {arg_line}".rstrip()
         self.save()
-        self.print(str(proc.pid))
+        self.in_job.append(proc.pid)
+        if m["pidfile"]:
+            self.local_path(values[-1]).write_text(f"{proc.pid}\r\n")
+        else:
+            self.print(str(proc.pid))
+
+    def _remove_item(self, m, values):
+        self.local_path(values[0]).unlink(missing_ok=True)
+
+    def _wmi_create(self, m, values):
+        """Win32_Process.Create: the command line runs outside this session's job object (its own fake
+        shell process, in a session of its own), so what it starts outlives the SSH session."""
+        env = {**os.environ, "SSH_ORIGINAL_COMMAND": values[0], OUTSIDE_JOB: "1"}
+        subprocess.Popen(
+            [sys.executable, __file__, str(self.root)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.print("0")
+
+    def close_job(self) -> None:
+        """The SSH session ends: Windows' OpenSSH closes its job object (JOB_OBJECT_LIMIT_KILL_ON_JOB_CLOSE)
+        and Windows ends every process in it, whatever Start-Process started, unless WMI started it."""
+        if os.environ.get(OUTSIDE_JOB):
+            return
+        for pid in self.in_job:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
     def _native(self, m, values):
         program = self.which(values[0])
@@ -424,7 +457,7 @@ class Host:
         (
             r"Start-Process -FilePath §(?P<args> -ArgumentList §)?(?P<cwd> -WorkingDirectory §)? "
             r"-RedirectStandardOutput § -RedirectStandardError § -WindowStyle Hidden -PassThru \| "
-            r"Select-Object -ExpandProperty Id",
+            r"Select-Object -ExpandProperty Id(?P<pidfile> \| Out-File -LiteralPath § -Encoding ascii)?",
             _start_process,
         ),
         (r"& §( §)*", _native),
@@ -436,6 +469,12 @@ class Host:
         (
             r"\( New-Object System\.Net\.Sockets\.TcpClient \( § , (?P<port>\d+) \) \) \.Close \( \)",
             _connect,
+        ),
+        (r"Remove-Item -LiteralPath § -Force -ErrorAction SilentlyContinue", _remove_item),
+        (
+            r"Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
+            r"@ \{ CommandLine = § \} \| Select-Object -ExpandProperty ReturnValue",
+            _wmi_create,
         ),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),
@@ -480,6 +519,8 @@ def main() -> int:
     except PSError as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
+    finally:
+        host.close_job()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import json
 import secrets
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +23,7 @@ from llamacpp.reaper import ForeignHolder, find_holders, reap_port
 from nodes.models import DeviceKind
 from nodes.transports import shell_for
 from remote.base import TransportError
-from remote.powershell import NotForWindows
+from remote.powershell import NotForWindows, pid_file, powershell_argv, start_detached_script
 from remote.ssh import SSHTarget, SSHTransport
 from tests.deploy_fixtures import (
     lab_node,
@@ -323,3 +324,19 @@ def test_the_rpc_server_step_and_the_reap_job_run_on_a_windows_node(lab, lab_hos
     assert reap.state == JobState.SUCCEEDED, (reap.result, log_text(reap))
     assert f"reaped rpc-server PID {pid}" in reap.result
     assert listeners_in(lab_host, port) == ""
+
+
+def test_a_process_started_inside_the_ssh_session_dies_with_it_so_the_console_starts_through_wmi(windows):
+    """Windows' OpenSSH ends every process of a session's job object when the session ends (the fake host
+    does as well): a bare Start-Process would lose rpc-server.exe as soon as the command returned. The
+    transport's start goes through Win32_Process.Create, whose process outlives the session."""
+    drive, ssh, run = windows
+    drive.install("C:\\llama\\sleeper.exe", Path("/bin/sleep"))
+    inside = f"{USER_HOME}\\inside.log"
+    run(ssh.run(powershell_argv(start_detached_script(["C:\\llama\\sleeper.exe", "30"], log_path=inside))))
+    bare_pid = int(drive.local(pid_file(inside)).read_text())
+    assert not run(ssh.pid_alive(bare_pid))
+
+    pid = run(ssh.start_daemon(["C:\\llama\\sleeper.exe", "30"], log_path=f"{USER_HOME}\\outside.log"))
+    assert run(ssh.pid_alive(pid))
+    assert run(ssh.kill(pid)) and not run(ssh.pid_alive(pid))

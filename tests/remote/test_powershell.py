@@ -135,3 +135,14 @@ def test_the_detection_line_tells_the_three_shells_apart():
     # sh: neither expanded ($PSHOME unset is empty).
     assert shell_of("ramdeck-shell %OS%\n") == "posix"
     assert shell_of("") == "unknown"
+
+
+def test_the_launcher_runs_the_start_process_line_outside_the_session():
+    launcher = powershell.launch_script(["C:\\llama\\rpc-server.exe", "-p", "50052"], log_path="C:\\r\\x.log")
+    remove, create = statements(tokenize(launcher))
+    assert remove[:3] == ["Remove-Item", "-LiteralPath", Str("C:\\r\\x.log.pid")]
+    inner = [t for t in create if isinstance(t, Str)][0].split(" ")
+    assert decode_script(inner) == powershell.start_detached_script(
+        ["C:\\llama\\rpc-server.exe", "-p", "50052"], log_path="C:\\r\\x.log"
+    )
+    assert create[:5] == ["Invoke-CimMethod", "-ClassName", "Win32_Process", "-MethodName", "Create"]
