@@ -211,7 +211,7 @@ def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
     inner = " ".join(powershell_argv(start_detached_script(argv, log_path=log_path, cwd=cwd)))
     return "\n".join(
         [
-            f"Remove-Item -LiteralPath {ps_quote(pid_file(log_path))} -Force -ErrorAction SilentlyContinue",
+            remove_script([pid_file(log_path)]),
             "Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
             f"@{{ CommandLine = {ps_quote(inner)} }} | Select-Object -ExpandProperty ReturnValue",
         ]
@@ -227,6 +227,16 @@ def tail_script(paths: Sequence[str], count: int) -> str:
     """The last `count` lines of each file that exists (a detached program's stdout log and its .err)."""
     files = " , ".join(ps_quote(path) for path in paths)
     return f"Get-Content -LiteralPath {files} -Tail {int(count)} -ErrorAction SilentlyContinue"
+
+
+def exists_script(path: str) -> str:
+    """Exit status 0 when `path` is a file."""
+    return f"if (Test-Path -LiteralPath {ps_quote(path)} -PathType Leaf) {{ exit 0 }} else {{ exit 1 }}"
+
+
+def remove_script(paths: Sequence[str]) -> str:
+    files = " , ".join(ps_quote(path) for path in paths)
+    return f"Remove-Item -LiteralPath {files} -Force -ErrorAction SilentlyContinue"
 
 
 def connect_script(host: str, port: int) -> str:

@@ -44,6 +44,7 @@ CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
+    "Test-Path",
 }  # fmt: skip
 
 
@@ -348,7 +349,11 @@ class Host:
             self.print(str(proc.pid))
 
     def _remove_item(self, m, values):
-        self.local_path(values[0]).unlink(missing_ok=True)
+        for value in values:
+            self.local_path(value).unlink(missing_ok=True)
+
+    def _test_path(self, m, values):
+        return int(m["yes"]) if self.local_path(values[0]).is_file() else int(m["no"])
 
     def _wmi_create(self, m, values):
         """Win32_Process.Create: the command line runs outside this session's job object (its own fake
@@ -470,7 +475,12 @@ class Host:
             r"\( New-Object System\.Net\.Sockets\.TcpClient \( § , (?P<port>\d+) \) \) \.Close \( \)",
             _connect,
         ),
-        (r"Remove-Item -LiteralPath § -Force -ErrorAction SilentlyContinue", _remove_item),
+        (r"Remove-Item -LiteralPath §( , §)* -Force -ErrorAction SilentlyContinue", _remove_item),
+        (
+            r"if \( Test-Path -LiteralPath § -PathType Leaf \) "
+            r"\{ exit (?P<yes>\d) \} else \{ exit (?P<no>\d) \}",
+            _test_path,
+        ),
         (
             r"Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
             r"@ \{ CommandLine = § \} \| Select-Object -ExpandProperty ReturnValue",

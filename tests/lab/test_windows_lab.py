@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builds.forms import BuildForm
 from builds.models import Build, BuildSource
 from jobs.models import Job, JobState
 from llamacpp.reaper import ForeignHolder, find_holders, reap_port
@@ -35,6 +36,7 @@ from tests.deploy_fixtures import (
     step_deployment,
 )
 from tests.lab.windows_host import USER_HOME, windows_like
+from tests.llamacpp_build import require_llamacpp
 from tests.paths import DATA
 from tests.remote.test_powershell import HOSTILE
 
@@ -340,3 +342,34 @@ def test_a_process_started_inside_the_ssh_session_dies_with_it_so_the_console_st
     pid = run(ssh.start_daemon(["C:\\llama\\sleeper.exe", "30"], log_path=f"{USER_HOME}\\outside.log"))
     assert run(ssh.pid_alive(pid))
     assert run(ssh.kill(pid)) and not run(ssh.pid_alive(pid))
+
+
+@pytest.mark.llamacpp
+@pytest.mark.django_db(transaction=True)
+def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, lab_host):
+    """ "Existing install" on a Windows node: Test-Path finds ggml-rpc-server.exe and llama-server.exe in the
+    folder, llama-server.exe --version runs in the foreground, and the rpc-server's banner is read from a
+    detached start (its log files removed afterwards); building there is refused with what to do instead."""
+    tools = require_llamacpp()
+    drive = windows_like(lab, lab_host)
+    drive.install("C:\\llama\\ggml-rpc-server.exe", tools.rpc_server)
+    drive.install("C:\\llama\\llama-server.exe", tools.llama_server)
+    node = lab_node(lab, lab_host)
+    assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+
+    form = BuildForm(data={"source": "existing", "path": "C:\\llama\\", "backend": "cpu"})
+    assert form.is_valid(), form.errors
+    job = run(Job.objects.create(kind="build", node=node, params=form.params()))
+
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job))
+    build = Build.objects.get(node=node)
+    assert (build.source_kind, build.rpc_protocol, build.backend) == (BuildSource.EXISTING, "7.0.0", "cpu")
+    assert build.rpc_server_path == "C:\\llama\\ggml-rpc-server.exe"
+    assert build.llama_server_path == "C:\\llama\\llama-server.exe"
+    assert build.version
+    run_folder = drive.local(f"{USER_HOME}\\.ramdeck\\run")
+    assert list(run_folder.iterdir()) == []  # the banner's log, .err and .pid removed
+
+    compile_job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball"}))
+    assert compile_job.state == JobState.FAILED
+    assert "not supported yet" in compile_job.result and "existing install" in compile_job.result
