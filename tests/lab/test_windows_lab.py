@@ -354,8 +354,13 @@ def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, 
     drive = windows_like(lab, lab_host)
     drive.install("C:\\llama\\ggml-rpc-server.exe", tools.rpc_server)
     drive.install("C:\\llama\\llama-server.exe", tools.llama_server)
+    drive.add_to_path("C:\\llama")
     node = lab_node(lab, lab_host)
     assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+    node.refresh_from_db()
+    # The probe found the pair on the PATH (Get-Command): the node page offers to record it.
+    assert node.facts["rpc_server_binary"] == "C:\\llama\\ggml-rpc-server.exe"
+    assert node.detected_install_dir == "C:\\llama" and node.detected_install_unrecorded
 
     form = BuildForm(data={"source": "existing", "path": "C:\\llama\\", "backend": "cpu"})
     assert form.is_valid(), form.errors
@@ -367,6 +372,7 @@ def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, 
     assert build.rpc_server_path == "C:\\llama\\ggml-rpc-server.exe"
     assert build.llama_server_path == "C:\\llama\\llama-server.exe"
     assert build.version
+    assert not node.detected_install_unrecorded
     run_folder = drive.local(f"{USER_HOME}\\.ramdeck\\run")
     assert list(run_folder.iterdir()) == []  # the banner's log, .err and .pid removed
 
