@@ -21,6 +21,7 @@ Native programs (rpc-server.exe) get their arguments two ways:
 from __future__ import annotations
 
 import base64
+import ipaddress
 import re
 import subprocess
 from collections.abc import Sequence
@@ -242,6 +243,50 @@ def remove_script(paths: Sequence[str]) -> str:
 def connect_script(host: str, port: int) -> str:
     """One TCP connection from the node itself, closed at once (.NET's TcpClient connects as it is made)."""
     return f"(New-Object System.Net.Sockets.TcpClient({ps_quote(host)}, {int(port)})).Close()"
+
+
+def is_admin_script() -> str:
+    """Prints True when the SSH login runs elevated (an administrator: it may change Windows Firewall)."""
+    return (
+        "([Security.Principal.WindowsPrincipal][Security.Principal.WindowsIdentity]::GetCurrent())"
+        ".IsInRole([Security.Principal.WindowsBuiltInRole]::Administrator)"
+    )
+
+
+def _ranges_except(address: str) -> list[str]:
+    """Every IPv4 address but `address`, as Windows Firewall's address ranges."""
+    value = int(ipaddress.IPv4Address(address))
+    ranges = []
+    if value > 0:
+        ranges.append(f"0.0.0.0-{ipaddress.IPv4Address(value - 1)}")
+    if value < 2**32 - 1:
+        ranges.append(f"{ipaddress.IPv4Address(value + 1)}-255.255.255.255")
+    return ranges
+
+
+def firewall_rule_names(tag: str) -> list[str]:
+    return [f"{tag} block", f"{tag} allow"]
+
+
+def firewall_add_script(port: int, coordinator: str, tag: str) -> str:
+    """Inbound TCP to `port` from anyone but the coordinator is blocked (a Block rule wins over any Allow
+    rule, such as one a person clicked through for rpc-server.exe), and allowed from the coordinator."""
+    block, allow = (ps_quote(name) for name in firewall_rule_names(tag))
+    others = " , ".join(ps_quote(r) for r in _ranges_except(coordinator))
+    common = f"-Direction Inbound -Protocol TCP -LocalPort {int(port)}"
+    return "\n".join(
+        [
+            f"New-NetFirewallRule -DisplayName {block} {common} -RemoteAddress {others} "
+            "-Action Block | Out-Null",
+            f"New-NetFirewallRule -DisplayName {allow} {common} -RemoteAddress "
+            f"{ps_quote(str(ipaddress.IPv4Address(coordinator)))} -Action Allow | Out-Null",
+        ]
+    )
+
+
+def firewall_remove_script(tag: str) -> str:
+    names = " , ".join(ps_quote(name) for name in firewall_rule_names(tag))
+    return f"Remove-NetFirewallRule -DisplayName {names} -ErrorAction SilentlyContinue"
 
 
 def shell_of(output: str) -> str:

@@ -11,10 +11,11 @@ from django.utils import timezone
 from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
-from jobs.on_node import flush_banner, join, run_dir, wait_listening
+from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_guard
 from nodes.guards import may_administer, remove_guard
 from planning import placement
+from remote.powershell import firewall_add_script, is_admin_script, powershell_argv
 
 
 async def rpc_server_body(ctx) -> str:
@@ -86,6 +87,8 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[
     the SSH user may add one. Recorded as a guard first, so the stop steps remove it. Returns the note for
     the step's result and the guard (None when no rule went in)."""
     coordinator = firewall.get("coordinator")
+    if on_windows(ctx) and coordinator:
+        return await install_windows_firewall(ctx, deployment, port, coordinator, firewall["tag"])
     if ctx.node.platform != "linux" or not coordinator:
         why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
         return await unfenced(ctx, deployment, port, why), None
@@ -105,6 +108,25 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[
     await ctx.log(
         f"firewall: port {port} admits only {coordinator} ({firewall['tag']}), before ggml-rpc-server starts"
     )
+    return f", admitting only {coordinator}", guard
+
+
+async def install_windows_firewall(
+    ctx, deployment, port: int, coordinator: str, tag: str
+) -> tuple[str, dict | None]:
+    """Windows: two Windows Firewall rules (block all but the coordinator, allow the coordinator), where the
+    SSH login is an administrator. Recorded as a guard first, so the stop steps remove them."""
+    admin = await ctx.transport.run(powershell_argv(is_admin_script()), timeout=60)
+    if admin.stdout.strip() != "True":
+        why = "the SSH user is not an administrator of this Windows PC, so it may not change Windows Firewall"
+        return await unfenced(ctx, deployment, port, why), None
+    guard = {"node": ctx.node.name, "kind": "windows-firewall", "tag": tag}
+    await db(deployment.add_guard)(f"firewall@{ctx.node.name}:{port}", guard)
+    result = await ctx.transport.run(powershell_argv(firewall_add_script(port, coordinator, tag)), timeout=60)
+    if not result.ok:
+        why = "; ".join(line.text for line in result.lines[-3:] if line.text)[:300] or "no reason given"
+        return await unfenced(ctx, deployment, port, f"New-NetFirewallRule failed: {why}"), None
+    await ctx.log(f"firewall: port {port} admits only {coordinator} ({tag}), before ggml-rpc-server starts")
     return f", admitting only {coordinator}", guard
 
 

@@ -44,7 +44,7 @@ CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
-    "Test-Path",
+    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule",
 }  # fmt: skip
 
 
@@ -418,6 +418,46 @@ class Host:
                 f'target machine actively refused it {values[0]}:{m["port"]}" ({exc})'
             ) from None
 
+    def _is_admin(self, m, values):
+        self.print("True" if self.state.get("admin", True) else "False")
+
+    def _firewall_specs(self, name: str, rule: dict) -> list[list[str]]:
+        """Windows Firewall's Block rule as the namespace's iptables rules. Windows Firewall does not filter
+        a machine's connections to itself (to any of its own addresses), which Linux routes over `lo`: those
+        are exempt here too. An Allow rule needs none, since this host admits everything else."""
+        if rule["action"] != "Block":
+            return []
+        return [
+            [
+                *("!", "-i", "lo", "-p", "tcp", "--dport", str(rule["port"])),
+                *("-m", "iprange", "--src-range", address, "-m", "comment", "--comment", name),
+                *("-j", "REJECT", "--reject-with", "tcp-reset"),
+            ]
+            for address in rule["addresses"]
+        ]
+
+    def _new_firewall_rule(self, m, values):
+        if not self.state.get("admin", True):
+            raise PSError(
+                "New-NetFirewallRule : Access is denied.\n    + CategoryInfo          : PermissionDenied: "
+                "(MSFT_NetFirewallRule:root/standardcimv2/MSFT_NetFirewallRule) [New-NetFirewallRule], "
+                "CimException"
+            )
+        name, *addresses = values
+        rule = {"port": int(m["port"]), "addresses": addresses, "action": m["action"]}
+        for spec in self._firewall_specs(name, rule):
+            subprocess.run(["iptables", "-w", "-I", "INPUT", *spec], check=True, capture_output=True)
+        self.state.setdefault("firewall", {})[name] = rule
+        self.save()
+
+    def _remove_firewall_rule(self, m, values):
+        rules = self.state.setdefault("firewall", {})
+        for name in values:
+            rule = rules.pop(name, None)
+            for spec in self._firewall_specs(name, rule) if rule else []:
+                subprocess.run(["iptables", "-w", "-D", "INPUT", *spec], check=False, capture_output=True)
+        self.save()
+
     def _exit_last(self, m, values):
         return getattr(self, "last_exit_code", 0)
 
@@ -485,6 +525,21 @@ class Host:
             r"Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
             r"@ \{ CommandLine = § \} \| Select-Object -ExpandProperty ReturnValue",
             _wmi_create,
+        ),
+        (
+            r"\( \[Security\.Principal\.WindowsPrincipal\]"
+            r"\[Security\.Principal\.WindowsIdentity\]::GetCurrent \( \) \) "
+            r"\.IsInRole \( \[Security\.Principal\.WindowsBuiltInRole\]::Administrator \)",
+            _is_admin,
+        ),
+        (
+            r"New-NetFirewallRule -DisplayName § -Direction Inbound -Protocol TCP -LocalPort (?P<port>\d+) "
+            r"-RemoteAddress §( , §)* -Action (?P<action>Block|Allow) \| Out-Null",
+            _new_firewall_rule,
+        ),
+        (
+            r"Remove-NetFirewallRule -DisplayName §( , §)* -ErrorAction SilentlyContinue",
+            _remove_firewall_rule,
         ),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),

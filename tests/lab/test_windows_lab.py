@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from builds.forms import BuildForm
 from builds.models import Build, BuildSource
 from jobs.models import Job, JobState
+from llamacpp import rpc_guard
 from llamacpp.reaper import ForeignHolder, find_holders, reap_port
 from nodes.models import DeviceKind
 from nodes.transports import shell_for
@@ -379,3 +382,83 @@ def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, 
     compile_job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball"}))
     assert compile_job.state == JobState.FAILED
     assert "not supported yet" in compile_job.result and "existing install" in compile_job.result
+
+
+def _namespace_rules(host) -> str:
+    return subprocess.run(
+        host.exec_argv(["iptables", "-w", "-S", "INPUT"]), capture_output=True, text=True, timeout=30
+    ).stdout
+
+
+@pytest.mark.llamacpp
+@pytest.mark.django_db(transaction=True)
+def test_direct_mode_opens_the_windows_firewall_to_the_coordinator_only_and_the_stop_closes_it(lab, lab_host):
+    """An administrator login: a Block rule for every address but the coordinator's and an Allow rule for
+    it go in before rpc-server.exe starts (the fake host applies the Block rule as iptables REJECT rules in
+    its namespace), and the stop step removes both. A login that is not an administrator runs unfenced,
+    saying why."""
+    drive = windows_like(lab, lab_host)
+    drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
+    node = lab_node(lab, lab_host)
+    assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+    Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        rpc_protocol="7.0.0",
+        rpc_binary="rpc-server",
+        rpc_server_path="C:\\llama\\rpc-server.exe",
+        llama_server_path="C:\\llama\\llama-server.exe",
+    )
+    port = 41000 + secrets.randbelow(9000)
+    deployment = step_deployment(node, port=port + 1)
+    tag = rpc_guard.tag_for(deployment.pk, node.name)
+    params = {
+        "deployment": deployment.pk,
+        "args": ["-H", lab_host.address, "-p", str(port)],
+        "port": port,
+        "bind": lab_host.address,
+        "needs": {"CPU": 1},
+        "firewall": {"coordinator": lab_host.host_address, "tag": tag},
+    }
+    step = run(Job.objects.create(kind="rpc_server", node=node, params=params))
+
+    assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
+    assert f"admitting only {lab_host.host_address}" in step.result
+    rules = _namespace_rules(lab_host)
+    before, after = lab_host.host_address.rsplit(".", 1)[0], int(lab_host.host_address.rsplit(".", 1)[1])
+    assert f"--src-range 0.0.0.0-{before}.{after - 1}" in rules and f"--dport {port}" in rules, rules
+    assert f"--src-range {before}.{after + 1}-255.255.255.255" in rules, rules
+    # The coordinator (this machine's side of the lab link) still reaches the server.
+    socket.create_connection((lab_host.address, port), timeout=5).close()
+    deployment.refresh_from_db()
+    server = deployment.processes[f"rpc-server@{node.name}"]
+    stop = run(
+        Job.objects.create(
+            kind="stop",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "processes": [server],
+                "guards": list(deployment.guards.values()),
+            },
+        )
+    )
+    assert stop.state == JobState.SUCCEEDED, (stop.result, log_text(stop))
+    assert tag not in _namespace_rules(lab_host)
+    assert listeners_in(lab_host, port) == ""
+
+    # Not an administrator: no rule, and the log says why.
+    state = json.loads((drive.root / "state.json").read_text())
+    state["admin"] = False
+    (drive.root / "state.json").write_text(json.dumps(state))
+    again = run(
+        Job.objects.create(
+            kind="rpc_server",
+            node=node,
+            params={**params, "port": port + 2, "args": ["-H", lab_host.address, "-p", str(port + 2)]},
+        )
+    )
+    assert again.state == JobState.SUCCEEDED, (again.result, log_text(again))
+    assert "not an administrator of this Windows PC" in again.result
+    assert tag not in _namespace_rules(lab_host)
+    run(Job.objects.create(kind="reap", node=node, params={"ports": [port + 2]}))
