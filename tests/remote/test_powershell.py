@@ -146,3 +146,19 @@ def test_the_launcher_runs_the_start_process_line_outside_the_session():
         ["C:\\llama\\rpc-server.exe", "-p", "50052"], log_path="C:\\r\\x.log"
     )
     assert create[:5] == ["Invoke-CimMethod", "-ClassName", "Win32_Process", "-MethodName", "Create"]
+
+
+def test_the_firewall_blocks_every_address_but_the_coordinators():
+    def remote_addresses(script: str) -> list[list[str]]:
+        return [[t for t in s if isinstance(t, Str)][1:] for s in statements(tokenize(script))]
+
+    block, allow = remote_addresses(powershell.firewall_add_script(50052, "192.168.1.10", "ramdeck-d1"))
+    assert block == ["0.0.0.0-192.168.1.9", "192.168.1.11-255.255.255.255"] and allow == ["192.168.1.10"]
+    assert remote_addresses(powershell.firewall_add_script(1, "0.0.0.0", "t"))[0] == [
+        "0.0.0.1-255.255.255.255"
+    ]
+    assert remote_addresses(powershell.firewall_add_script(1, "255.255.255.255", "t"))[0] == [
+        "0.0.0.0-255.255.255.254"
+    ]
+    with pytest.raises(ValueError):
+        powershell.firewall_add_script(1, "192.168.1.10'; Remove-NetFirewallRule *", "t")
