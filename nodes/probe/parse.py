@@ -54,8 +54,6 @@ class ProbeReport:
     rpc_port_pid: int | None = None
     rpc_port_process: str = ""
     rtt_ms: float | None = None
-    # Linux under Windows' WSL2 (its kernel release says so): reached through the Windows side's network.
-    wsl: bool = False
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -400,34 +398,8 @@ def build_report(text: str, *, rpc_port: int) -> ProbeReport:
     return report
 
 
-# WSL2's kernel releases end in "-microsoft-standard-WSL2" (WSL1 reports "-Microsoft").
-_WSL2_KERNEL = re.compile(r"microsoft-standard-WSL2", re.IGNORECASE)
-
-
-def wsl_advice(rpc_port: int) -> str:
-    """What the Windows side of a WSL2 install needs before anything else reaches its rpc-server: WSL2's
-    default NAT puts it behind an address only Windows itself reaches."""
-    port = int(rpc_port)
-    return (
-        "This Linux runs under WSL2: by default it sits behind Windows' NAT, and other machines reach its "
-        f"port {port} only through the Windows side. Either turn on mirrored networking (in "
-        "%UserProfile%\\.wslconfig: [wsl2] networkingMode=mirrored, then `wsl --shutdown`), or forward the "
-        "port in an administrator PowerShell on Windows: `netsh interface portproxy add v4tov4 "
-        f"listenport={port} listenaddress=0.0.0.0 connectport={port} connectaddress=<WSL address>`, with the "
-        "address `wsl hostname -I` prints (it changes at each start of WSL). Either way Windows Firewall "
-        "must admit the coordinator: "
-        f"`New-NetFirewallRule -DisplayName ramdeck-rpc -Direction Inbound -Protocol TCP -LocalPort {port} "
-        "-RemoteAddress <coordinator address> -Action Allow`. The node's address is then the Windows "
-        "machine's, and its SSH server inside WSL is reached the same way (mirrored, or a portproxy of its "
-        "own port)."
-    )
-
-
 def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
     report.platform = "linux"
-    if _WSL2_KERNEL.search(report.kernel):
-        report.wsl = True
-        report.warnings.append(wsl_advice(report.rpc_port or 50052))
     os_release = parse_os_release(sections.get("os-release", ""))
     report.os_name = os_release.get("PRETTY_NAME") or os_release.get("NAME", "Linux")
     report.cpu_model, report.cpu_cores = parse_cpuinfo(sections.get("cpuinfo", ""))

@@ -434,15 +434,3 @@ def test_the_probe_reads_each_cards_ids_and_vram_from_sysfs_and_skips_connectors
     result = subprocess.run(["sh", "-c", "sec() { :; }\n" + loop], capture_output=True, text=True, check=True)
     assert result.stdout == "card0 0x8086 0x46a6 0 0\ncard1 0x1002 0x744c 25753026560 1116504064\n"
     assert recorded("drm_amd_rx7900xtx.txt") in result.stdout
-
-
-def test_a_wsl2_linux_is_recognised_and_told_what_the_windows_side_needs():
-    text = recorded("linux_debian12_x86_64.txt").replace(
-        "Linux 6.18.44-fc-v857 x86_64", "Linux 5.15.167.4-microsoft-standard-WSL2 x86_64"
-    )
-    report = probe.build_report(text, rpc_port=50061)
-    assert report.platform == "linux" and report.wsl and report.facts()["wsl"] is True
-    [advice] = [w for w in report.warnings if "WSL2" in w]
-    assert "networkingMode=mirrored" in advice
-    assert "netsh interface portproxy add v4tov4 listenport=50061" in advice and "connectport=50061" in advice
-    assert not report_of("linux_debian12_x86_64.txt").wsl
