@@ -3,6 +3,7 @@ or an existing install), each value checked before a job is made."""
 
 from __future__ import annotations
 
+import ntpath
 import os
 import posixpath
 import re
@@ -113,8 +114,10 @@ class BuildForm(forms.Form):
             path = data.get("path", "").strip()
             if not path:
                 self.add_error("path", "Give the folder that holds llama-server and ggml-rpc-server.")
+            elif re.fullmatch(r"[A-Za-z]:\\.*", path, re.S):
+                data["path"] = ntpath.normpath(path)  # a Windows node's folder, such as C:\\llama
             elif not path.startswith("/"):
-                self.add_error("path", "Give an absolute path (starting with /).")
+                self.add_error("path", "Give an absolute path (starting with /, or C:\\ on Windows).")
             else:
                 data["path"] = posixpath.normpath(path)
         if source == "git":

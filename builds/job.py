@@ -39,11 +39,12 @@ from builds.models import Build, BuildSource
 from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
 from jobs.aio import db
 from jobs.context import JobFailed
-from jobs.on_node import read_rpc_banner
+from jobs.on_node import join, on_windows, read_rpc_banner
 from llamacpp.args import RPC_SERVER_BINARIES as RPC_BINARIES
 from llamacpp.logs import parse_rpc_banner, parse_server_version
 from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
+from remote.powershell import exists_script, powershell_argv
 from remote.text import printable
 
 # How many of the devices its rpc-server's banner lists a Build keeps.
@@ -95,7 +96,8 @@ def build_root(home: str) -> str:
 
 
 async def _exists(ctx, path: str) -> bool:
-    result = await ctx.transport.run(["test", "-e", path], timeout=30)
+    argv = powershell_argv(exists_script(path)) if on_windows(ctx) else ["test", "-e", path]
+    result = await ctx.transport.run(argv, timeout=30)
     return result.exit_status == 0
 
 
@@ -188,12 +190,13 @@ async def _compile(ctx, found: dict[str, str], layout: Layout, flags: list[str],
 
 async def probe_binaries(ctx, bin_dir: str) -> dict:
     """Run the binaries in bin_dir: llama-server's version and the RPC server's protocol from its banner."""
+    exe = ".exe" if on_windows(ctx) else ""
     rpc_binary = ""
     for name in RPC_BINARIES:
-        if await _exists(ctx, posixpath.join(bin_dir, name)):
+        if await _exists(ctx, join(ctx, bin_dir, name + exe)):
             rpc_binary = name
             break
-    llama = posixpath.join(bin_dir, "llama-server")
+    llama = join(ctx, bin_dir, "llama-server" + exe)
     if not rpc_binary or not await _exists(ctx, llama):
         raise JobFailed(f"{bin_dir} holds no ggml-rpc-server/rpc-server and llama-server pair")
     version_out = await ctx.transport.run([llama, "--version"], timeout=60)
@@ -203,7 +206,7 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
     # The banner is the only place an installed RPC server states its protocol and the devices it serves
     # with their memory: start it once on loopback and read it (detached and read from its log, the same on
     # macOS as on Linux; it waits for the whole banner, which a GPU backend prints after a second or two).
-    rpc = posixpath.join(bin_dir, rpc_binary)
+    rpc = join(ctx, bin_dir, rpc_binary + exe)
     info = parse_rpc_banner(await read_rpc_banner(ctx, rpc))
     return {
         "version": version,
@@ -216,6 +219,40 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
 
 
 _BACKEND_PREFIXES = {"CUDA": "cuda", "ROCm": "rocm", "Vulkan": "vulkan", "MTL": "metal"}
+
+
+async def _windows_install(ctx, params: dict) -> str:
+    """A Windows node: an existing install (a release zip unpacked into a folder) is recorded from what its
+    programs print; building on Windows is not done yet."""
+    if params.get("source") != "existing":
+        raise JobFailed(
+            f"{ctx.node.name} is a Windows node: building llama.cpp there is not supported yet. Unpack a "
+            "llama.cpp release zip (its CPU, CUDA or Vulkan build) into a folder and register that folder "
+            "as an existing install."
+        )
+    probed = await probe_binaries(ctx, params["path"])
+    probed["version"] = printable(probed["version"], 200)
+    probed["rpc_protocol"] = printable(probed["rpc_protocol"], 20)
+    if not probed["rpc_protocol"]:
+        raise JobFailed("could not tell the RPC protocol version of this build")
+    backend = backend_of(probed["devices"]) if probed["devices"] is not None else "cpu"
+    build = await db(Build.objects.create)(
+        node=ctx.node,
+        source_kind=BuildSource.EXISTING,
+        source=params["path"],
+        build_dir=params["path"],
+        backend=backend,
+        flags=[],
+        version=probed["version"],
+        rpc_binary=probed["rpc_binary"],
+        rpc_protocol=probed["rpc_protocol"],
+        devices=probed["devices"],
+        rpc_server_path=probed["rpc"],
+        llama_server_path=probed["llama"],
+        job_id=ctx.job.pk,
+    )
+    await ctx.log(f"recorded build #{build.pk}: {probed['rpc_binary']} RPC {probed['rpc_protocol']}")
+    return f"{probed['rpc_binary']} RPC {probed['rpc_protocol']}, {probed['version']} ({backend})"
 
 
 def backend_of(devices: list[dict]) -> str:
@@ -247,6 +284,8 @@ def banner_devices(info: dict) -> list[dict] | None:
 async def build_body(ctx) -> str:
     params = ctx.job.params or {}
     source = params.get("source", "tarball")
+    if on_windows(ctx):
+        return await _windows_install(ctx, params)
     found = parse_prerequisites((await ctx.transport.run(["sh", "-c", PREREQ_SCRIPT], timeout=60)).stdout)
     kinds = await db(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
     backend = choose_backend(params.get("backend", "auto"), found, kinds)

@@ -19,6 +19,7 @@ from django.conf import settings
 from jobs.aio import db
 from jobs.models import Job, LogStream
 from remote.base import Command, CommandResult, OutputBudget, OutputLine, TransportError, shell_join
+from remote.powershell import decode_script, is_powershell_argv, start_detached_script
 
 if TYPE_CHECKING:
     from jobs.logwriter import LogWriter
@@ -85,7 +86,10 @@ class JobContext:
             raise JobCancelled()
         argv = [str(arg) for arg in argv]
         if echo:
-            await self.log("$ " + shell_join(argv))
+            # A Windows command travels base64-encoded (remote/powershell.py); people read its script.
+            await self.log(
+                f"PS> {decode_script(argv)}" if is_powershell_argv(argv) else "$ " + shell_join(argv)
+            )
         captured: list[OutputLine] = []
         tail: deque[str] = deque(maxlen=TAIL_LINES)
         # Past the budget, lines are neither logged nor kept; the last of them are, after a note, since how
@@ -134,7 +138,10 @@ class JobContext:
         if self.cancelled():
             raise JobCancelled()
         argv = [str(arg) for arg in argv]
-        await self.log(f"$ {shell_join(argv)} > {log_path} &")
+        if getattr(self.transport, "shell", "posix") == "windows":
+            await self.log(f"PS> {start_detached_script(argv, log_path=log_path, cwd=cwd)}")
+        else:
+            await self.log(f"$ {shell_join(argv)} > {log_path} &")
         pid = await self.transport.start_daemon(argv, log_path=log_path, cwd=cwd)
         self._daemon_pid = pid
         await self._note_pid(None)

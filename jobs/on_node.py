@@ -8,6 +8,7 @@ tests/lab/test_mac_tools_lab.py runs them on a lab host whose PATH holds only th
 from __future__ import annotations
 
 import asyncio
+import ntpath
 import posixpath
 import secrets
 
@@ -15,6 +16,7 @@ from jobs.context import JobFailed
 from llamacpp.logs import parse_rpc_banner
 from llamacpp.reaper import find_holders
 from remote.listeners import redact_cmdline
+from remote.powershell import connect_script, powershell_argv, remove_script, run_dir_script, tail_script
 
 # Opens one TCP connection and closes it: perl and its IO::Socket::INET ship with stock macOS and with every
 # Linux distribution's base system (Debian's perl-base is essential), where `nc` and bash's /dev/tcp may not.
@@ -27,16 +29,41 @@ _CONNECT = (
 BANNER_TIMEOUT_S = 20.0
 
 
+def on_windows(ctx) -> bool:
+    return getattr(ctx.transport, "shell", "posix") == "windows"
+
+
+def join(ctx, *parts: str) -> str:
+    """A path on the node: backslashes on Windows."""
+    return (ntpath if on_windows(ctx) else posixpath).join(*parts)
+
+
 async def run_dir(ctx) -> str:
-    """~/.ramdeck/run on the node: logs and key files of the processes the console starts."""
+    """~/.ramdeck/run on the node (%USERPROFILE%\\.ramdeck\\run on Windows): logs and key files of the
+    processes the console starts."""
+    if on_windows(ctx):
+        result = await ctx.transport.run(powershell_argv(run_dir_script()), timeout=30, check=True)
+        return result.stdout.strip().splitlines()[-1]
     home = (await ctx.transport.run(["printenv", "HOME"], timeout=30)).stdout.strip() or "/tmp"
     path = posixpath.join(home, ".ramdeck", "run")
     await ctx.transport.run(["mkdir", "-p", path], timeout=30)
     return path
 
 
+def remove_argv(ctx, log_path: str) -> list[str]:
+    """Removes a detached program's log (on Windows also its .err and .pid files)."""
+    if on_windows(ctx):
+        return powershell_argv(remove_script([log_path, log_path + ".err", log_path + ".pid"]))
+    return ["rm", "-f", log_path]
+
+
 async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
-    result = await ctx.transport.run(["tail", "-n", str(count), path], timeout=30)
+    """The log's last lines; on Windows a detached program's stderr has a file of its own (path.err)."""
+    if on_windows(ctx):
+        argv = powershell_argv(tail_script([path, path + ".err"], count))
+    else:
+        argv = ["tail", "-n", str(count), path]
+    result = await ctx.transport.run(argv, timeout=30)
     return [line.text for line in result.lines if line.stream == "out"]
 
 
@@ -87,7 +114,8 @@ async def flush_banner(ctx, pid: int, host: str, port: int, log_path: str) -> st
         f"the rpc-server's banner is not in its log yet (no stdbuf here to line-buffer it): one connection "
         f"to {host}:{port} makes it write it out"
     )
-    await ctx.transport.run(connect_argv(host, port), timeout=30)
+    connect = powershell_argv(connect_script(host, port)) if on_windows(ctx) else connect_argv(host, port)
+    await ctx.transport.run(connect, timeout=30)
     deadline = asyncio.get_running_loop().time() + 5
     while not banner_complete(text) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)
@@ -104,7 +132,7 @@ async def read_rpc_banner(ctx, rpc_path: str) -> str:
     once (a bad build) or never listens also ends."""
     directory = await run_dir(ctx)
     port = 40000 + secrets.randbelow(20000)
-    log_path = posixpath.join(directory, f"banner-{ctx.job.pk}-{port}.log")
+    log_path = join(ctx, directory, f"banner-{ctx.job.pk}-{port}.log")
     pid = await ctx.start_daemon([rpc_path, "-H", "127.0.0.1", "-p", str(port)], log_path=log_path)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + BANNER_TIMEOUT_S
@@ -124,7 +152,7 @@ async def read_rpc_banner(ctx, rpc_path: str) -> str:
             await asyncio.sleep(0.2)
     finally:
         await ctx.transport.kill(pid, grace=2.0)
-        await ctx.transport.run(["rm", "-f", log_path], timeout=30)
+        await ctx.transport.run(remove_argv(ctx, log_path), timeout=30)
     return text
 
 

@@ -24,6 +24,7 @@ from remote.listeners import (
     parse_ss,
     redact_cmdline,
 )
+from remote.powershell import cmdline_script, listeners_script, powershell_argv
 
 # Executables the console starts. A process whose command line runs one of these is ours to reap.
 OUR_PROGRAMS = {**dict.fromkeys(RPC_SERVER_BINARIES, "rpc-server"), LLAMA_SERVER_BINARY: "llama-server"}
@@ -117,13 +118,7 @@ def classify(cmdline: str) -> str | None:
 
 def listeners_argv(platform: str, port: int) -> list[str]:
     if platform == "windows":
-        return [
-            "powershell",
-            "-NoProfile",
-            "-Command",
-            f"Get-NetTCPConnection -State Listen -LocalPort {int(port)} -ErrorAction SilentlyContinue | "
-            "Select-Object LocalAddress,LocalPort,OwningProcess | ConvertTo-Json",
-        ]
+        return powershell_argv(listeners_script(port))
     if platform == "macos":
         return ["lsof", "-nP", f"-iTCP:{int(port)}", "-sTCP:LISTEN"]
     return ["ss", "-Hltnp", f"sport = :{int(port)}"]
@@ -139,12 +134,7 @@ def parse_listeners(platform: str, text: str) -> list[Listener]:
 
 def cmdline_argv(platform: str, pid: int) -> list[str]:
     if platform == "windows":
-        return [
-            "powershell",
-            "-NoProfile",
-            "-Command",
-            f'(Get-CimInstance Win32_Process -Filter "ProcessId={int(pid)}").CommandLine',
-        ]
+        return powershell_argv(cmdline_script(pid))
     # -ww: the whole line; without it ps may cut it to the terminal width (80 columns when it has none).
     return ["ps", "-ww", "-o", "args=", "-p", str(int(pid))]
 

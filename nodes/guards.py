@@ -7,6 +7,7 @@ from __future__ import annotations
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from nodes.models import Node
+from remote.powershell import firewall_remove_script, powershell_argv
 
 
 async def may_administer(ctx, rule: list[str]) -> bool | None:
@@ -52,6 +53,11 @@ async def remove_guard(ctx, info: dict) -> str:
                 break
             removed += 1
         return f"firewall rule {info['tag']} removed" if removed else f"firewall rule {info['tag']} was gone"
+    if info["kind"] == "windows-firewall":
+        result = await ctx.transport.run(powershell_argv(firewall_remove_script(info["tag"])), timeout=60)
+        if not result.ok:
+            raise JobFailed(f"could not remove the Windows Firewall rules {info['tag']}")
+        return f"firewall rule {info['tag']} removed"
     return f"unknown guard {info['kind']} left alone"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ntpath
 import posixpath
 import shlex
 from datetime import timedelta
@@ -299,10 +300,11 @@ class Node(models.Model):
         by side, as a build of it needs), or ""."""
         facts = self.facts or {}
         rpc, server = facts.get("rpc_server_binary") or "", facts.get("llama_server_binary") or ""
-        if not rpc.startswith("/") or not server.startswith("/"):
+        paths = ntpath if self.platform == "windows" else posixpath
+        if not paths.isabs(rpc) or not paths.isabs(server) or (paths is ntpath and rpc[1:2] != ":"):
             return ""
-        folder = posixpath.dirname(server)
-        return folder if posixpath.dirname(rpc) == folder else ""
+        folder = paths.dirname(server)
+        return folder if paths.dirname(rpc) == folder else ""
 
     @property
     def detected_install_unrecorded(self) -> bool:
@@ -310,7 +312,10 @@ class Node(models.Model):
         folder = self.detected_install_dir
         if not folder:
             return False
-        server = posixpath.join(folder, "llama-server")
+        if self.platform == "windows":
+            server = ntpath.join(folder, "llama-server.exe")
+        else:
+            server = posixpath.join(folder, "llama-server")
         return not self.builds.filter(llama_server_path=server).exists()
 
     @property

@@ -56,6 +56,15 @@ def _record_unreachable(node_pk: int, message: str) -> None:
     Node(pk=node_pk).mark_unreachable(message)
 
 
+def shell_for(node) -> str:
+    """ "windows" or "posix" once a probe found the node's platform (the operator's setting overrides it);
+    "" before that: the transport tells the shells apart at this first connection, and the probe checks
+    its answer against the operator's setting."""
+    if not (node.facts or {}).get("platform"):
+        return ""
+    return "windows" if node.platform == "windows" else "posix"
+
+
 def target_for_node(node) -> SSHTarget:
     """Connection details for a Node; the credential is decrypted here, at connect time, and nowhere else."""
 
@@ -69,6 +78,7 @@ def target_for_node(node) -> SSHTarget:
         command_timeout=settings.RAMDECK_COMMAND_TIMEOUT_S,
         output_limit=settings.RAMDECK_COMMAND_OUTPUT_MAX_BYTES,
     )
+    target.shell = shell_for(node)
     credential = node.credential
     if credential is None:
         raise TransportError(

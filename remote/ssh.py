@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import asyncssh
 
+from remote import powershell
 from remote.base import (
     DEFAULT_OUTPUT_MAX_BYTES,
     EXIT_NOT_FOUND,
@@ -74,6 +75,9 @@ class SSHTarget:
     command_timeout: float = 3 * 3600.0
     # Bytes of one command's output the console keeps (remote.base.OutputBudget).
     output_limit: int = DEFAULT_OUTPUT_MAX_BYTES
+    # "posix" or "windows" when the node's platform is known; "" tells them apart at connect (the node's
+    # first connection: nodes/transports.py).
+    shell: str = "posix"
 
     @property
     def label(self) -> str:
@@ -147,6 +151,9 @@ class SSHTransport:
         self._client: _PinningClient | None = None
         # Network round trip to the node, from the TCP handshake of this connection.
         self.rtt_ms: float | None = None
+        # "posix" or "windows" (whose commands remote/powershell.py builds); which Windows shell answered.
+        self.shell = target.shell
+        self.windows_shell = ""
 
     # -- connection ----------------------------------------------------------------------------------
 
@@ -195,6 +202,23 @@ class SSHTransport:
             )
         except (asyncssh.Error, OSError, TimeoutError, TransportError) as exc:
             raise self._connect_error(exc, client) from exc
+        if not self.shell:
+            await self._detect_shell()
+
+    async def _detect_shell(self) -> None:
+        """First contact with a node of unknown platform: one line that cmd.exe, PowerShell and a POSIX sh
+        each answer differently (remote/powershell.py's DETECT_COMMAND) tells which shell runs commands."""
+        conn = self._require_conn()
+        try:
+            result = await asyncio.wait_for(
+                conn.run(powershell.DETECT_COMMAND, check=False, stdin=asyncssh.DEVNULL), 30
+            )
+        except (asyncssh.Error, OSError, TimeoutError) as exc:
+            raise TransportError(f"{self.target.host}: telling its shell apart failed: {exc}") from exc
+        stdout = result.stdout if isinstance(result.stdout, str) else ""
+        found = powershell.shell_of(stdout)
+        self.windows_shell = found if found in ("cmd", "powershell") else ""
+        self.shell = "windows" if self.windows_shell else "posix"
 
     async def _open_socket(self) -> socket.socket:
         """The TCP connection, opened here so its handshake times the network round trip (`rtt_ms`):
@@ -329,6 +353,10 @@ class SSHTransport:
     # -- commands ----------------------------------------------------------------------------------------
 
     def _command_line(self, argv: Sequence[str], env: dict[str, str] | None) -> str:
+        if self.shell == "windows":
+            if env:
+                raise TransportError(f"{argv[0]!r}: environment variables are not passed to a Windows node.")
+            return powershell.command_line(argv)
         full = ["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else list(argv)
         return f"echo {PID_MARKER} $$ >&2; exec {shell_join(full)}"
 
@@ -473,6 +501,8 @@ class SSHTransport:
         return await self._helper(["sh", "-c", script, "sh", *(str(a) for a in args)], timeout=timeout)
 
     async def start_daemon(self, argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> int:
+        if self.shell == "windows":
+            return await self._start_on_windows(argv, log_path=log_path, cwd=cwd)
         result = await self._helper(["sh", "-c", daemon_script(argv, log_path=log_path, cwd=cwd)])
         if not result.ok:
             tail = "; ".join(line.text for line in result.lines[-3:])
@@ -482,12 +512,35 @@ class SSHTransport:
         except (ValueError, IndexError) as exc:
             raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID.") from exc
 
+    async def _start_on_windows(self, argv: Sequence[str], *, log_path: str, cwd: str | None) -> int:
+        """remote/powershell.py's launch_script, then the PID from the file its Start-Process writes."""
+        script = powershell.launch_script(argv, log_path=log_path, cwd=cwd)
+        result = await self._helper(powershell.powershell_argv(script))
+        answer = result.stdout.strip().splitlines()[-1:] if result.ok else []
+        if answer != ["0"]:
+            tail = "; ".join(line.text for line in result.lines[-3:])
+            raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
+        read_pid = powershell.powershell_argv(powershell.tail_script([powershell.pid_file(log_path)], 1))
+        deadline = asyncio.get_running_loop().time() + 15
+        while asyncio.get_running_loop().time() < deadline:
+            text = (await self._helper(read_pid)).stdout.strip()
+            if text.isdigit():
+                return int(text)
+            await asyncio.sleep(0.2)
+        raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID in 15 s.")
+
     async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
+        if self.shell == "windows":
+            result = await self._helper(powershell.powershell_argv(powershell.stop_script(pid)), timeout=60)
+            return result.exit_status == 0
         ticks = max(1, int(grace * 10))
         result = await self._sh(_KILL, int(pid), ticks, timeout=grace + 30)
         return result.exit_status == 0
 
     async def pid_alive(self, pid: int) -> bool:
+        if self.shell == "windows":
+            result = await self._helper(powershell.powershell_argv(powershell.alive_script(pid)))
+            return result.exit_status == 0
         return (await self._sh(_ALIVE, int(pid))).exit_status == 0
 
     # -- files -------------------------------------------------------------------------------------------

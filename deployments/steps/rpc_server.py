@@ -4,7 +4,6 @@ only the coordinator."""
 from __future__ import annotations
 
 import contextlib
-import posixpath
 
 from django.conf import settings
 from django.utils import timezone
@@ -12,12 +11,13 @@ from django.utils import timezone
 from deployments.steps.common import audit_step, load_deployment
 from jobs.aio import db
 from jobs.context import JobFailed
-from jobs.on_node import flush_banner, run_dir, wait_listening
+from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
 from llamacpp.args import quiet_argv
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
+from remote.powershell import firewall_add_script, is_admin_script, powershell_argv
 
 
 async def rpc_server_body(ctx) -> str:
@@ -29,11 +29,12 @@ async def rpc_server_body(ctx) -> str:
     port = int(params["port"])
     directory = await run_dir(ctx)
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
-    log_path = posixpath.join(directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
+    log_path = join(ctx, directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     argv = [build.rpc_server_path, *params["args"]]
-    if ctx.node.rpc_cache_limit_gib:
+    if ctx.node.rpc_cache_limit_gib and not on_windows(ctx):
         # Weights the server has seen before are read from its disk, not sent again (llamacpp/rpc_cache.py);
-        # the cache is trimmed to the node's limit first, oldest entries first.
+        # the cache is trimmed to the node's limit first, oldest entries first. (Its script is POSIX sh: a
+        # Windows node's rpc-server runs without the cache for now.)
         await cache.trim_before_start(ctx, ctx.node)
         argv = rpc_cache.server_argv(build.rpc_server_path, params["args"], ctx.node.llama_cache_dir)
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
@@ -96,6 +97,8 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[
     the SSH user may add one. Recorded as a guard first, so the stop steps remove it. Returns the note for
     the step's result and the guard (None when no rule went in)."""
     coordinator = firewall.get("coordinator")
+    if on_windows(ctx) and coordinator:
+        return await install_windows_firewall(ctx, deployment, port, coordinator, firewall["tag"])
     if ctx.node.platform != "linux" or not coordinator:
         why = "the coordinator has no IPv4 address" if not coordinator else "the node is not Linux"
         return await unfenced(ctx, deployment, port, why), None
@@ -115,6 +118,25 @@ async def install_firewall(ctx, deployment, port: int, firewall: dict) -> tuple[
     await ctx.log(
         f"firewall: port {port} admits only {coordinator} ({firewall['tag']}), before ggml-rpc-server starts"
     )
+    return f", admitting only {coordinator}", guard
+
+
+async def install_windows_firewall(
+    ctx, deployment, port: int, coordinator: str, tag: str
+) -> tuple[str, dict | None]:
+    """Windows: two Windows Firewall rules (block all but the coordinator, allow the coordinator), where the
+    SSH login is an administrator. Recorded as a guard first, so the stop steps remove them."""
+    admin = await ctx.transport.run(powershell_argv(is_admin_script()), timeout=60)
+    if admin.stdout.strip() != "True":
+        why = "the SSH user is not an administrator of this Windows PC, so it may not change Windows Firewall"
+        return await unfenced(ctx, deployment, port, why), None
+    guard = {"node": ctx.node.name, "kind": "windows-firewall", "tag": tag}
+    await db(deployment.add_guard)(f"firewall@{ctx.node.name}:{port}", guard)
+    result = await ctx.transport.run(powershell_argv(firewall_add_script(port, coordinator, tag)), timeout=60)
+    if not result.ok:
+        why = "; ".join(line.text for line in result.lines[-3:] if line.text)[:300] or "no reason given"
+        return await unfenced(ctx, deployment, port, f"New-NetFirewallRule failed: {why}"), None
+    await ctx.log(f"firewall: port {port} admits only {coordinator} ({tag}), before ggml-rpc-server starts")
     return f", admitting only {coordinator}", guard
 
 

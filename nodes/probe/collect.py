@@ -15,8 +15,10 @@ from django.utils import timezone
 
 from nodes.models import LAST_ERROR_LIMIT, Device, Node, Reachability
 from nodes.probe.parse import LLAMA_SERVER_BINARY, PROBE_SCRIPT, DeviceInfo, ProbeReport, build_report
+from nodes.probe.windows import build_windows_report
 from remote.base import TransportError
 from remote.local import LocalTransport
+from remote.powershell import powershell_argv, probe_script
 from remote.text import printable, printable_json
 
 PROBE_TIMEOUT_S = 120.0
@@ -24,7 +26,7 @@ RTT_SAMPLES = 3
 
 
 class ProbeUnsupported(Exception):
-    """The node's platform cannot be probed (e.g. Windows). The message says what to do instead."""
+    """The node's platform cannot be probed as it is set up. The message says what to do instead."""
 
 
 async def collect(
@@ -39,10 +41,12 @@ async def collect(
 
     `known_server` is (llama-server path, its version) from the node's build record: that binary is not
     started again just to print a version the console has (it is the costliest part of a probe)."""
-    if platform_hint == "windows":
+    windows = getattr(transport, "shell", "posix") == "windows"
+    if platform_hint == "windows" and not windows:
         raise ProbeUnsupported(
-            "Windows nodes cannot be probed: run ggml-rpc-server under WSL2 and add the WSL address as a "
-            "Linux node."
+            "This node is set to Windows, but its SSH server answered with a POSIX shell (WSL, Cygwin or "
+            "Git Bash as OpenSSH's default shell?). Set its platform to Linux for a WSL2 install, or make "
+            "PowerShell or cmd.exe the default shell of Windows' OpenSSH server."
         )
     local = isinstance(transport, LocalTransport)
     # The SSH transport times its TCP handshake (a pure network round trip), the local one says 0; others
@@ -50,6 +54,8 @@ async def collect(
     rtt_ms = transport.rtt_ms
     if rtt_ms is None:
         rtt_ms = await measure_rtt(transport)
+    if windows:
+        return await _collect_windows(transport, rpc_port, timeout, rtt_ms)
     known_path, known_version = known_server or ("", "")
     argv = ["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port)), known_path]
     result = await transport.run(argv, timeout=timeout)
@@ -62,6 +68,17 @@ async def collect(
         report.llama_version = known_version
     if local:
         _fill_from_psutil(report)
+    return report
+
+
+async def _collect_windows(transport, rpc_port: int, timeout: float, rtt_ms: float) -> ProbeReport:
+    """A Windows node (its transport found PowerShell or cmd.exe behind its sshd): one PowerShell script."""
+    result = await transport.run(powershell_argv(probe_script(rpc_port)), timeout=timeout)
+    if result.exit_status != 0:
+        tail = "; ".join(line.text for line in result.lines[-3:])
+        raise TransportError(f"The Windows probe failed with exit status {result.exit_status}: {tail}")
+    report = build_windows_report(result.stdout, rpc_port=rpc_port)
+    report.rtt_ms = rtt_ms
     return report
 
 

@@ -6,6 +6,7 @@ Reading the listener tables is tested in tests/remote/test_listeners.py.
 from __future__ import annotations
 
 from llamacpp.reaper import classify, listeners_argv, program_of
+from remote.powershell import decode_script
 
 
 def test_our_programs_are_recognised_by_command_line():
@@ -29,4 +30,4 @@ def test_foreign_programs_are_not_ours_even_when_they_mention_our_names():
 def test_listener_commands_per_platform_are_argument_lists_with_the_port():
     assert listeners_argv("linux", 50052) == ["ss", "-Hltnp", "sport = :50052"]
     assert listeners_argv("macos", 50052) == ["lsof", "-nP", "-iTCP:50052", "-sTCP:LISTEN"]
-    assert "-LocalPort 50052" in listeners_argv("windows", 50052)[-1]
+    assert "-LocalPort 50052 " in decode_script(listeners_argv("windows", 50052))

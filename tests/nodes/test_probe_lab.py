@@ -124,7 +124,7 @@ def test_probing_the_consoles_own_host_uses_the_local_transport(local_node):
     assert local_node.rtt_ms == 0.0 and local_node.reachability == Reachability.REACHABLE
 
 
-def test_a_windows_node_fails_with_advice(local_node):
+def test_a_node_set_to_windows_that_answers_with_a_posix_shell_fails_with_advice(local_node):
     local_node.platform_hint = "windows"
     local_node.save()
     job = probe_job(local_node)

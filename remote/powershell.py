@@ -1,0 +1,303 @@
+"""Every command the console sends to a Windows node, built here and nowhere else (the POSIX counterpart is
+remote/base.py's `shell_join` and `daemon_script`). No Django.
+
+Windows' OpenSSH server hands the command string of an SSH exec request to its default shell: `cmd.exe /c`
+unless the admin set `DefaultShell` to PowerShell (`powershell.exe -c`). The one line that means the same to
+both, and to a POSIX sh, is `powershell -NoProfile -NonInteractive -EncodedCommand <base64>`: base64 has no
+character any of the three shells gives a meaning to. The script inside is PowerShell source in which every
+value (a path, a port, a PID, a program's argument) appears only as a single-quoted literal (`ps_quote`) or
+as an int; a value can never end its literal, whatever it holds ($(...), backticks, `;`, newlines, the
+Unicode single quotes PowerShell also accepts).
+
+Native programs (rpc-server.exe) get their arguments two ways:
+- started detached, through `Start-Process -ArgumentList` given one string: the process's command line,
+  built with the Microsoft C runtime's quoting (`subprocess.list2cmdline`), which the program's own C
+  runtime splits back into exactly the argument vector meant, whatever it holds;
+- run in the foreground (`& 'prog' 'arg' ...`), where Windows PowerShell 5.1 builds the command line itself
+  and loses an argument's double quotes, an empty argument, and a trailing backslash of an argument with a
+  space: those are refused here with a message instead of reaching the program changed.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import re
+import subprocess
+from collections.abc import Sequence
+
+from remote.base import refuse_nul
+
+# The five characters PowerShell's tokenizer takes as a single quote (about_Quoting_Rules; the language
+# specification's "single-quote-character"). Inside a single-quoted literal each is escaped by doubling.
+SINGLE_QUOTES = "'\u2018\u2019\u201a\u201b"
+PID_MARKER = "__ramdeck_pid__"
+# cmd.exe's limit on a command line; Windows' OpenSSH runs the command through it by default.
+COMMAND_LINE_LIMIT = 8191
+POWERSHELL = ["powershell", "-NoProfile", "-NonInteractive", "-EncodedCommand"]
+# The one detection line (see `shell_of`): cmd.exe expands %OS%, PowerShell expands $PSHOME, sh neither.
+DETECT_COMMAND = "echo ramdeck-shell %OS% $PSHOME"
+_SAFE = re.compile(r"[A-Za-z0-9+/=_.-]+")
+
+
+class NotForWindows(ValueError):
+    """A value that cannot reach a Windows program unchanged; the message says which and why."""
+
+
+def ps_quote(value: str | int) -> str:
+    """`value` as a PowerShell single-quoted (verbatim) string literal: nothing inside is expanded."""
+    text = str(value)
+    refuse_nul([text])
+    return "'" + "".join(c + c if c in SINGLE_QUOTES else c for c in text) + "'"
+
+
+def powershell_argv(script: str) -> list[str]:
+    """The command that runs `script` on a Windows node, whatever its OpenSSH default shell. The script's
+    first statement writes the PID marker to stderr (as the POSIX transport's `echo <marker> $$` does), so
+    the transport can end an overrunning command by PID."""
+    refuse_nul([script])
+    full = f"[Console]::Error.WriteLine('{PID_MARKER} ' + $PID)\n{script}"
+    encoded = base64.b64encode(full.encode("utf-16-le")).decode("ascii")
+    argv = [*POWERSHELL, encoded]
+    if len(" ".join(argv)) > COMMAND_LINE_LIMIT:
+        raise NotForWindows(
+            f"The PowerShell command is {len(' '.join(argv))} characters once encoded, longer than the "
+            f"{COMMAND_LINE_LIMIT} a Windows command line may be: a value in it is too long."
+        )
+    return argv
+
+
+def is_powershell_argv(argv: Sequence[str]) -> bool:
+    return (
+        len(argv) == len(POWERSHELL) + 1 and list(argv[:-1]) == POWERSHELL and bool(_SAFE.fullmatch(argv[-1]))
+    )
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """What the SSH transport sends for argv on a Windows node: argv built by `powershell_argv` as it is
+    (only base64 characters), anything else first wrapped as a native call (`native_call`)."""
+    if not is_powershell_argv(argv):
+        argv = powershell_argv(native_call(argv))
+    return " ".join(argv)
+
+
+def decode_script(argv: Sequence[str]) -> str:
+    """The script inside a `powershell_argv` (for the job log: people read the script, not base64)."""
+    script = base64.b64decode(argv[-1]).decode("utf-16-le")
+    return script.split("\n", 1)[1] if script.startswith("[Console]::Error.WriteLine(") else script
+
+
+def _native_argument_problem(arg: str) -> str:
+    if arg == "":
+        return "is empty (Windows PowerShell 5.1 drops an empty argument)"
+    if '"' in arg:
+        return "contains a double quote (Windows PowerShell 5.1 passes it unescaped)"
+    if any(c.isspace() for c in arg) and arg.endswith("\\"):
+        return "has a space and ends with a backslash (Windows PowerShell 5.1 would escape its closing quote)"
+    return ""
+
+
+def native_call(argv: Sequence[str]) -> str:
+    """`& 'prog' 'arg' ...`: run a program in the foreground, its output and exit status those of the
+    command. $LASTEXITCODE is passed on as the script's own exit status."""
+    refuse_nul(argv)
+    for index, arg in enumerate(argv[1:], start=1):
+        if problem := _native_argument_problem(str(arg)):
+            raise NotForWindows(f"Argument {index} of {str(argv[0])[:80]!r} {problem}; not run.")
+    words = " ".join(ps_quote(arg) for arg in argv)
+    return f"& {words}\nexit $LASTEXITCODE"
+
+
+def windows_command_line(argv: Sequence[str]) -> str:
+    """A Windows process's command line for argv, as its C runtime splits it back (CommandLineToArgvW)."""
+    refuse_nul(argv)
+    return subprocess.list2cmdline([str(arg) for arg in argv])
+
+
+# -- the scripts ------------------------------------------------------------------------------------------
+
+_JSON = "ConvertTo-Json -Compress"
+
+
+def probe_script(rpc_port: int) -> str:
+    """The Windows probe in one round trip: sections headed `@@@ <name>` as the POSIX probe prints them,
+    each a CIM class's properties as JSON, nvidia-smi's CSV where it is installed, the RPC port's listener
+    and the llama.cpp programs on the PATH."""
+    port = int(rpc_port)
+    return "\n".join(
+        [
+            "'@@@ computer'",
+            "Get-CimInstance -ClassName Win32_ComputerSystem | Select-Object Name,Manufacturer,Model,"
+            f"TotalPhysicalMemory,NumberOfLogicalProcessors | {_JSON}",
+            "'@@@ processor'",
+            "Get-CimInstance -ClassName Win32_Processor | Select-Object Name,NumberOfCores,"
+            f"NumberOfLogicalProcessors,Architecture | {_JSON}",
+            "'@@@ os'",
+            "Get-CimInstance -ClassName Win32_OperatingSystem | Select-Object Caption,Version,BuildNumber,"
+            f"OSArchitecture,TotalVisibleMemorySize,FreePhysicalMemory | {_JSON}",
+            "'@@@ nvidia-smi'",
+            "if (Get-Command nvidia-smi -ErrorAction SilentlyContinue) { nvidia-smi "
+            "--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits }",
+            "'@@@ listeners'",
+            listeners_script(port),
+            "'@@@ binaries'",
+            "Get-Command ggml-rpc-server.exe,rpc-server.exe,llama-server.exe -ErrorAction SilentlyContinue"
+            " | Select-Object -ExpandProperty Source",
+            "'@@@ end'",
+        ]
+    )
+
+
+def listeners_script(port: int) -> str:
+    return (
+        f"Get-NetTCPConnection -State Listen -LocalPort {int(port)} -ErrorAction SilentlyContinue | "
+        f"Select-Object LocalAddress,LocalPort,OwningProcess | {_JSON}"
+    )
+
+
+def cmdline_script(pid: int) -> str:
+    return (
+        f"Get-CimInstance -ClassName Win32_Process -Filter 'ProcessId={int(pid)}' | "
+        "Select-Object -ExpandProperty CommandLine"
+    )
+
+
+def alive_script(pid: int) -> str:
+    return f"if (Get-Process -Id {int(pid)} -ErrorAction SilentlyContinue) {{ exit 0 }} else {{ exit 1 }}"
+
+
+def stop_script(pid: int) -> str:
+    """Windows has no TERM: Stop-Process ends the process at once (by PID, never by image name); exit 0
+    when it is gone afterwards."""
+    pid = int(pid)
+    return "\n".join(
+        [
+            f"Stop-Process -Id {pid} -Force -ErrorAction SilentlyContinue",
+            "Start-Sleep -Milliseconds 200",
+            f"if (Get-Process -Id {pid} -ErrorAction SilentlyContinue) {{ exit 1 }} else {{ exit 0 }}",
+        ]
+    )
+
+
+def pid_file(log_path: str) -> str:
+    return log_path + ".pid"
+
+
+def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
+    """Start argv[0] with its output to `log_path` (stderr to `log_path`.err: Start-Process takes two
+    different files) and write its PID to `pid_file(log_path)`. Run by `launch_script`, outside the SSH
+    session."""
+    program, *args = [str(a) for a in argv]
+    parts = [
+        "Start-Process",
+        f"-FilePath {ps_quote(program)}",
+        *([f"-ArgumentList {ps_quote(windows_command_line(args))}"] if args else []),
+        *([f"-WorkingDirectory {ps_quote(cwd)}"] if cwd else []),
+        f"-RedirectStandardOutput {ps_quote(log_path)}",
+        f"-RedirectStandardError {ps_quote(log_path + '.err')}",
+        "-WindowStyle Hidden -PassThru | Select-Object -ExpandProperty Id |",
+        f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii",
+    ]
+    return " ".join(parts)
+
+
+def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
+    """Start argv detached for good; prints Win32_Process.Create's ReturnValue (0: started).
+
+    Windows' OpenSSH puts each session's processes in a job object that ends them all when the session
+    ends (by design: Win32-OpenSSH issues 1195 and 1642), so a Start-Process from the session itself would
+    die with the SSH command. A process that WMI's Win32_Process.Create starts is outside that job: it is
+    a PowerShell that runs the Start-Process line, which writes the program's PID to a file the transport
+    reads (`pid_file`; the stale one of an earlier start is removed first)."""
+    inner = " ".join(powershell_argv(start_detached_script(argv, log_path=log_path, cwd=cwd)))
+    return "\n".join(
+        [
+            remove_script([pid_file(log_path)]),
+            "Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
+            f"@{{ CommandLine = {ps_quote(inner)} }} | Select-Object -ExpandProperty ReturnValue",
+        ]
+    )
+
+
+def run_dir_script() -> str:
+    """%USERPROFILE%\\.ramdeck\\run, created when missing; prints its full path."""
+    return "(New-Item -ItemType Directory -Force -Path (Join-Path $env:USERPROFILE '.ramdeck\\run')).FullName"
+
+
+def tail_script(paths: Sequence[str], count: int) -> str:
+    """The last `count` lines of each file that exists (a detached program's stdout log and its .err)."""
+    files = " , ".join(ps_quote(path) for path in paths)
+    return f"Get-Content -LiteralPath {files} -Tail {int(count)} -ErrorAction SilentlyContinue"
+
+
+def exists_script(path: str) -> str:
+    """Exit status 0 when `path` is a file."""
+    return f"if (Test-Path -LiteralPath {ps_quote(path)} -PathType Leaf) {{ exit 0 }} else {{ exit 1 }}"
+
+
+def remove_script(paths: Sequence[str]) -> str:
+    files = " , ".join(ps_quote(path) for path in paths)
+    return f"Remove-Item -LiteralPath {files} -Force -ErrorAction SilentlyContinue"
+
+
+def connect_script(host: str, port: int) -> str:
+    """One TCP connection from the node itself, closed at once (.NET's TcpClient connects as it is made)."""
+    return f"(New-Object System.Net.Sockets.TcpClient({ps_quote(host)}, {int(port)})).Close()"
+
+
+def is_admin_script() -> str:
+    """Prints True when the SSH login runs elevated (an administrator: it may change Windows Firewall)."""
+    return (
+        "([Security.Principal.WindowsPrincipal][Security.Principal.WindowsIdentity]::GetCurrent())"
+        ".IsInRole([Security.Principal.WindowsBuiltInRole]::Administrator)"
+    )
+
+
+def _ranges_except(address: str) -> list[str]:
+    """Every IPv4 address but `address`, as Windows Firewall's address ranges."""
+    value = int(ipaddress.IPv4Address(address))
+    ranges = []
+    if value > 0:
+        ranges.append(f"0.0.0.0-{ipaddress.IPv4Address(value - 1)}")
+    if value < 2**32 - 1:
+        ranges.append(f"{ipaddress.IPv4Address(value + 1)}-255.255.255.255")
+    return ranges
+
+
+def firewall_rule_names(tag: str) -> list[str]:
+    return [f"{tag} block", f"{tag} allow"]
+
+
+def firewall_add_script(port: int, coordinator: str, tag: str) -> str:
+    """Inbound TCP to `port` from anyone but the coordinator is blocked (a Block rule wins over any Allow
+    rule, such as one a person clicked through for rpc-server.exe), and allowed from the coordinator."""
+    block, allow = (ps_quote(name) for name in firewall_rule_names(tag))
+    others = " , ".join(ps_quote(r) for r in _ranges_except(coordinator))
+    common = f"-Direction Inbound -Protocol TCP -LocalPort {int(port)}"
+    return "\n".join(
+        [
+            f"New-NetFirewallRule -DisplayName {block} {common} -RemoteAddress {others} "
+            "-Action Block | Out-Null",
+            f"New-NetFirewallRule -DisplayName {allow} {common} -RemoteAddress "
+            f"{ps_quote(str(ipaddress.IPv4Address(coordinator)))} -Action Allow | Out-Null",
+        ]
+    )
+
+
+def firewall_remove_script(tag: str) -> str:
+    names = " , ".join(ps_quote(name) for name in firewall_rule_names(tag))
+    return f"Remove-NetFirewallRule -DisplayName {names} -ErrorAction SilentlyContinue"
+
+
+def shell_of(output: str) -> str:
+    """ "cmd", "powershell" or "posix": which shell answered DETECT_COMMAND (cmd.exe expands %OS% to
+    Windows_NT; PowerShell prints one argument a line and expands $PSHOME; sh expands neither)."""
+    words = output.split()
+    if "ramdeck-shell" not in words:
+        return "unknown"
+    if "Windows_NT" in words:
+        return "cmd"
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if len(lines) >= 3 and lines[0] == "ramdeck-shell" and lines[1] == "%OS%":
+        return "powershell"
+    return "posix"
