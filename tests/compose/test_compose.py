@@ -391,6 +391,7 @@ def test_compose_trial_serves_the_console_keeps_the_nodes_off_its_database_and_b
             deployment = _wait_for_deployment(stack)
             assert deployment["state"] in ("verifying", "running"), deployment
             answer = _chat(client, deployment["pk"], "Tell me, in one sentence, what the sun is.")
+            print(f"[compose] the real model's answer through the console: {answer!r}")
             assert set(re.findall(r"[a-z]+", answer.lower())) & COMMON_WORDS, answer
             assert "llama-server" in client.get(f"/deployments/{deployment['pk']}/run/").text
 
