@@ -94,6 +94,10 @@ def serving(node) -> list:
 def refusal(node, *, besides=None) -> str:
     """Why this node cannot be calibrated now, or "". `besides`: a deployment that stops before the
     calibration (the run page's "stop, calibrate, start again"), whose hold on the node does not count."""
+    if node.platform == "windows":
+        return (
+            f"{node.name} runs Windows, where calibration is not built yet: its figures come from the table."
+        )
     if node.current_build is None:
         return f"{node.name} has no llama.cpp build: build or register one on its page first."
     if not node.devices.exists():

@@ -35,6 +35,7 @@ from jobs.context import JobCancelled, JobContext, JobFailed
 from jobs.logwriter import LogWriter
 from jobs.models import Job, JobState, LogStream
 from remote.base import CommandTimeout, HostKeyChanged, HostKeyUnknown, TransportError
+from remote.powershell import NotForWindows
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ def _outcome_of_exception(exc: BaseException, ctx: JobContext) -> tuple[str, int
         return JobState.NEEDS_APPROVAL, None, str(exc), []
     if isinstance(exc, TransportError):
         return JobState.ERRORED, None, str(exc), []
+    if isinstance(exc, NotForWindows):
+        # A step that only has a POSIX command met a Windows node: a readable failure, not a traceback.
+        return JobState.FAILED, None, f"This does not run on a Windows node yet: {exc}", []
     lines = "".join(traceback.format_exception(exc)).splitlines()
     return JobState.ERRORED, None, f"Internal error: {type(exc).__name__}: {exc}", lines
 

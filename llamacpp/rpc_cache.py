@@ -104,6 +104,21 @@ def server_argv(rpc_server_path: str, args: list[str], folder: str = "") -> list
     return ["env", f"LLAMA_CACHE={folder}", *argv] if folder else argv
 
 
+CACHE_FLAGS = ("-c", "--cache")
+
+
+def start_argv(
+    rpc_server_path: str, args: list[str], *, limit_gib: int, folder: str = "", posix: bool = True
+):
+    """rpc-server's command line for a deployment: with its cache (`server_argv`) when the node keeps one (a
+    limit above 0, on a POSIX node, whose cache the console can trim); without `-c` otherwise, so a node whose
+    limit is 0, or one whose cache nobody could trim or clear, keeps nothing."""
+    args = [arg for arg in args if arg not in CACHE_FLAGS]
+    if limit_gib and posix:
+        return server_argv(rpc_server_path, args, folder)
+    return [rpc_server_path, *args]
+
+
 def parse(stdout: str) -> dict:
     """The script's output as {"dir", "entries", "bytes", "free_bytes", "removed": [(name, bytes)]}."""
     found: dict = {"dir": "", "entries": None, "bytes": None, "free_bytes": None, "removed": []}

@@ -13,6 +13,7 @@ from jobs.context import JobFailed
 from jobs.models import Job
 from llamacpp import rpc_cache
 from nodes.models import Node
+from remote.text import printable
 
 KIND = "rpc_cache"
 GIB = rpc_cache.GIB
@@ -26,6 +27,8 @@ def users_of(node: Node) -> list[str]:
 
 def refusal(node: Node) -> str:
     """Why the cache of `node` may not be cleared now, or "" when it may."""
+    if node.platform == "windows":
+        return f"{node.name} runs Windows, whose rpc-server runs without the RPC cache for now."
     users = users_of(node)
     if not users:
         return ""
@@ -55,6 +58,9 @@ async def run_script(ctx, node: Node, action: str, limit: int = 0) -> dict:
         why = err.strip()[:300] or f"exit status {result.exit_status}"
         raise JobFailed(f"the RPC cache script failed on {node.name}: {why}")
     found = rpc_cache.parse(result.stdout)
+    found["dir"] = printable(
+        found["dir"], 500
+    )  # the node's words: cleaned where stored, as every probe field
     if found["bytes"] is None:
         raise JobFailed(f"the RPC cache script printed no size on {node.name}")
     removed = found["removed"]

@@ -106,8 +106,7 @@ def workers_of(deployment: Deployment) -> list[Worker]:
             args[args.index("-H") + 1] = worker.node.rpc_bind_host
         else:
             args = ["-H", worker.node.rpc_bind_host, *args]
-        # The local tensor cache makes a second load of the same model send almost nothing: on by default.
-        args = [*args, *([] if "-c" in args or "--cache" in args else ["-c"])]
+        # The tensor cache (-c) is the rpc_server step's to add, by the node's limit (llamacpp/rpc_cache.py).
         # As many threads as the node's physical cores (its own default is half its hardware threads).
         worker.args = quiet_rpc_server_args(args, node_cpu_threads(worker.node.facts))
     return list(workers.values())
@@ -118,7 +117,8 @@ def rpc_mode(deployment: Deployment, workers: list[Worker] | None = None) -> str
     if deployment.rpc_mode != RpcMode.AUTO:
         return deployment.rpc_mode
     workers = workers_of(deployment) if workers is None else workers
-    return RpcMode.TUNNEL if all(w.node.rpc_tunnel for w in workers) else RpcMode.DIRECT
+    tunnels = all(w.node.rpc_tunnel and w.node.platform != "windows" for w in workers)
+    return RpcMode.TUNNEL if tunnels else RpcMode.DIRECT
 
 
 def with_bind(args: list[str], bind: str) -> list[str]:
@@ -142,6 +142,8 @@ def rpc_refusal(deployment: Deployment, workers: list[Worker]) -> str:
             continue
         if not node.rpc_tunnel:
             return f"{node.name} does not allow RPC tunnels (a node setting): choose direct mode."
+        if node.platform == "windows":
+            return f"{node.name} runs Windows, where RPC tunnels are not built yet: choose direct mode."
         if node.is_local:
             return f"{node.name} is the console's own host, not reached over SSH: choose direct mode."
     return ""
@@ -157,6 +159,11 @@ def refusal(deployment: Deployment) -> str:
     if deployment.model_file.node_id != deployment.coordinator_id:
         where = deployment.model_file.node
         return f"The model file is on {where}, not on the coordinator {deployment.coordinator}."
+    if deployment.coordinator.platform == "windows":
+        return (
+            f"{deployment.coordinator.name} runs Windows, which can lend its memory as a worker but cannot "
+            "coordinate yet: choose another coordinator."
+        )
     workers = workers_of(deployment)
     if reason := rpc_refusal(deployment, workers):
         return reason

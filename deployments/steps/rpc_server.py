@@ -30,13 +30,19 @@ async def rpc_server_body(ctx) -> str:
     directory = await run_dir(ctx)
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
     log_path = join(ctx, directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
-    argv = [build.rpc_server_path, *params["args"]]
-    if ctx.node.rpc_cache_limit_gib and not on_windows(ctx):
-        # Weights the server has seen before are read from its disk, not sent again (llamacpp/rpc_cache.py);
-        # the cache is trimmed to the node's limit first, oldest entries first. (Its script is POSIX sh: a
-        # Windows node's rpc-server runs without the cache for now.)
+    # Weights the server has seen before are read from its disk, not sent again (llamacpp/rpc_cache.py); the
+    # cache is trimmed to the node's limit first, oldest entries first. A limit of 0 keeps no cache, and a
+    # Windows node's rpc-server runs without one for now (the scripts that size and trim it are POSIX sh).
+    posix = not on_windows(ctx)
+    if ctx.node.rpc_cache_limit_gib and posix:
         await cache.trim_before_start(ctx, ctx.node)
-        argv = rpc_cache.server_argv(build.rpc_server_path, params["args"], ctx.node.llama_cache_dir)
+    argv = rpc_cache.start_argv(
+        build.rpc_server_path,
+        params["args"],
+        limit_gib=ctx.node.rpc_cache_limit_gib,
+        folder=ctx.node.llama_cache_dir,
+        posix=posix,
+    )
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
     argv = quiet_argv(argv, ctx.node.platform)
     if params.get("exposed"):

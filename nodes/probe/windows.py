@@ -70,6 +70,10 @@ def build_windows_report(text: str, *, rpc_port: int) -> ProbeReport:
     report.cpu_cores = sum(_int(p.get("NumberOfLogicalProcessors")) for p in processors) or _int(
         computer[0].get("NumberOfLogicalProcessors") if computer else 0
     )
+    # Threads per core from the physical count, so the servers get one thread per core (llamacpp/args.py).
+    physical = sum(_int(p.get("NumberOfCores")) for p in processors)
+    if physical and report.cpu_cores >= physical:
+        report.cpu_threads_per_core = max(1, report.cpu_cores // physical)
     report.arch = ARCHITECTURES.get(_int(processors[0].get("Architecture", -1)), "") if processors else ""
     # Win32_ComputerSystem counts every byte installed; Win32_OperatingSystem what Windows may use, in KiB
     # (less what firmware and an integrated GPU reserve): the latter is the machine's RAM to plan on.

@@ -211,6 +211,29 @@ def test_nodes_speaking_different_rpc_protocols_are_refused(cluster, no_enqueue)
     assert "old-pc speaks 3.0.0" in reason
 
 
+def test_a_windows_worker_is_reached_directly_and_a_windows_coordinator_is_refused(cluster, no_enqueue):
+    from deployments.lifecycle.actions import refusal, rpc_mode, start_deploy
+    from deployments.models import RpcMode
+
+    coordinator, worker, _ = cluster
+    deployment = _ready(cluster)
+    _build(coordinator)
+    _build(worker)
+    worker.platform_hint = "windows"
+    worker.save()
+    deployment = Deployment.objects.get(pk=deployment.pk)
+    assert rpc_mode(deployment) == RpcMode.DIRECT  # auto: Windows' sshd gets no tunnel (not built yet)
+    deployment.record(rpc_mode=RpcMode.TUNNEL)
+    assert refusal(deployment) == (
+        "old-pc runs Windows, where RPC tunnels are not built yet: choose direct mode."
+    )
+    coordinator.platform_hint = "windows"
+    coordinator.save()
+    started, reason = start_deploy(Deployment.objects.get(pk=deployment.pk))
+    assert not started and reason.startswith("desk runs Windows, which can lend its memory as a worker")
+    assert not deployment.steps.exists() and no_enqueue == []
+
+
 def test_a_node_being_calibrated_is_refused_until_its_calibration_ends(cluster, no_enqueue):
     from deployments.lifecycle.actions import start_deploy
     from jobs.models import Job, JobState
@@ -251,7 +274,7 @@ def test_deploy_pressed_twice_creates_one_ordered_run(
         ("measure", "desk"),
     ]
     rpc = deployment.steps.get(name="rpc-server").job
-    assert rpc.params["args"][-1] == "-c"  # the tensor cache is on by default
+    assert "-c" not in rpc.params["args"]  # the rpc_server step adds the cache by the node's limit
     # Tunnel mode (the default when every worker allows it): rpc-server listens on loopback only.
     assert rpc.params["args"][rpc.params["args"].index("-H") + 1] == "127.0.0.1"
     tunnel = deployment.steps.get(name="rpc-tunnel").job

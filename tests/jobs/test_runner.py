@@ -283,3 +283,16 @@ def test_a_log_past_the_cap_keeps_its_head_and_tail_and_marks_the_cut(
     assert rows[500][1].startswith(f"[… {job.next_seq - 1000} lines cut here")
     assert rows[-1] == (job.next_seq - 1, f"Succeeded: {job.result}")
     assert rows[1][1] == "line 0" and rows[-2][1] == "line 5999"
+
+
+def test_a_posix_command_met_by_a_windows_node_fails_the_job_with_its_reason_not_a_traceback():
+    from jobs.runner import _outcome_of_exception
+    from remote.powershell import NotForWindows
+
+    exc = NotForWindows("'sh' would reach Windows with an argument it changes")
+    state, code, result, lines = _outcome_of_exception(exc, None)
+    assert (state, code, lines) == (JobState.FAILED, None, [])
+    assert (
+        result
+        == "This does not run on a Windows node yet: 'sh' would reach Windows with an argument it changes"
+    )

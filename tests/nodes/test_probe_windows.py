@@ -38,7 +38,7 @@ def test_a_windows_pc_without_nvidia_is_one_cpu_device_of_its_visible_memory():
         "x86_64",
     )
     assert report.cpu_model == "AMD Ryzen 7 5800X 8-Core Processor"  # the firmware's padding trimmed
-    assert report.cpu_cores == 16
+    assert report.cpu_cores == 16 and report.cpu_threads_per_core == 2  # 8 cores with SMT: 8 server threads
     [cpu] = report.devices
     assert (cpu.name, cpu.kind) == ("CPU", "cpu")
     assert cpu.total_bytes == 33473476 * 1024 and cpu.free_bytes == 21036544 * 1024

@@ -140,6 +140,28 @@ def test_the_server_command_turns_the_cache_on_and_names_its_folder_through_env(
         rpc_cache.server_argv("/b/ggml-rpc-server", args, "-rf")
 
 
+def test_a_node_whose_limit_is_0_or_that_runs_windows_starts_rpc_server_without_its_cache():
+    args = ["-H", "10.0.0.2", "-p", "50052", "-c", "-t", "4"]  # an older plan's args still carrying -c
+    kept = rpc_cache.start_argv("/b/ggml-rpc-server", args, limit_gib=32, folder="/srv/llama")
+    assert kept == [
+        "env",
+        "LLAMA_CACHE=/srv/llama",
+        "/b/ggml-rpc-server",
+        "-H",
+        "10.0.0.2",
+        "-p",
+        "50052",
+    ] + [
+        "-t",
+        "4",
+        "-c",
+    ]
+    off = rpc_cache.start_argv("/b/ggml-rpc-server", args, limit_gib=0, folder="/srv/llama")
+    assert off == ["/b/ggml-rpc-server", "-H", "10.0.0.2", "-p", "50052", "-t", "4"]
+    windows = rpc_cache.start_argv(r"C:\llama\rpc-server.exe", args, limit_gib=32, posix=False)
+    assert "-c" not in windows and windows[0] == r"C:\llama\rpc-server.exe"
+
+
 def _entries(folder: Path, sizes: list[int]) -> list[Path]:
     """Cache entries as rpc-server writes them, the first the oldest."""
     folder.mkdir(parents=True, exist_ok=True)
