@@ -32,6 +32,8 @@ _OFFLOADED_RE = re.compile(r"offloaded (?P<n>\d+)/(?P<m>\d+) layers to GPU")
 
 # Buffer types in the host's RAM: a GPU backend's pinned host buffers (CUDA_Host) and the CPU's extra types.
 _HOST_SUFFIXES = ("_Host", "_REPACK", "_AMX", "_KLEIDIAI")
+# Of those, the CPU backend's copies of weights in a layout of its own: the plan does not model them.
+_CPU_EXTRA_SUFFIXES = ("_REPACK", "_AMX", "_KLEIDIAI")
 
 
 # A device's own memory under another name: Metal's weights mapped from the file (MTL0_Mapped) or private
@@ -77,6 +79,9 @@ def parse_load_log(lines: Iterable[str]) -> dict[str, Any]:
             what = match["what"].lower()
             sizes = devices.setdefault(key, {"model": 0, "kv": 0, "compute": 0, "output": 0, "rs": 0})
             sizes[what] += round(float(match["mib"]) * 1024 * 1024)
+            if what == "model" and match["buffer"].endswith(_CPU_EXTRA_SUFFIXES):
+                # Weights the CPU backend copied into a layout of its own (repacked for AVX2/AMX/Arm).
+                sizes["repacked"] = sizes.get("repacked", 0) + round(float(match["mib"]) * 1024 * 1024)
             continue
         match = _OFFLOADED_RE.search(line)
         if match:

@@ -82,6 +82,19 @@ def test_the_coordinators_cpu_is_held_to_the_plan_too():
     assert problems == ["CPU on desk got weights 0.15 MiB and KV 0.00 MiB, planned 0.30 MiB and 0.00 MiB"]
 
 
+def test_weights_llama_cpp_repacked_on_the_cpu_are_not_held_to_the_mapped_range():
+    # Q4_0 on AVX2: llama.cpp copies those tensors into a CPU_REPACK buffer of its own layout besides the map.
+    repacked = LOG.replace(
+        "load_tensors:   CPU_Mapped model buffer size =     0.15 MiB",
+        "load_tensors:   CPU_Mapped model buffer size =     0.15 MiB\n"
+        "load_tensors:   CPU_REPACK model buffer size =     0.09 MiB",
+    )
+    report = compare(_plan(), repacked)
+    cpu = report["devices"]["CPU"]
+    assert not cpu["checked"] and cpu["ok"] and report["problems"] == []
+    assert any("llama.cpp repacked 0.09 MiB of it: not compared" in line for line in report["lines"])
+
+
 def test_a_device_that_got_other_sizes_is_named():
     plan = _plan()
     plan["placements"][2]["weights_bytes"] = int(9.0 * MIB)
