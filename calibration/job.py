@@ -78,6 +78,8 @@ MODELS = {
 
 
 CTX = 512
+# Ports a calibration run of llama-server tries before it gives up (each picked at random, see timed_run).
+PORT_ATTEMPTS = 3
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -239,19 +241,33 @@ async def timed_run(
 
     With `rpc_pids` (the node's rpc-servers this run drives, on a node with a CPU quota) the CPU time they
     and llama-server use during the samples is read too, for `Run.device_seconds_per_token`."""
-    port = 40000 + secrets.randbelow(20000)
     tag = f"calibrate-{ctx.job.pk}-{label}-{model.name}"
     log_path = posixpath.join(workdir, f"{tag}.log")
     key_path = posixpath.join(workdir, f"{tag}.key")
     key = secrets.token_urlsafe(24)
     await write_secret_file(ctx, key_path, key)
     host = _llama_host(ctx.node)
-    argv = [build.llama_server_path, "-m", model_path, "-c", str(CTX), "-np", "1", "--fit", "off"]
-    argv += [*placement, "--host", host, "--port", str(port), "--api-key-file", key_path]
-    pid = await procs.start(quiet_argv(argv, ctx.node.platform), log_path)
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     try:
-        await _wait_healthy(ctx, procs, pid, url, log_path)
+        # A port picked at random can be taken meanwhile (the range is the kernel's ephemeral one too):
+        # llama-server then says it "couldn't bind", and another port is tried.
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            port = 40000 + secrets.randbelow(20000)
+            argv = [build.llama_server_path, "-m", model_path, "-c", str(CTX), "-np", "1", "--fit", "off"]
+            argv += [*placement, "--host", host, "--port", str(port), "--api-key-file", key_path]
+            pid = await procs.start(quiet_argv(argv, ctx.node.platform), log_path)
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            try:
+                await _wait_healthy(ctx, procs, pid, url, log_path)
+                break
+            except JobFailed as exc:
+                await procs.end(pid)
+                if "couldn't bind" not in str(exc) or attempt == PORT_ATTEMPTS:
+                    raise
+                await ctx.log(f"port {port} was taken on {ctx.node.name}: llama-server tries another")
+    except BaseException:
+        await ctx.transport.run(["rm", "-f", key_path, log_path], timeout=30)
+        raise
+    try:
         async with httpx.AsyncClient(timeout=300.0) as client:
             warm = await _decode(client, url, key, 8)
             tokens = int(min(MAX_TOKENS, max(MIN_TOKENS, warm * SAMPLE_SECONDS)))

@@ -205,6 +205,7 @@ def household_pages(data: dict) -> dict[str, str]:
         "nodes:detail": reverse("nodes:detail", args=[attic.name]),
         "nodes:edit": reverse("nodes:edit", args=[attic.name]),
         "nodes:delete": reverse("nodes:delete", args=[attic.name]),
+        "nodes:rpc_cache_clear": reverse("nodes:rpc_cache_clear", args=[attic.name]),
         # Answers htmx with the hardware panel; a full load lands on the node page.
         "nodes:hardware": reverse("nodes:hardware", args=[attic.name]),
         "calibration:figures": reverse("calibration:figures", args=[desk.name]),

@@ -131,9 +131,13 @@ def test_nodes_sharing_a_home_folder_calibrate_at_the_same_time(lab, lab_hosts, 
     hosts = lab_hosts(2)
     nodes = [ready_node(lab, host, f"pc-{i}") for i, host in enumerate(hosts)]
     for job in calibrate_at_once(nodes):
-        assert "CPU:" in job.result and "GB/s" in job.result
+        assert job.state == JobState.SUCCEEDED, job.result
+        # Both loaded the models the other was uploading too (a half-written file fails llama-server's load):
+        # a figure, or, with the servers' threads now sleeping while they wait, models that ran too fast to
+        # tell apart on a quiet machine, which is an outcome of the runs as well.
+        assert "CPU:" in job.result and ("GB/s" in job.result or "too fast to tell apart" in job.result)
     for node, host in zip(nodes, hosts, strict=True):
-        assert Node.objects.get(pk=node.pk).devices.get(name="CPU").measured_bandwidth_gbs > 0
+        assert Node.objects.get(pk=node.pk).calibrated_at is not None
         assert our_processes(host) == []
 
 

@@ -46,6 +46,7 @@ POST_ONLY = {
     "chat:deployment": "streams a chat answer (the chat box is on the run page)",
     "deployments:rpc_mode": "chooses tunnel or direct RPC (the form is on the run page)",
     "modelfiles:try_real": "registers the small real model (the button is on the models page)",
+    "nodes:rpc_cache_read": "reads a node's RPC cache size (the button is on the node page)",
     "deployments:recalibrate": "stops, calibrates a node and starts again (the button is on the node page)",
 }
 NOT_PAGES = {
@@ -203,6 +204,7 @@ def _post_only_url(name: str, data: dict) -> str:
         "chat:deployment": [data["deployment"].pk],
         "deployments:rpc_mode": [data["deployment"].pk],
         "deployments:recalibrate": [data["deployment"].pk],
+        "nodes:rpc_cache_read": [data["attic"].name],
     }
     return reverse(name, args=args_by_route.get(name, []))
 

@@ -222,7 +222,8 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     assert figures["cold_bytes"] >= weights
     assert 0.9 * weights < cached <= weights
     # Warm: the cache is not written again, and what crosses is the part under the threshold, plus the
-    # deploy's own traffic (SSH, the measure step's completions): far less than the weights.
+    # deploy's own traffic: SSH, and the measure step's three samples of 128 tokens, each token's
+    # activations crossing to the worker and back (about 17 MB here): far less than the weights.
     assert figures["cache_after_warm"] == cached
-    assert figures["warm_bytes"] < (weights - cached) + 0.03 * weights
+    assert figures["warm_bytes"] < (weights - cached) + 0.06 * weights
     assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]
