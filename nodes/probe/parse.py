@@ -400,6 +400,27 @@ def parse_wired_limit(values: dict[str, str]) -> int | None:
     return None
 
 
+def add_cpu_and_nvidia_devices(
+    report: ProbeReport, sections: dict[str, str], total: int, available: int
+) -> None:
+    """The CPU device (its RAM, a table bandwidth until calibration) and the NVIDIA GPUs nvidia-smi listed:
+    the same on every platform's probe (Linux, macOS, Windows)."""
+    gbs, why = cpu_bandwidth(report.cpu_model)
+    report.devices.append(
+        DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)
+    )
+    report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
+    nvidia = sections.get("nvidia-smi", "")
+    gpus = parse_nvidia_smi(nvidia)
+    if nvidia and not gpus:
+        report.warnings.append(f"nvidia-smi is installed but reported no GPU: {nvidia.splitlines()[0][:200]}")
+    for index, name, total_b, free_b in gpus:
+        report.devices.append(
+            DeviceInfo(f"CUDA{index}", "cuda", name, total_b, free_b, False, gpu_bandwidth(name))
+        )
+    return gpus
+
+
 def build_report(text: str, *, rpc_port: int) -> ProbeReport:
     """Everything the probe script printed, as a report with llama.cpp-named devices."""
     sections = split_sections(text)
@@ -451,19 +472,7 @@ def _fill_linux(report: ProbeReport, sections: dict[str, str]) -> None:
             f"A CPU quota limits this node to {report.cpu_quota_cores:g} cores' worth of time: calibrate it "
             "to measure what that leaves."
         )
-    gbs, why = cpu_bandwidth(report.cpu_model)
-    report.devices.append(
-        DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)
-    )
-    report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
-    nvidia = sections.get("nvidia-smi", "")
-    gpus = parse_nvidia_smi(nvidia)
-    if nvidia and not gpus:
-        report.warnings.append(f"nvidia-smi is installed but reported no GPU: {nvidia.splitlines()[0][:200]}")
-    for index, name, total_b, free_b in gpus:
-        report.devices.append(
-            DeviceInfo(f"CUDA{index}", "cuda", name, total_b, free_b, False, gpu_bandwidth(name))
-        )
+    gpus = add_cpu_and_nvidia_devices(report, sections, total, available)
     amd = parse_rocm_smi(sections.get("rocm-smi", ""))
     for index, name, total_b, free_b in amd:
         report.devices.append(

@@ -12,9 +12,7 @@ import json
 import re
 
 from llamacpp.args import BINARIES
-from nodes.probe.bandwidth import cpu_bandwidth, gpu_bandwidth
-from nodes.probe.devices import DeviceInfo
-from nodes.probe.parse import ProbeReport, _set_port_holder, parse_nvidia_smi, split_sections
+from nodes.probe.parse import ProbeReport, _set_port_holder, add_cpu_and_nvidia_devices, split_sections
 from remote.listeners import parse_get_nettcpconnection
 
 KIB = 1024
@@ -83,19 +81,7 @@ def build_windows_report(text: str, *, rpc_port: int) -> ProbeReport:
     available = min(total, _int(system.get("FreePhysicalMemory")) * KIB)
     report.ram_total_bytes = report.ram_physical_bytes = total
     report.ram_available_bytes = available
-    gbs, why = cpu_bandwidth(report.cpu_model)
-    report.devices.append(
-        DeviceInfo("CPU", "cpu", report.cpu_model or "CPU", total, available, bandwidth_gbs=gbs)
-    )
-    report.warnings.append(f"CPU bandwidth {gbs:g} GB/s is an estimate ({why}).")
-    nvidia = sections.get("nvidia-smi", "")
-    gpus = parse_nvidia_smi(nvidia)
-    if nvidia and not gpus:
-        report.warnings.append(f"nvidia-smi is installed but reported no GPU: {nvidia.splitlines()[0][:200]}")
-    for index, name, total_b, free_b in gpus:
-        report.devices.append(
-            DeviceInfo(f"CUDA{index}", "cuda", name, total_b, free_b, False, gpu_bandwidth(name))
-        )
+    add_cpu_and_nvidia_devices(report, sections, total, available)
     try:
         _set_port_holder(report, parse_get_nettcpconnection(sections.get("listeners", "")))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
