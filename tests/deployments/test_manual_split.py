@@ -21,7 +21,10 @@ from deployments.models import Deployment, DeploymentState, ResourceClaim
 from deployments.steps.llama_server import llama_server_body
 from deployments.views.plan import command_lines
 from jobs.models import Job
-from nodes.models import DeviceKind, Node
+from llamacpp.gguf import profile_path
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles.models import ModelFile
+from nodes.models import Device, DeviceKind, Node
 from planning import manual, planner
 from planning.planner import Settings
 from remote.base import shell_join
@@ -293,6 +296,7 @@ def test_deploy_this_split_confirms_and_deploys_it_marked_and_audited_as_placed_
     assert not AuditEvent.objects.filter(action="deployment.confirm").exists()
     detail = client.get(deployment.get_absolute_url()).content.decode()
     assert 'id="placed-by-hand"' in detail and "placed by hand" in detail
+    assert "placed by hand" in client.get(reverse("deployments:list")).content.decode()
     # The command-line view is the exact argv the launch runs: environment, --poll 0 and -t included.
     server = detail.split('id="server-command">')[1].split("</pre>")[0]
     assert server.startswith("env OMP_WAIT_POLICY=passive /opt/llama/llama-server -m ")
@@ -455,3 +459,30 @@ def test_the_page_shows_the_same_launch_argv_the_step_builds(model, pool):
         host="127.0.0.1", port=8099, key_file="/home/u/.ramdeck/run/k.key",
     )  # fmt: skip
     assert command_lines(model, plan, deployment)["llama_server"] == shell_join(expected)
+
+
+def test_a_mixture_of_experts_gets_an_experts_field_per_device_and_its_override_rules(
+    pool, operator_client, tmp_path
+):
+    path = write_tiny_llama(tmp_path / "moe.gguf", TinyLlama(n_expert=8, n_expert_used=2))
+    model = ModelFile.objects.create(
+        name="moe", node=pool["desk"], path=str(path), profile=profile_path(path)
+    )
+    Device.objects.filter(node__in=[pool["desk"], pool["pc"]]).update(
+        total_bytes=256 * MIB, free_bytes=256 * MIB
+    )
+    page = operator_client.get(reverse("deployments:plan", args=[model.pk]), _settings(pool)).content.decode()
+    region = page.split('id="manual-split"')[1].split("</section>")[0]
+    assert "Experts of blocks" in region and 'name="manual-experts_1"' in region
+    # The blocks on the coordinator, every block's experts on pc: -ot rules put them in its RPC buffer.
+    html = operator_client.post(
+        reverse("deployments:manual", args=[model.pk]),
+        _split(pool, layers_0=8, layers_1=0, experts_0=0, experts_1=8),
+        HTTP_HX_REQUEST="true",
+    ).content.decode()
+    assert 'id="manual-tps">' in html and "tok/s" in html.split('id="manual-tps">')[1].split("</div>")[0]
+    command = html.split('id="manual-command">')[1].split("</p>")[0]
+    assert (
+        "-ot blk\\.(0|1|2|3|4|5|6|7)\\.ffn_(up|down|gate|gate_up)_(ch|)exps=RPC0[10.77.0.2:50052]" in command
+    )
+    assert "--device RPC0 -ngl 0 -ts 0" in command
