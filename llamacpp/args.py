@@ -234,15 +234,6 @@ def llama_server_launch_argv(
     return quiet_argv(argv, platform)
 
 
-def rpc_server_launch_argv(
-    binary: str, args: list[str], *, threads: int | None, platform: str = "linux"
-) -> list[str]:
-    """ggml-rpc-server's command line as the launch starts it: its threads counted (`quiet_rpc_server_args`)
-    and started with the quiet environment (`quiet_argv`). The launch also names where it binds (the RPC
-    mode's choice) and its tensor cache (llamacpp/rpc_cache.py), which only the launch knows."""
-    return quiet_argv([binary, *quiet_rpc_server_args(args, threads)], platform)
-
-
 def model_alias(name: str) -> str:
     """The `--alias` for a model the console calls `name`. llama-server splits the option at commas (several
     aliases; the API answers with the first in sort order), so a name stays one alias."""

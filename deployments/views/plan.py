@@ -16,28 +16,19 @@ from django_htmx.http import reswap
 from audit import history
 from builds.offers import plan_device_refusal
 from deployments.charts import bars
-from deployments.endpoint import (
-    EndpointForm,
-    bind_host,
-    default_port,
-    default_reach,
-    endpoint_form,
-    host_for,
-    port_taken,
-)
+from deployments.endpoint import EndpointForm, endpoint_form, port_taken
 from deployments.forms import PlanForm
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
+from deployments.views.commands import command_lines
 from deployments.views.manual import manual_context, manual_form_for, manual_plan
 from jobs.models import may_use_local_node
-from llamacpp.args import llama_server_launch_argv, node_cpu_threads, rpc_server_launch_argv
 from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
 from nodes.models import Node
 from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
 from planning import planner
 from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, may_use, role_required
-from remote.base import shell_join
 
 # Confirm's `then` for "Deploy this split": confirm the split by hand the page checked, and deploy it.
 DEPLOY_BY_HAND = "deploy-by-hand"
@@ -45,63 +36,6 @@ DEPLOY_BY_HAND = "deploy-by-hand"
 
 def _get_model(pk: int) -> ModelFile:
     return get_object_or_404(ModelFile.objects.select_related("node"), pk=pk)
-
-
-def command_lines(model: ModelFile, plan: dict, deployment: Deployment | None = None) -> dict:
-    """The command lines the launch runs for this plan, built by the functions the deploy steps use
-    (llamacpp/args.py): the environment, `--poll 0` and `-t` included. Before a deployment exists its
-    endpoint is the coordinator's default choice; the API key's file is named as the launch names it, in
-    the node's ~/.ramdeck/run (read on the node at launch). In tunnel mode the launch points --rpc at the
-    tunnels' local ends, which exist only then."""
-    coordinator = (
-        deployment.coordinator
-        if deployment is not None
-        else Node.objects.filter(name=plan["coordinator"]).first()
-    )
-    build = coordinator.current_build if coordinator is not None else None
-    if deployment is not None:
-        host, port = bind_host(deployment), deployment.port
-    elif coordinator is not None:
-        host, port = host_for(coordinator, default_reach(coordinator)), default_port(coordinator)
-    else:
-        host, port = "127.0.0.1", 8080
-    node_name = coordinator.name if coordinator is not None else plan["coordinator"]
-    number = deployment.pk if deployment is not None else "N"
-    key_file = f"~/.ramdeck/run/d{number}-{node_name}-llama-server-{port}.key"
-    if deployment is not None:
-        key_file = next(
-            (p["key_file"] for p in (deployment.processes or {}).values() if p.get("key_file")), key_file
-        )
-    argv = llama_server_launch_argv(
-        build.llama_server_path if build is not None else "llama-server",
-        model.path,
-        plan["llama_server_args"],
-        threads=node_cpu_threads(coordinator.facts) if coordinator is not None else None,
-        alias=model.name,
-        host=host,
-        port=port,
-        key_file=key_file,
-        platform=coordinator.platform if coordinator is not None else "linux",
-    )
-    workers = {n.name: n for n in Node.objects.filter(name__in=[s["node"] for s in plan["rpc_servers"]])}
-    rpc = []
-    for server in plan["rpc_servers"]:
-        node = workers.get(server["node"])
-        binary = node.current_build.rpc_server_path if node is not None and node.current_build else None
-        rpc.append(
-            {
-                "node": server["node"],
-                "command": shell_join(
-                    rpc_server_launch_argv(
-                        binary or "ggml-rpc-server",
-                        server["args"],
-                        threads=node_cpu_threads(node.facts) if node is not None else None,
-                        platform=node.platform if node is not None else "linux",
-                    )
-                ),
-            }
-        )
-    return {"llama_server": shell_join(argv), "rpc_servers": rpc}
 
 
 def _plan_form(request, model: ModelFile, data) -> PlanForm:

@@ -19,7 +19,7 @@ from builds.models import Build, BuildSource
 from deployments.forms import ManualSplitForm
 from deployments.models import Deployment, DeploymentState, ResourceClaim
 from deployments.steps.llama_server import llama_server_body
-from deployments.views.plan import command_lines
+from deployments.views.commands import command_lines
 from jobs.models import Job
 from llamacpp.gguf import profile_path
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
@@ -301,6 +301,9 @@ def test_deploy_this_split_confirms_and_deploys_it_marked_and_audited_as_placed_
     server = detail.split('id="server-command">')[1].split("</pre>")[0]
     assert server.startswith("env OMP_WAIT_POLICY=passive /opt/llama/llama-server -m ")
     assert "-ngl 6 -ts 6" in server and "--poll 0 -t 4 --alias tiny --host 127.0.0.1 --port" in server
+    # pc's rpc-server as its step starts it: bound where the deployment's RPC mode says (a tunnel: loopback).
+    rpc = detail.split('id="rpc-command-pc">')[1].split("</pre>")[0]
+    assert rpc == "env OMP_WAIT_POLICY=passive /opt/llama/ggml-rpc-server -H 127.0.0.1 -p 50052 -d CPU -c"
     audit_page = client.get(reverse("audit")).content.decode()
     assert "confirmed a split placed by hand as" in audit_page
 
@@ -334,7 +337,8 @@ def test_the_plan_pages_command_line_is_the_launchs_with_environment_poll_and_th
     assert "--fit off --poll 0 -t 3 --alias tiny --host 127.0.0.1 --port 8080 --api-key-file " in server
     assert server.endswith("--metrics -lv 4")
     rpc = page.split('id="rpc-command-pc">')[1].split("</pre>")[0]
-    assert rpc == "env OMP_WAIT_POLICY=passive ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU -t 2"
+    # Its tensor cache (-c) as the node's limit keeps it (llamacpp/rpc_cache.py).
+    assert rpc == "env OMP_WAIT_POLICY=passive ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU -t 2 -c"
 
 
 # ---------------------------------------------------------------------------------------------------------
