@@ -37,6 +37,7 @@ PHRASES = {
     "process.reap_requested": "asked to end a stale process on {object}",
     "process.reaped": "ended stale processes on {object}",
     "deployment.confirm": "confirmed the plan of {object}",
+    "deployment.confirm_by_hand": "confirmed a split placed by hand as {object}",
     "deployment.deploy": "deployed {object}",
     "deployment.stop": "stopped {object}",
     "deployment.recalibrate": "stopped {object} to calibrate a node and start it again",

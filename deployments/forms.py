@@ -6,7 +6,7 @@ from django import forms
 from django.conf import settings as site_settings
 
 from nodes.models import Device, Node
-from planning import planner
+from planning import manual, planner
 
 
 class PlanForm(forms.Form):
@@ -106,3 +106,95 @@ class PlanForm(forms.Form):
         return planner.Settings(
             ctx=data["ctx"], parallel=data["parallel"], cache_type=data["cache_type"], clamp=data["clamp"]
         )
+
+
+class ManualSplitForm(forms.Form):
+    """A split by hand: one count of blocks per device (and, for a mixture of experts, one count of the
+    blocks whose experts it holds), in the order the blocks run (planning/manual.py). Checked with the
+    planner's own memory model: the counts add up to the model's blocks, every device stays within its
+    memory, and no device its node's build does not offer holds anything. Each problem is a field error on
+    the device's own field where it has one.
+
+    `devices`: planning.manual.ManualDevice list; `problem`: the planner's Problem for the plan's inputs;
+    `refusals`: device index -> why its node's build cannot run it (builds/offers.py)."""
+
+    layout = forms.CharField(widget=forms.HiddenInput)
+
+    def __init__(self, *args, problem, devices, refusals=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.problem = problem
+        self.devices = list(devices)
+        self.refusals = refusals or {}
+        self.moe = manual.expert_blocks(problem) > 0
+        self.n_blocks = len(problem.block_bytes)
+        self.fields["layout"].initial = self.layout_key()
+        for k, device in enumerate(self.devices):
+            self.fields[f"layers_{k}"] = forms.IntegerField(
+                label=f"{device.label}: blocks", min_value=0, max_value=10_000, initial=0
+            )
+            if self.moe:
+                self.fields[f"experts_{k}"] = forms.IntegerField(
+                    label=f"{device.label}: experts of blocks", min_value=0, max_value=10_000, initial=0
+                )
+        for name, field in self.fields.items():
+            field.widget.attrs["aria-describedby"] = f"manual-errors-{name}"
+        self.split = None
+        self.evaluation = None
+        self.needs: list[manual.DeviceNeed] = []
+
+    def layout_key(self) -> str:
+        """The devices, in order, as the page listed them: counts posted for another list are not taken."""
+        return ",".join(f"{d.node}/{d.device}" for d in self.devices)
+
+    def rows(self) -> list[dict]:
+        """Per device, its fields and (once checked) what the split asks of it, for the template."""
+        needs = {need.device.key: need for need in self.needs}
+        return [
+            {
+                "device": d,
+                "index": k,
+                "layers": self[f"layers_{k}"],
+                "experts": self[f"experts_{k}"] if self.moe else None,
+                "need": needs.get(d.key),
+            }
+            for k, d in enumerate(self.devices)
+        ]
+
+    def counts(self) -> tuple[list[int], list[int] | None]:
+        data = self.cleaned_data
+        layers = [data[f"layers_{k}"] for k in range(len(self.devices))]
+        experts = [data[f"experts_{k}"] for k in range(len(self.devices))] if self.moe else None
+        return layers, experts
+
+    def clean(self) -> dict:
+        data = super().clean()
+        if self.errors:
+            return data
+        if data.get("layout") != self.layout_key():
+            raise forms.ValidationError(
+                "The devices changed since the page was shown (a node's hardware or the plan's settings): "
+                "look at the split again and enter it anew."
+            )
+        layers, experts = self.counts()
+        for k, reason in self.refusals.items():
+            held = layers[k] + (experts[k] if experts else 0)
+            if held:
+                self.add_error(f"experts_{k}" if not layers[k] else f"layers_{k}", reason)
+        for error in manual.count_errors(self.problem, layers, experts):
+            field = None if error.index is None else f"{error.count}_{error.index}"
+            self.add_error(field, error.message)
+        if self.errors:
+            return data
+        self.split = manual.manual_split(self.problem, self.devices, layers, experts)
+        self.evaluation, self.needs = manual.device_needs(self.problem, self.devices, self.split)
+        for k, need in enumerate(self.needs):
+            if not need.fits:
+                # The experts' field when the device holds at least as many blocks' experts as blocks: they
+                # are most of what it holds.
+                over_experts = experts is not None and experts[k] > 0 and experts[k] >= layers[k]
+                self.add_error(
+                    f"experts_{k}" if over_experts else f"layers_{k}", manual.over_memory_message(need)
+                )
+        if pool := manual.pool_message(self.problem, self.needs):
+            self.add_error(None, pool)
+        return data

@@ -8,6 +8,7 @@ app_name = "deployments"
 urlpatterns = [
     path("models/<int:pk>/plan/", plan.plan_preview, name="plan"),
     path("models/<int:pk>/plan/confirm/", plan.plan_confirm, name="confirm"),
+    path("models/<int:pk>/plan/manual/", plan.plan_manual, name="manual"),
     path("deployments/", deployments.deployment_list, name="list"),
     path("deployments/<int:pk>/", deployments.deployment_detail, name="detail"),
     # The run of a deployment (deployments/views/run.py).

@@ -197,6 +197,43 @@ def quiet_argv(argv: list[str], platform: str = "linux") -> list[str]:
     return ["env", *quiet, *argv]
 
 
+def llama_server_launch_argv(
+    binary: str,
+    model_path: str,
+    plan_args: list[str],
+    *,
+    threads: int | None,
+    alias: str,
+    host: str,
+    port: int,
+    key_file: str,
+    platform: str = "linux",
+) -> list[str]:
+    """The whole command line llama-server is started with: the plan's arguments, the threads' waiting and
+    count for a shared machine (`quiet_llama_server_args`), the console's own options (alias, endpoint, the
+    API key's file, metrics, log level) and the environment (`quiet_argv`). The deploy step runs it and the
+    plan and deployment pages show it, so what is shown is what runs."""
+    argv = [
+        binary,
+        "-m",
+        model_path,
+        *quiet_llama_server_args(plan_args, threads),
+        # The OpenAI-style API answers to the model's name in the console, not to its file path.
+        "--alias",
+        model_alias(alias),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--api-key-file",
+        key_file,
+        "--metrics",
+        "-lv",
+        "4",
+    ]
+    return quiet_argv(argv, platform)
+
+
 def model_alias(name: str) -> str:
     """The `--alias` for a model the console calls `name`. llama-server splits the option at commas (several
     aliases; the API answers with the first in sort order), so a name stays one alias."""

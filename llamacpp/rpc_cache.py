@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import posixpath
 
+from llamacpp.args import quiet_argv
+
 GIB = 1024**3
 # A sensible default limit: the weights of a worker's share of a large model, a few times over.
 DEFAULT_LIMIT_GIB = 32
@@ -117,6 +119,23 @@ def start_argv(
     if limit_gib and posix:
         return server_argv(rpc_server_path, args, folder)
     return [rpc_server_path, *args]
+
+
+def launch_argv(
+    rpc_server_path: str,
+    args: list[str],
+    *,
+    limit_gib: int,
+    folder: str = "",
+    posix: bool = True,
+    platform: str = "linux",
+) -> list[str]:
+    """The whole command line the rpc_server step starts: `start_argv` through `env` with the quiet
+    environment (llamacpp/args.py `quiet_argv`: its threads sleep while they wait). The deployment page shows
+    the same (deployments/views/plan.py `command_lines`)."""
+    return quiet_argv(
+        start_argv(rpc_server_path, args, limit_gib=limit_gib, folder=folder, posix=posix), platform
+    )
 
 
 def parse(stdout: str) -> dict:

@@ -11,7 +11,7 @@ one copy of the compute graph (planning/costs.py `pipeline_parallel`).
 The search is a dynamic programme like planning/waterfill.py's, over two counts: the dense blocks placed so
 far (a prefix of the model) and the blocks whose experts are placed so far. Every device, in the canonical
 order, takes a slice of the dense blocks and holds the experts of some number of blocks: its own first,
-then other devices' (`_assign`). With blocks of the same size, which blocks' experts a device holds does
+then other devices' (`assign_split`). With blocks of the same size, which blocks' experts a device holds does
 not change the cost, only how many, and whether they are its own (a block whose experts are elsewhere pays
 the RPC cost of the remote devices on its way, `costs.excursion_s`): a device that holds fewer experts
 than it has blocks sends the others away and takes none in, which no optimum does better than. The order
@@ -284,7 +284,7 @@ class _Run:
         return best[1]
 
 
-def _assign(
+def assign_split(
     problem: Problem, cpu: tuple[int, int], picks: list[tuple[int, int, int]], last: int | None
 ) -> Split:
     """The split for the counts the search chose: each device keeps the experts of its last blocks, and the
@@ -334,7 +334,7 @@ def search_experts(problem: Problem) -> tuple[Split | None, float]:
         if not f[n, nm] < INF:
             return
         k, m, picks = run.backtrack(n, nm)
-        split = _assign(problem, (k, m), picks, last)
+        split = assign_split(problem, (k, m), picks, last)
         ev = evaluate(problem, split)
         if ev.fits and (best is None or ev.seconds_per_token < best[0] * (1 - 1e-12)):
             best = (ev.seconds_per_token, split)

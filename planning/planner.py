@@ -481,11 +481,28 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
 
-def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | None = None) -> dict[str, Any]:
-    """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page)."""
+def plan(
+    profile: dict[str, Any],
+    nodes: Sequence[Node],
+    settings: Settings | None = None,
+    *,
+    split: Split | None = None,
+    problem: Problem | None = None,
+) -> dict[str, Any]:
+    """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page).
+
+    With `split`, the plan of that split, placed by hand (planning/manual.py), instead of the search's: the
+    same placements, arguments and baseline, `placed_by_hand` set and the search's own prediction beside it
+    (`planner_tokens_per_s`). `problem`: the one built already for these inputs, to save building it again."""
     settings = settings or Settings()
-    problem = build_problem(profile, nodes, settings)
-    split, seconds = search(problem)
+    problem = problem or build_problem(profile, nodes, settings)
+    by_hand = split is not None
+    searched, seconds = search(problem)
+    if split is None:
+        split = searched
+    else:
+        planner_seconds = seconds
+        seconds = evaluate(problem, split).seconds_per_token
     warnings = list(problem.warnings) + _measurement_warnings(nodes, problem)
     n_layer = int(profile["block_count"])
     trained = int(profile.get("context_length") or 0)
@@ -521,6 +538,9 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         "experts_used": int(profile.get("expert_used_count") or 0),
         "places_experts": False,
     }
+    if by_hand:
+        result["placed_by_hand"] = True
+        result["planner_tokens_per_s"] = _tps(planner_seconds)
     if split is None:
         result["suggestions"] = suggestions(profile, nodes, settings)
         result["shortfall_bytes"] = extra_device_bytes(profile, nodes, settings)
@@ -532,9 +552,11 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         f"{s.node.name}/{s.device.name}" for s in problem.slots if (s.node.name, s.device.name) not in used
     ]
     if result["unused_devices"]:
-        warnings.append(
-            "Left out because they would not make it faster: " + ", ".join(result["unused_devices"]) + "."
-        )
+        why = "Left out by hand: " if by_hand else "Left out because they would not make it faster: "
+        warnings.append(why + ", ".join(result["unused_devices"]) + ".")
+    if by_hand and not ev.fits:
+        result["fits"] = False
+        warnings.append("This split does not fit the devices' memory.")
     if not result["baseline"]["fits"]:
         warnings.append(
             "llama.cpp's default split would run out of memory on "

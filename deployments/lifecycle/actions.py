@@ -121,6 +121,14 @@ def rpc_mode(deployment: Deployment, workers: list[Worker] | None = None) -> str
     return RpcMode.TUNNEL if tunnels else RpcMode.DIRECT
 
 
+def worker_bind(worker: Worker, mode: str, coordinator: Node) -> str:
+    """Where a worker's rpc-server listens: loopback when only the coordinator reaches it (a tunnel, or the
+    coordinator's own), else the node's direct bind (which may refuse: rpc_guard.BindRefused)."""
+    if mode == RpcMode.TUNNEL or worker.node.pk == coordinator.pk:
+        return "127.0.0.1"
+    return direct_bind(worker.node)
+
+
 def with_bind(args: list[str], bind: str) -> list[str]:
     args = list(args)
     args[args.index("-H") + 1] = bind
@@ -272,15 +280,15 @@ def create_launch_steps(deployment: Deployment, run: Job, *, after: int = 0) -> 
     for worker in workers:
         here = worker.node.pk == coordinator.pk
         endpoint = worker.endpoint
+        bind = worker_bind(worker, mode, coordinator)
         if mode == RpcMode.TUNNEL or here:
             # Only the coordinator reaches it: through its tunnel, or on its own loopback.
-            bind, exposed, firewall = "127.0.0.1", False, None
+            exposed, firewall = False, None
             if here:
                 local_ends[endpoint] = f"127.0.0.1:{worker.port}"
             else:
                 tunnels.append((worker, endpoint))
         else:
-            bind = direct_bind(worker.node)
             exposed = rpc_guard.binds_everywhere(bind)
             firewall = {
                 "coordinator": coordinator_ip,

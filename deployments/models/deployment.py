@@ -99,6 +99,9 @@ class Deployment(models.Model):
     # The plan page's one-time token: the same confirm posted twice (a double click, a resent form) finds
     # the deployment it already made instead of making a second one.
     confirm_token = models.CharField(max_length=64, null=True, blank=True, unique=True, editable=False)
+    # The operator set the layers (and experts) per device on the plan page instead of taking the planner's
+    # split (planning/manual.py); the plan snapshot is that split's.
+    placed_by_hand = models.BooleanField(default=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -22,7 +22,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import run_dir, tail_lines, without_key, write_secret_file
 from llamacpp import rpc_guard
-from llamacpp.args import model_alias, node_cpu_threads, quiet_argv, quiet_llama_server_args
+from llamacpp.args import llama_server_launch_argv, node_cpu_threads
 from remote.bounded_http import AnswerTooLarge, fetch
 
 
@@ -82,27 +82,20 @@ async def llama_server_body(ctx) -> str:
     ends = local_ends(ctx, deployment)
     args = rpc_guard.tunnel_rpc_args(deployment.plan["llama_server_args"], ends)
     # Threads that sleep while they wait, as many as the node's physical cores: a busy machine (the console
-    # itself, a browser) then slows decode in proportion instead of stalling it (llamacpp/args.py).
-    args = quiet_llama_server_args(args, node_cpu_threads(ctx.node.facts))
-    argv = [
+    # itself, a browser) then slows decode in proportion instead of stalling it (llamacpp/args.py). The pages
+    # show the same command line (deployments/views/plan.py `command_lines`).
+    argv = llama_server_launch_argv(
         build.llama_server_path,
-        "-m",
         deployment.model_file.path,
-        *args,
-        # The OpenAI-style API answers to the model's name in the console, not to its file path.
-        "--alias",
-        model_alias(deployment.model_file.name),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--api-key-file",
-        key_path,
-        "--metrics",
-        "-lv",
-        "4",
-    ]
-    pid = await ctx.start_daemon(quiet_argv(argv, ctx.node.platform), log_path=log_path)
+        args,
+        threads=node_cpu_threads(ctx.node.facts),
+        alias=deployment.model_file.name,
+        host=host,
+        port=port,
+        key_file=key_path,
+        platform=ctx.node.platform,
+    )
+    pid = await ctx.start_daemon(argv, log_path=log_path)
     await db(deployment.add_process)(
         f"llama-server@{ctx.node.name}",
         {

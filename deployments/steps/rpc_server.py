@@ -13,7 +13,6 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
-from llamacpp.args import quiet_argv
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -36,15 +35,15 @@ async def rpc_server_body(ctx) -> str:
     posix = not on_windows(ctx)
     if ctx.node.rpc_cache_limit_gib and posix:
         await cache.trim_before_start(ctx, ctx.node)
-    argv = rpc_cache.start_argv(
+    # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
+    argv = rpc_cache.launch_argv(
         build.rpc_server_path,
         params["args"],
         limit_gib=ctx.node.rpc_cache_limit_gib,
         folder=ctx.node.llama_cache_dir,
         posix=posix,
+        platform=ctx.node.platform,
     )
-    # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
-    argv = quiet_argv(argv, ctx.node.platform)
     if params.get("exposed"):
         await ctx.log(
             f"WARNING: ggml-rpc-server will listen on every interface ({params['bind']}), as an admin "

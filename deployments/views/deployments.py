@@ -8,7 +8,8 @@ from django.urls import reverse
 from deployments.endpoint import endpoint_url
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
-from deployments.views.plan import command_lines, nothing_to_split
+from deployments.views.commands import command_lines
+from deployments.views.plan import nothing_to_split
 from ramdeck_site.roles import VIEWER, can_operate, role_required
 
 

@@ -16,37 +16,26 @@ from django_htmx.http import reswap
 from audit import history
 from builds.offers import plan_device_refusal
 from deployments.charts import bars
-from deployments.endpoint import EndpointForm, bind_host, endpoint_form, port_taken
+from deployments.endpoint import EndpointForm, endpoint_form, port_taken
 from deployments.forms import PlanForm
 from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
+from deployments.views.commands import command_lines
+from deployments.views.manual import manual_context, manual_form_for, manual_plan
 from jobs.models import may_use_local_node
-from llamacpp.args import model_alias
 from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
 from nodes.models import Node
 from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
 from planning import planner
-from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, role_required
-from remote.base import shell_join
+from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, may_use, role_required
+
+# Confirm's `then` for "Deploy this split": confirm the split by hand the page checked, and deploy it.
+DEPLOY_BY_HAND = "deploy-by-hand"
 
 
 def _get_model(pk: int) -> ModelFile:
     return get_object_or_404(ModelFile.objects.select_related("node"), pk=pk)
-
-
-def command_lines(model: ModelFile, plan: dict, deployment: Deployment | None = None) -> dict:
-    argv = ["llama-server", "-m", model.path, *plan["llama_server_args"]]
-    if deployment is not None:
-        # What the launch adds for a confirmed deployment (the key travels in a file, never on the line).
-        host = bind_host(deployment)
-        argv += ["--alias", model_alias(model.name), "--host", host, "--port", str(deployment.port)]
-    server = shell_join(argv)
-    rpc = [
-        {"node": s["node"], "command": shell_join(["ggml-rpc-server", *s["args"]])}
-        for s in plan["rpc_servers"]
-    ]
-    return {"llama_server": server, "rpc_servers": rpc}
 
 
 def _plan_form(request, model: ModelFile, data) -> PlanForm:
@@ -86,18 +75,25 @@ def _plan_form(request, model: ModelFile, data) -> PlanForm:
     )
 
 
+def plan_inputs(model: ModelFile, form: PlanForm) -> tuple[list[Node], str]:
+    """The nodes a valid plan form plans on, the coordinator first, or ([], why not)."""
+    coordinator = form.cleaned_data["coordinator"] or default_coordinator(model, pool_nodes())
+    if coordinator is None:
+        return [], "No node may coordinate: mark one as 'may coordinate' on its node page."
+    return [coordinator, *[n for n in form.cleaned_data["nodes"] if n.pk != coordinator.pk]], ""
+
+
 def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
     if not form.is_valid():
         return None, ""
-    coordinator = form.cleaned_data["coordinator"] or default_coordinator(model, pool_nodes())
-    if coordinator is None:
-        return None, "No node may coordinate: mark one as 'may coordinate' on its node page."
-    selected = [n for n in form.cleaned_data["nodes"] if n.pk != coordinator.pk]
+    rows, error = plan_inputs(model, form)
+    if error:
+        return None, error
     try:
-        plan = planner.plan(model.profile, planner_nodes(selected, coordinator), form.settings())
+        plan = planner.plan(model.profile, planner_nodes(rows[1:], rows[0]), form.settings())
     except planner.ClusterError as exc:
         return None, str(exc)
-    plan["warnings"] += stale_calibration_warnings([coordinator, *selected])
+    plan["warnings"] += stale_calibration_warnings(rows)
     return plan, ""
 
 
@@ -143,13 +139,21 @@ def nothing_to_split(plan: dict | None) -> bool:
     return len({node for node, _ in mine | theirs}) == 1 and mine == theirs
 
 
-def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
+def _preview_context(request, model: ModelFile, form: PlanForm, manual_data=None) -> dict:
     plan, error = _compute_plan(model, form)
     fits = bool(plan and plan["fits"])
     # A plan on a device its node's build lacks is shown, with why it cannot be confirmed.
     refused = plan_device_refusal(plan) if fits else ""
     confirmable = fits and not form.errors and not refused
+    # The split by hand is an operator's; its form starts from the planner's split, or holds what was posted.
+    by_hand = {"manual_form": None, "manual_plan": None, "manual_rows": []}
+    if plan is not None and not form.errors and may_use(request.user, "deployments:manual"):
+        rows, _ = plan_inputs(model, form)
+        by_hand = manual_context(model, form.settings(), plan, rows, manual_data)
+        if by_hand["manual_plan"]:
+            by_hand["manual_deploy_refusal"] = _deploy_refusal(request.user, by_hand["manual_plan"])
     return {
+        **by_hand,
         "model": model,
         "form": form,
         "plan": plan,
@@ -159,7 +163,10 @@ def _preview_context(request, model: ModelFile, form: PlanForm) -> dict:
         "uncalibrated": uncalibrated_nodes(plan),
         "commands": command_lines(model, plan) if fits else None,
         "stale_reasons": _stale_reasons(form),
-        "confirm_fields": _confirm_fields(form) if confirmable else [],
+        # Also when the planner's plan is refused: a split by hand may leave out the device it is refused for.
+        "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
+        # The settings the plan on the page was computed with, which the split by hand is checked with.
+        "plan_fields": _confirm_fields(form) if plan is not None and not form.errors else [],
         "confirmable": confirmable,
         "deploy_refusal": _deploy_refusal(request.user, plan) if confirmable else "",
         "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
@@ -185,6 +192,22 @@ def plan_preview(request, pk: int):
 
 @require_POST
 @role_required(OPERATOR)
+def plan_manual(request, pk: int):
+    """Check a split by hand and show its predicted speed and memory beside the planner's and the default's
+    (the page's manual region for htmx; the whole page otherwise). Nothing is stored."""
+    model = _get_model(pk)
+    form = _plan_form(request, model, request.POST)
+    context = _preview_context(request, model, form, manual_data=request.POST)
+    manual = context["manual_form"]
+    valid = manual is not None and manual.is_valid()
+    if request.htmx:
+        # htmx swaps only a 200: the region comes back with its field errors either way.
+        return render(request, "deployments/plan_preview.html#manual", context)
+    return render(request, "deployments/plan_preview.html", context, status=200 if valid else 400)
+
+
+@require_POST
+@role_required(OPERATOR)
 def plan_confirm(request, pk: int):
     model = _get_model(pk)
     form = _plan_form(request, model, request.POST)
@@ -194,6 +217,16 @@ def plan_confirm(request, pk: int):
         context = _preview_context(request, model, form)
         context["error"] = error or ("" if form.errors else "This plan does not fit.")
         return render(request, "deployments/plan_preview.html", context, status=409)
+    # "Deploy this split": the split by hand, checked again, takes the planner's place; the rest is the same.
+    by_hand = request.POST.get("then") == DEPLOY_BY_HAND
+    if by_hand:
+        rows, _ = plan_inputs(model, form)
+        manual = manual_form_for(model, form.settings(), plan, rows, request.POST)
+        if manual is None or not manual.is_valid():
+            context = _preview_context(request, model, form, manual_data=request.POST)
+            context["error"] = "Nothing was deployed: the split by hand has errors (marked below)."
+            return render(request, "deployments/plan_preview.html", context, status=400)
+        plan = manual_plan(model, manual, rows)
     if refused := plan_device_refusal(plan):
         context = _preview_context(request, model, form)
         context["error"] = refused
@@ -223,7 +256,7 @@ def plan_confirm(request, pk: int):
         return render(request, "deployments/plan_preview.html", context, status=409)
     if unchecked:
         messages.warning(request, unchecked)
-    deploy_now = request.POST.get("then") == "deploy"
+    deploy_now = request.POST.get("then") in ("deploy", DEPLOY_BY_HAND)
     try:
         deployment = _confirm(request, model, form, plan, endpoint, token, deploy=deploy_now)
     except DeployRefused as exc:
@@ -320,12 +353,25 @@ def _confirm(
             port=endpoint.cleaned_data["port"],
             created_by=request.user,
             confirm_token=token,
+            placed_by_hand=bool(plan.get("placed_by_hand")),
         )
+        by_hand = {}
+        if deployment.placed_by_hand:
+            by_hand = {
+                "placed_by_hand": True,
+                "split": [
+                    f"{c['node']}/{c['device']}: {c['layers']} blocks"
+                    + (f", experts of {c['experts']}" if "experts" in c else "")
+                    for c in plan.get("manual_counts", [])
+                ],
+                "planner_tokens_per_s": plan.get("planner_tokens_per_s"),
+            }
         history.record(
             request,
-            "deployment.confirm",
+            "deployment.confirm_by_hand" if deployment.placed_by_hand else "deployment.confirm",
             deployment,
             changes={
+                **by_hand,
                 "model": model.name,
                 "coordinator": coordinator.name,
                 "nodes": sorted({p["node"] for p in plan["placements"]}),

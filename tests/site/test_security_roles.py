@@ -97,6 +97,7 @@ RULES: dict[str, dict[str, object]] = {
     "modelfiles:try_real": _rule(LOGIN, 403, 400, 400),
     "deployments:plan": _rule(LOGIN, 200, 200, 200),
     "deployments:confirm": _rule(LOGIN, 403, 302, 302),  # an empty form: back to the plan page
+    "deployments:manual": _rule(LOGIN, 403, 400, 400),  # an empty split by hand: the page with its errors
     "deployments:list": _rule(LOGIN, 200, 200, 200),
     "deployments:detail": _rule(LOGIN, 200, 200, 200),
     "deployments:run": _rule(LOGIN, 200, 200, 200),
