@@ -251,11 +251,15 @@ class Node(models.Model):
 
     @property
     def platform(self) -> str:
-        """ "linux", "macos" or "windows", as the console must know it to build its commands: the operator's
-        hint, else what the probe found."""
+        """ "linux", "macos" or "windows", as the console must know it to build its commands: what the probe
+        found on the node itself (the shell that answered its first connection, then the system that shell
+        reported) over the operator's hint, which stands in until a probe has run. A hint that says Linux
+        on a PC whose sshd answers in PowerShell must not make the console send it sh commands."""
+        facts = self.facts or {}
+        if facts.get("platform") in ("linux", "macos", "windows"):
+            return facts["platform"]
         if self.platform_hint and self.platform_hint != "auto":
             return self.platform_hint
-        facts = self.facts or {}
         text = " ".join(str(facts.get(key, "")) for key in ("platform", "os", "system", "os_name")).lower()
         if "darwin" in text or "mac" in text:
             return "macos"

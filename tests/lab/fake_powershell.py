@@ -44,7 +44,7 @@ CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
-    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule",
+    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try",
 }  # fmt: skip
 
 
@@ -233,6 +233,8 @@ class Host:
         return self.exit_status
 
     def run_statement(self, statement: list[str]) -> int | None:
+        if statement[0] == "try" and "catch" in statement:
+            return self._try(statement)
         text, values = shape(statement)
         for pattern, handler in self.FORMS:
             if m := re.fullmatch(pattern, text):
@@ -247,6 +249,33 @@ class Host:
             f"    + CategoryInfo          : ObjectNotFound: ({first}:String) [], CommandNotFoundException\n"
             "    + FullyQualifiedErrorId : CommandNotFoundException"
         )
+
+    def _try(self, statement: list[str]) -> int | None:
+        """`try { <one statement> } catch { '<text>' + $_.Exception.Message | Out-File -LiteralPath '<file>'
+        -Encoding ascii }`: the one form the console sends (remote/powershell.py's start_detached_script). As
+        in PowerShell, only a terminating error reaches the catch block: a cmdlet's error is terminating when
+        it runs with -ErrorAction Stop; otherwise it is written to stderr and the script goes on."""
+        split = statement.index("catch")
+        body, handler = statement[1:split], statement[split + 1 :]
+        if body[0] != "{" or body[-1] != "}" or handler[0] != "{" or handler[-1] != "}":
+            raise PSError(
+                f"fake PowerShell: no recorded answer for this try statement: {shape(statement)[0]}"
+            )
+        inner = body[1:-1]
+        text, values = shape(handler[1:-1])
+        m = re.fullmatch(r"§ \+ \$_\.Exception\.Message \| Out-File -LiteralPath § -Encoding ascii", text)
+        if not m:
+            raise PSError(f"fake PowerShell: no recorded answer for this catch block: {text}")
+        try:
+            return self.run_statement(inner)
+        except PSError as exc:
+            if "-ErrorAction Stop" not in shape(inner)[0]:
+                sys.stderr.write(f"{exc}\n")
+                self.exit_status = 1
+                return None
+            message = re.sub(r"^[\w-]+ : ", "", str(exc)).split("\n", 1)[0]
+            self.local_path(values[1]).write_text(values[0] + message + "\r\n")
+            return None
 
     def _marker(self, m, values):
         sys.stderr.write(f"{values[0]}{os.getpid()}\n")
@@ -330,15 +359,30 @@ class Host:
                 "Start-Process : This command cannot be run due to the error: The system cannot find the "
                 "file specified."
             )
-        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-            proc = subprocess.Popen(
-                [str(program), *command_line_to_argv(arg_line)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=cwd,
-                start_new_session=True,
+        if cwd is not None and not cwd.is_dir():
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: The directory name is invalid."
             )
+        try:
+            with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+                proc = subprocess.Popen(
+                    [str(program), *command_line_to_argv(arg_line)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+        except PermissionError:
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: Access is denied."
+            ) from None
+        except OSError as exc:
+            # CreateProcess refuses a file that is not a Windows program (ERROR_BAD_EXE_FORMAT).
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: %1 is not a valid Win32 "
+                f"application. ({exc.strerror})"
+            ) from None
         quoted = f'"{file_path}"'
         self.state["processes"][str(proc.pid)] = f"{quoted} {arg_line}".rstrip()
         self.save()
@@ -359,6 +403,10 @@ class Host:
         """Win32_Process.Create: the command line runs outside this session's job object (its own fake
         shell process, in a session of its own), so what it starts outlives the SSH session."""
         env = {**os.environ, "SSH_ORIGINAL_COMMAND": values[0], OUTSIDE_JOB: "1"}
+        if self.state.get("wmi_create_answer") is not None:
+            # An account WMI refuses (2: Access denied), as the state says.
+            self.print(str(self.state["wmi_create_answer"]))
+            return
         subprocess.Popen(
             [sys.executable, __file__, str(self.root)],
             env=env,
@@ -501,8 +549,9 @@ class Host:
         (r"Start-Sleep -Milliseconds (?P<ms>\d+)", _sleep),
         (
             r"Start-Process -FilePath §(?P<args> -ArgumentList §)?(?P<cwd> -WorkingDirectory §)? "
-            r"-RedirectStandardOutput § -RedirectStandardError § -WindowStyle Hidden -PassThru \| "
-            r"Select-Object -ExpandProperty Id(?P<pidfile> \| Out-File -LiteralPath § -Encoding ascii)?",
+            r"-RedirectStandardOutput § -RedirectStandardError § -WindowStyle Hidden -PassThru"
+            r"(?: -ErrorAction Stop)? \| Select-Object -ExpandProperty Id"
+            r"(?P<pidfile> \| Out-File -LiteralPath § -Encoding ascii)?",
             _start_process,
         ),
         (r"& §( §)*", _native),

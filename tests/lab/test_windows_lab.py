@@ -462,3 +462,85 @@ def test_direct_mode_opens_the_windows_firewall_to_the_coordinator_only_and_the_
     assert "not an administrator of this Windows PC" in again.result
     assert tag not in _namespace_rules(lab_host)
     run(Job.objects.create(kind="reap", node=node, params={"ports": [port + 2]}))
+
+
+# --- review findings: the shell follows what the node answered; failures say why ---------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_set_to_linux_whose_sshd_answers_in_powershell_gets_powershell_commands(lab, lab_host):
+    """The operator's platform setting says Linux; the first connection found PowerShell, and the probe a
+    Windows PC: from then on the node is Windows for every command the console builds (a second probe,
+    with the shell known from the first, runs the PowerShell probe again), and the probe says the setting
+    is off."""
+    windows_like(lab, lab_host)
+    node = lab_node(lab, lab_host, platform_hint="linux")
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    node.refresh_from_db()
+    assert (node.platform, shell_for(node)) == ("windows", "windows")
+    assert any(
+        "set to linux, but its SSH server answered with powershell" in w for w in node.facts["warnings"]
+    )
+    again = run(Job.objects.create(kind="probe", node=node))
+    assert again.state == JobState.SUCCEEDED, (again.result, log_text(again))
+    node.refresh_from_db()
+    assert node.facts["hostname"] == "GAMING-PC"
+
+
+def test_a_detached_start_of_a_missing_program_says_what_start_process_said(windows):
+    _, ssh, run = windows
+    log = f"{USER_HOME}\\missing-{secrets.token_hex(4)}.log"
+    with pytest.raises(TransportError) as failed:
+        run(ssh.start_daemon(["C:\\llama\\no-such-rpc-server.exe", "-p", "1"], log_path=log))
+    message = str(failed.value)
+    assert (
+        "Start-Process said: This command cannot be run due to the error: The system cannot find the file"
+        in (message)
+    ), message
+    assert "15 s" not in message
+
+
+def test_a_detached_start_of_a_program_windows_cannot_run_says_so(windows):
+    drive, ssh, run = windows
+    # A file that is not a program (no execute permission in the lab: CreateProcess's "Access is denied").
+    target = drive.local("C:\\llama\\notes.exe")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("not a program\n")
+    with pytest.raises(TransportError, match=r"Start-Process said: .*Access is denied"):
+        run(ssh.start_daemon(["C:\\llama\\notes.exe"], log_path=f"{USER_HOME}\\notes.log"))
+
+
+def test_a_start_that_wmi_refuses_names_its_return_value(windows):
+    drive, ssh, run = windows
+    state = json.loads((drive.root / "state.json").read_text())
+    state["wmi_create_answer"] = 2
+    (drive.root / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TransportError, match=r"Win32_Process\.Create answered 2 \(Access denied\)"):
+        run(ssh.start_daemon(["C:\\Windows\\System32\\echo-argv.exe"], log_path=f"{USER_HOME}\\x.log"))
+
+
+def test_the_monitor_reads_a_dead_windows_servers_log_with_get_content(lab, lab_host, windows):
+    """A dead rpc-server.exe's last log lines reach the deployment's reason through PowerShell's
+    Get-Content -Tail (its stdout log and its .err), not `tail`, which Windows does not have."""
+    from deployments.monitor import _check_node
+
+    drive, _, _ = windows
+    log = f"{USER_HOME}\\.ramdeck\\run\\d1-pc-rpc-server-50052.log"
+    drive.local(log).parent.mkdir(parents=True, exist_ok=True)
+    drive.local(log).write_text("\r\n".join(f"line {n}" for n in range(40)) + "\r\n")
+    drive.local(log + ".err").write_text("ggml_backend_cuda_init: out of memory\r\n")
+
+    class PC:
+        name = "gaming-pc"
+        platform = "windows"
+
+    dead_pid = 4_000_000  # above Linux's pid_max: never alive
+    processes = [{"pid": dead_pid, "role": "rpc-server", "log": log}]
+    dead, rows = asyncio.run(_check_node(PC(), SSHTransport(_target(lab, lab_host)), processes))
+    reason = dead[dead_pid]
+    assert "rpc-server on gaming-pc (PID 4000000) is not running. Last log lines:" in reason
+    assert "line 39" in reason and "line 20" not in reason
+    assert "out of memory" in reason
+    assert "is not recognized" not in reason
+    assert rows[0]["alive"] is False
