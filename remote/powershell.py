@@ -337,3 +337,54 @@ def shell_of(output: str) -> str:
     if len(lines) >= 3 and lines[0] == "ramdeck-shell" and lines[1] == "%OS%":
         return "powershell"
     return "posix"
+
+
+# -- building llama.cpp on a Windows node -----------------------------------------------------------------
+
+# Where vswhere.exe lives on every machine with Visual Studio 2017 or later, or its Build Tools (Microsoft's
+# documented fixed location under %ProgramFiles(x86)%), and what it is asked: the newest installation with
+# the C++ compiler for x64 (the "Desktop development with C++" workload's MSVC component).
+VSWHERE = "Microsoft Visual Studio\\Installer\\vswhere.exe"
+MSVC_COMPONENT = "Microsoft.VisualStudio.Component.VC.Tools.x86.x64"
+BUILD_COMMANDS = ("cmake", "git", "tar", "ninja", "clang", "clang++", "gcc", "g++", "nvcc", "glslc")
+
+
+def build_tools_script() -> str:
+    """What a build needs on a Windows node, in sections as the probe prints them: the programs on the PATH
+    (Get-Command's paths), the Visual Studio installation with MSVC that vswhere.exe finds, the Vulkan SDK
+    (the environment variable its installer sets) and the user's profile folder."""
+    vswhere = f"(Join-Path ${{env:ProgramFiles(x86)}} {ps_quote(VSWHERE)})"
+    asks = " ".join(ps_quote(a) for a in ("-latest", "-products", "*", "-requires", MSVC_COMPONENT))
+    return "\n".join(
+        [
+            "'@@@ commands'",
+            f"Get-Command {','.join(BUILD_COMMANDS)} -ErrorAction SilentlyContinue"
+            " | Select-Object -ExpandProperty Source",
+            "'@@@ msvc'",
+            f"if (Test-Path -LiteralPath {vswhere} -PathType Leaf) {{ & {vswhere} {asks} "
+            f"{ps_quote('-property')} {ps_quote('installationPath')} }}",
+            "'@@@ vulkan_sdk'",
+            "$env:VULKAN_SDK",
+            "'@@@ home'",
+            "$env:USERPROFILE",
+            "'@@@ end'",
+        ]
+    )
+
+
+def make_dir_script(path: str) -> str:
+    return f"New-Item -ItemType Directory -Force -Path {ps_quote(path)} | Out-Null"
+
+
+def move_script(source: str, destination: str) -> str:
+    """Move a file or folder; an existing file at the destination is replaced (-Force), as `mv` does."""
+    return f"Move-Item -LiteralPath {ps_quote(source)} -Destination {ps_quote(destination)} -Force"
+
+
+def remove_tree_script(path: str) -> str:
+    return f"Remove-Item -LiteralPath {ps_quote(path)} -Recurse -Force -ErrorAction SilentlyContinue"
+
+
+def sftp_path(path: str) -> str:
+    """A Windows path as Windows' OpenSSH SFTP server takes it: C:\\x\\y is C:/x/y."""
+    return path.replace("\\", "/")

@@ -554,11 +554,14 @@ class SSHTransport:
 
     # -- files -------------------------------------------------------------------------------------------
 
+    def _sftp_path(self, remote_path: str) -> str:
+        return powershell.sftp_path(remote_path) if self.shell == "windows" else remote_path
+
     async def upload(self, local_path: str, remote_path: str) -> None:
         conn = self._require_conn()
         try:
             async with conn.start_sftp_client() as sftp:
-                await sftp.put(local_path, remote_path)
+                await sftp.put(local_path, self._sftp_path(remote_path))
         except asyncssh.SFTPError as exc:
             raise TransportError(
                 f"Uploading to {self.target.host}:{remote_path} failed: {exc.reason}"
@@ -571,6 +574,7 @@ class SSHTransport:
         `mode` (the server's umask can only narrow it): an old file at the path is removed first, so the
         file never had a wider mode, and the create is exclusive, so a link planted there is not followed."""
         conn = self._require_conn()
+        remote_path = self._sftp_path(remote_path)
         try:
             async with conn.start_sftp_client() as sftp:
                 with contextlib.suppress(asyncssh.SFTPNoSuchFile):
@@ -606,7 +610,10 @@ class SSHTransport:
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         conn = self._require_conn()
         try:
-            async with conn.start_sftp_client() as sftp, sftp.open(remote_path, "rb") as handle:
+            async with (
+                conn.start_sftp_client() as sftp,
+                sftp.open(self._sftp_path(remote_path), "rb") as handle,
+            ):
                 return await handle.read(nbytes)
         except asyncssh.SFTPError as exc:
             raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc.reason}") from exc

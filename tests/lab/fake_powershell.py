@@ -40,11 +40,15 @@ SINGLE_QUOTES = "'\u2018\u2019\u201a\u201b"
 # Set in the environment of a command line that Win32_Process.Create runs (outside the session's job).
 OUTSIDE_JOB = "RAMDECK_FAKE_OUTSIDE_JOB"
 PSHOME = "C:\\Windows\\System32\\WindowsPowerShell\\v1.0"
+PROGRAM_FILES_X86 = "C:\\Program Files (x86)"
+# Windows' OpenSSH serves SFTP itself; the lab's sshd hands a subsystem request to the ForceCommand with
+# the subsystem's command (its `Subsystem sftp internal-sftp` line) in SSH_ORIGINAL_COMMAND.
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
-    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try",
+    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try", "Move-Item",
 }  # fmt: skip
 
 
@@ -427,13 +431,16 @@ class Host:
                 os.kill(pid, signal.SIGKILL)
 
     def _native(self, m, values):
-        program = self.which(values[0])
+        self.run_native(values[0], values[1:])
+
+    def run_native(self, name: str, args: list[str]) -> None:
+        program = self.which(name)
         if program is None:
             raise PSError(
-                f"& : The term '{values[0]}' is not recognized as the name of a cmdlet, function, script "
+                f"& : The term '{name}' is not recognized as the name of a cmdlet, function, script "
                 "file, or operable program."
             )
-        argv = command_line_to_argv(legacy_native_line(values[1:]))
+        argv = command_line_to_argv(legacy_native_line(args))
         proc = subprocess.run([str(program), *argv], stdin=subprocess.DEVNULL, capture_output=True)
         sys.stdout.buffer.write(proc.stdout)
         sys.stdout.flush()
@@ -506,6 +513,44 @@ class Host:
                 subprocess.run(["iptables", "-w", "-D", "INPUT", *spec], check=False, capture_output=True)
         self.save()
 
+    def _env(self, m, values):
+        """$env:NAME: the PC's environment variables as the state holds them (an unset one prints nothing)."""
+        value = {"USERPROFILE": self.state["userprofile"], **self.state.get("env", {})}.get(m["name"])
+        if value:
+            self.print(value)
+
+    def _vswhere(self, m, values):
+        """`if (Test-Path (Join-Path ${env:ProgramFiles(x86)} '<vswhere>')) { & (Join-Path ...) args }`: the
+        Visual Studio Installer's vswhere.exe, where the PC has one, run as a native program."""
+        if values[0] != values[1]:
+            raise PSError("fake PowerShell: the vswhere test and call name different files")
+        path = PROGRAM_FILES_X86 + "\\" + values[0]
+        if self.local_path(path).is_file():
+            self.run_native(path, values[2:])
+
+    def _new_dir(self, m, values):
+        self.local_path(values[0]).mkdir(parents=True, exist_ok=True)
+
+    def _move(self, m, values):
+        source, destination = (self.local_path(v) for v in values)
+        if not source.exists():
+            raise PSError(
+                f"Move-Item : Cannot find path '{values[0]}' because it does not exist.\n"
+                "    + CategoryInfo          : ObjectNotFound"
+            )
+        if destination.is_dir():
+            destination = destination / source.name  # into an existing folder, as Move-Item does
+        source.replace(destination)
+
+    def _remove_tree(self, m, values):
+        import shutil
+
+        target = self.local_path(values[0])
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+
     def _exit_last(self, m, values):
         return getattr(self, "last_exit_code", 0)
 
@@ -526,7 +571,8 @@ class Host:
             _nvidia,
         ),
         (
-            r"Get-Command (?P<names>[\w.,-]+) -ErrorAction SilentlyContinue \| Select-Object -ExpandProperty "
+            r"Get-Command (?P<names>[\w.,+-]+) -ErrorAction SilentlyContinue \| "
+            r"Select-Object -ExpandProperty "
             r"Source",
             _get_command_sources,
         ),
@@ -590,6 +636,16 @@ class Host:
             r"Remove-NetFirewallRule -DisplayName §( , §)* -ErrorAction SilentlyContinue",
             _remove_firewall_rule,
         ),
+        (r"\$env:(?P<name>\w+)", _env),
+        (
+            r"if \( Test-Path -LiteralPath \( Join-Path \$ \{ env:ProgramFiles \( x86 \) \} § \) "
+            r"-PathType Leaf \) "
+            r"\{ & \( Join-Path \$ \{ env:ProgramFiles \( x86 \) \} § \)( §)* \}",
+            _vswhere,
+        ),
+        (r"New-Item -ItemType Directory -Force -Path § \| Out-Null", _new_dir),
+        (r"Move-Item -LiteralPath § -Destination § -Force", _move),
+        (r"Remove-Item -LiteralPath § -Recurse -Force -ErrorAction SilentlyContinue", _remove_tree),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),
     ]
@@ -621,12 +677,24 @@ def run_command(host: Host, command: str) -> int:
     return host.run_script(command)
 
 
+def serve_sftp(root: Path) -> int:
+    """SFTP as Windows' OpenSSH serves it, paths written C:/Users/...: a real sftp-server whose starting
+    folder is the PC's root, where `C:` leads to the C drive's folder."""
+    drive = root / "C:"
+    if not drive.exists():
+        drive.symlink_to(root / "C")
+    os.execv(SFTP_SERVER, [SFTP_SERVER, "-d", str(root)])
+    return 1
+
+
 def main() -> int:
     root = Path(sys.argv[1])
     command = os.environ.get("SSH_ORIGINAL_COMMAND")
     if command is None:
         sys.stderr.write("fake PowerShell: no interactive sessions\n")
         return 1
+    if command == "internal-sftp":
+        return serve_sftp(root)
     host = Host(root)
     try:
         return run_command(host, command)
