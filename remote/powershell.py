@@ -121,8 +121,9 @@ _JSON = "ConvertTo-Json -Compress"
 
 def probe_script(rpc_port: int) -> str:
     """The Windows probe in one round trip: sections headed `@@@ <name>` as the POSIX probe prints them,
-    each a CIM class's properties as JSON, nvidia-smi's CSV where it is installed, the RPC port's listener
-    and the llama.cpp programs on the PATH."""
+    each a CIM class's properties as JSON, nvidia-smi's CSV where it is installed, `vulkaninfo --summary`
+    where it is installed and the video controllers (Win32_VideoController), the RPC port's listener and the
+    llama.cpp programs on the PATH."""
     port = int(rpc_port)
     return "\n".join(
         [
@@ -138,6 +139,12 @@ def probe_script(rpc_port: int) -> str:
             "'@@@ nvidia-smi'",
             "if (Get-Command nvidia-smi -ErrorAction SilentlyContinue) { nvidia-smi "
             "--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits }",
+            # vulkaninfo.exe comes with the GPU vendor's driver (its Vulkan runtime puts it in System32).
+            "'@@@ vulkaninfo'",
+            "if (Get-Command vulkaninfo -ErrorAction SilentlyContinue) { vulkaninfo --summary }",
+            "'@@@ video'",
+            "Get-CimInstance -ClassName Win32_VideoController | Select-Object Name,AdapterCompatibility,"
+            f"AdapterRAM,PNPDeviceID | {_JSON}",
             "'@@@ listeners'",
             listeners_script(port),
             "'@@@ binaries'",

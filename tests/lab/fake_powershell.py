@@ -289,7 +289,7 @@ class Host:
         self.print(values[0])
 
     def _cim(self, m, values):
-        rows = self.state["cim"][m["cls"]]
+        rows = self.state["cim"].get(m["cls"], [])
         self.print_json(rows, m["props"].split(","))
 
     def print_json(self, rows, props: list[str]) -> None:
@@ -301,6 +301,10 @@ class Host:
     def _nvidia(self, m, values):
         if self.state.get("nvidia_smi"):
             self.print(self.state["nvidia_smi"])
+
+    def _vulkaninfo(self, m, values):
+        if self.state.get("vulkaninfo"):
+            self.print(self.state["vulkaninfo"])
 
     def _get_command_sources(self, m, values):
         for name in m["names"].split(","):
@@ -561,7 +565,8 @@ class Host:
         (r"\[Console\]::Error\.WriteLine \( § \+ \$PID \)", _marker),
         (r"§", _literal),
         (
-            r"Get-CimInstance -ClassName (?P<cls>Win32_ComputerSystem|Win32_Processor|Win32_OperatingSystem) "
+            r"Get-CimInstance -ClassName "
+            r"(?P<cls>Win32_ComputerSystem|Win32_Processor|Win32_OperatingSystem|Win32_VideoController) "
             r"\| Select-Object (?P<props>[\w,]+) \| ConvertTo-Json -Compress",
             _cim,
         ),
@@ -569,6 +574,10 @@ class Host:
             r"if \( Get-Command nvidia-smi -ErrorAction SilentlyContinue \) \{ nvidia-smi "
             r"--query-gpu=index,name,memory\.total,memory\.free --format=csv,noheader,nounits \}",
             _nvidia,
+        ),
+        (
+            r"if \( Get-Command vulkaninfo -ErrorAction SilentlyContinue \) \{ vulkaninfo --summary \}",
+            _vulkaninfo,
         ),
         (
             r"Get-Command (?P<names>[\w.,+-]+) -ErrorAction SilentlyContinue \| "

@@ -540,3 +540,24 @@ def test_the_monitor_reads_a_dead_windows_servers_log_with_get_content(lab, lab_
     assert "out of memory" in reason
     assert "is not recognized" not in reason
     assert rows[0]["alive"] is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_finds_an_intel_gpu_through_vulkaninfo_on_windows(lab, lab_host):
+    """vulkaninfo.exe (the Intel driver's Vulkan runtime) and Win32_VideoController through real SSH: the
+    integrated GPU is Vulkan0, sharing the PC's RAM in place of the CPU device."""
+    video = json.loads((DATA / "probe" / "windows_video_controllers.json").read_text())[
+        "intel_iris_xe_laptop"
+    ]
+    vulkaninfo = (DATA / "probe" / "windows_vulkaninfo_summary_intel_iris_xe.txt").read_text()
+    windows_like(lab, lab_host, vulkaninfo=vulkaninfo, video=video)
+    node = lab_node(lab, lab_host)
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    [gpu] = node.devices.all()
+    assert (gpu.name, gpu.kind, gpu.description) == (
+        "Vulkan0",
+        DeviceKind.VULKAN,
+        "Intel(R) Iris(R) Xe Graphics",
+    )
+    assert gpu.unified_memory and gpu.total_bytes == 33473476 * 1024

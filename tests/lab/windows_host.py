@@ -4,8 +4,10 @@ Its sshd runs every session through tests/lab/fake_powershell.py (ForceCommand: 
 SSH_ORIGINAL_COMMAND as Windows' sshd hands it to PowerShell), with a Windows file system under
 <workdir>/windows (C:\\x is <root>/C/x). The PC's CIM classes answer with the recorded values of a real
 Windows 11 desktop (tests/data/probe/windows11_ryzen_cim.json); nvidia-smi is absent unless `nvidia_smi`
-gives its CSV. Its PATH holds C:\\Windows\\System32 with one program, echo-argv.exe, which prints the
-argument vector it was given as JSON (the hostile-input tests compare it with what the console meant).
+gives its CSV, vulkaninfo unless `vulkaninfo` gives its --summary, and its video controllers are
+`video` (Win32_VideoController's rows). Its PATH holds C:\\Windows\\System32 with one program,
+echo-argv.exe, which prints the argument vector it was given as JSON (the hostile-input tests compare it
+with what the console meant).
 """
 
 from __future__ import annotations
@@ -83,15 +85,18 @@ class WindowsRoot:
         return json.loads((self.root / "state.json").read_text())["processes"]
 
 
-def windows_like(lab, host, *, nvidia_smi: str = "") -> WindowsRoot:
+def windows_like(lab, host, *, nvidia_smi: str = "", vulkaninfo: str = "", video=None) -> WindowsRoot:
     """Restart `host`'s sshd so that every session talks to the fake PowerShell; returns its C: drive."""
     root = host.workdir / "windows"
     root.mkdir()
     recorded = json.loads(RECORDED_CIM.read_text())
     cim = {name: value for name, value in recorded.items() if name.startswith("Win32_")}
+    if video is not None:
+        cim["Win32_VideoController"] = video
     state = {
         "cim": cim,
         "nvidia_smi": nvidia_smi,
+        "vulkaninfo": vulkaninfo,
         "path": [SYSTEM32],
         "processes": {},
         "userprofile": USER_HOME,
