@@ -33,6 +33,7 @@ from tests.deploy_fixtures import (
     lab_node,
     listeners_in,
     log_text,
+    route_between,
     rpc_server_binary,
     run,
     start_in,
@@ -561,3 +562,87 @@ def test_the_probe_finds_an_intel_gpu_through_vulkaninfo_on_windows(lab, lab_hos
         "Intel(R) Iris(R) Xe Graphics",
     )
     assert gpu.unified_memory and gpu.total_bytes == 33473476 * 1024
+
+
+_CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()"
+
+
+def _connect_from(host, address: str, port: int) -> subprocess.CompletedProcess:
+    """One TCP connection from inside `host`'s namespace (a LAN machine that is not the coordinator)."""
+    return subprocess.run(
+        host.exec_argv([sys.executable, "-c", _CONNECT, address, str(port)]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+@pytest.mark.llamacpp
+@pytest.mark.django_db(transaction=True)
+def test_the_windows_firewall_rule_refuses_a_machine_that_is_not_the_coordinator(lab, lab_hosts, tmp_path):
+    """Direct mode on a Windows worker: with the rules in, the coordinator (this machine's side of the lab
+    link) connects to rpc-server.exe and another machine of the LAN (a second lab namespace, routed to the
+    PC) is refused; the stop removes the rules, after which that machine reaches a server on the port."""
+    pc_host, outsider = lab_hosts(2)
+    route_between([pc_host, outsider])
+    drive = windows_like(lab, pc_host)
+    drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
+    node = lab_node(lab, pc_host)
+    assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+    Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        rpc_protocol="7.0.0",
+        rpc_binary="rpc-server",
+        rpc_server_path="C:\\llama\\rpc-server.exe",
+        llama_server_path="C:\\llama\\llama-server.exe",
+    )
+    port = 41000 + secrets.randbelow(9000)
+    deployment = step_deployment(node, port=port + 1)
+    tag = rpc_guard.tag_for(deployment.pk, node.name)
+    step = run(
+        Job.objects.create(
+            kind="rpc_server",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "args": ["-H", pc_host.address, "-p", str(port)],
+                "port": port,
+                "bind": pc_host.address,
+                "needs": {"CPU": 1},
+                "firewall": {"coordinator": pc_host.host_address, "tag": tag},
+            },
+        )
+    )
+    assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
+    assert f"admitting only {pc_host.host_address}" in step.result
+
+    socket.create_connection((pc_host.address, port), timeout=5).close()  # the coordinator
+    refused = _connect_from(outsider, pc_host.address, port)
+    assert refused.returncode != 0 and "ConnectionRefusedError" in refused.stderr, refused.stderr
+
+    deployment.refresh_from_db()
+    stop = run(
+        Job.objects.create(
+            kind="stop",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "processes": [deployment.processes[f"rpc-server@{node.name}"]],
+                "guards": list(deployment.guards.values()),
+            },
+        )
+    )
+    assert stop.state == JobState.SUCCEEDED, (stop.result, log_text(stop))
+    assert tag not in _namespace_rules(pc_host)
+    # The rules are gone: a server on the same port is open to that machine again.
+    server = start_in(
+        pc_host, [sys.executable, "-m", "http.server", "-b", pc_host.address, str(port)], tmp_path / "h.log"
+    )
+    for _ in range(100):
+        if listeners_in(pc_host, port):
+            break
+        time.sleep(0.1)
+    reached = _connect_from(outsider, pc_host.address, port)
+    assert reached.returncode == 0, reached.stderr
+    server.kill()
