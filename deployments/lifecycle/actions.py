@@ -140,12 +140,8 @@ def rpc_refusal(deployment: Deployment, workers: list[Worker]) -> str:
             except rpc_guard.BindRefused as exc:
                 return f"{node.name}: {exc}"
             continue
-        if not node.rpc_tunnel:
-            return f"{node.name} does not allow RPC tunnels (a node setting): choose direct mode."
-        if node.platform == "windows":
-            return f"{node.name} runs Windows, where RPC tunnels are not built yet: choose direct mode."
-        if node.is_local:
-            return f"{node.name} is the console's own host, not reached over SSH: choose direct mode."
+        if reason := node.tunnel_refusal:
+            return reason
     return ""
 
 
