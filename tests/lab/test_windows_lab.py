@@ -317,7 +317,7 @@ def test_the_rpc_server_step_and_the_reap_job_run_on_a_windows_node(lab, lab_hos
     assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
     log = log_text(step)
     assert "[rpc-server] Starting RPC server v7.0.0" in log
-    assert "PS> Start-Process -FilePath 'C:\\llama\\rpc-server.exe'" in log
+    assert "PS> try { Start-Process -FilePath 'C:\\llama\\rpc-server.exe'" in log
     deployment.refresh_from_db()
     record = deployment.processes[f"rpc-server@{node.name}"]
     pid = record["pid"]
