@@ -25,7 +25,7 @@ from llamacpp.args import model_alias
 from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
 from nodes.models import Node
-from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
+from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings, tunnel_warnings
 from planning import planner
 from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, role_required
 from remote.base import shell_join
@@ -98,6 +98,7 @@ def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
     except planner.ClusterError as exc:
         return None, str(exc)
     plan["warnings"] += stale_calibration_warnings([coordinator, *selected])
+    plan["warnings"] += tunnel_warnings(plan, selected)
     return plan, ""
 
 
