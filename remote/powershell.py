@@ -393,5 +393,7 @@ def remove_tree_script(path: str) -> str:
 
 
 def sftp_path(path: str) -> str:
-    """A Windows path as Windows' OpenSSH SFTP server takes it: C:\\x\\y is C:/x/y."""
-    return path.replace("\\", "/")
+    """A Windows path as Windows' OpenSSH SFTP server takes it: C:\\x\\y is /C:/x/y (its absolute form; a
+    bare C:/x/y would be taken as relative to the login's home folder)."""
+    path = path.replace("\\", "/")
+    return "/" + path if re.match(r"[A-Za-z]:/", path) else path

@@ -687,12 +687,28 @@ def run_command(host: Host, command: str) -> int:
 
 
 def serve_sftp(root: Path) -> int:
-    """SFTP as Windows' OpenSSH serves it, paths written C:/Users/...: a real sftp-server whose starting
-    folder is the PC's root, where `C:` leads to the C drive's folder."""
-    drive = root / "C:"
-    if not drive.exists():
-        drive.symlink_to(root / "C")
-    os.execv(SFTP_SERVER, [SFTP_SERVER, "-d", str(root)])
+    """SFTP as Windows' OpenSSH serves it, absolute paths written /C:/Users/...: a real sftp-server, in a
+    mount namespace of its own whose root holds the system's program folders and `C:`, the PC's C drive
+    (the mounts end with the process), starting in the user's profile folder."""
+    state = json.loads((root / "state.json").read_text())
+    os.unshare(os.CLONE_NEWNS)
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    top = root / "sftp-root"
+    top.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(top)], check=True)
+    for name in ("usr", "lib", "lib64", "bin", "sbin", "etc", "dev"):
+        system = Path("/") / name
+        if system.is_symlink():
+            (top / name).symlink_to(os.readlink(system))
+        elif system.is_dir():
+            (top / name).mkdir()
+            subprocess.run(["mount", "--rbind", str(system), str(top / name)], check=True)
+    (top / "C:").mkdir()
+    subprocess.run(["mount", "--bind", str(root / "C"), str(top / "C:")], check=True)
+    os.chroot(top)
+    os.chdir("/")
+    home = "/" + state["userprofile"].replace("\\", "/")
+    os.execv(SFTP_SERVER, [SFTP_SERVER, "-d", home])
     return 1
 
 

@@ -205,3 +205,9 @@ def test_a_failed_start_is_said_by_wmis_return_value_or_start_process():
     quiet = powershell.start_failure("x.exe", "pc", logs="")
     assert "wrote no PID within 15 s" in quiet and "empty or absent" in quiet
     assert "Last lines of its log files:\nboom" in powershell.start_failure("x.exe", "pc", logs="boom")
+
+
+def test_a_windows_path_reaches_sftp_in_its_absolute_form():
+    assert powershell.sftp_path("C:\\Users\\ana\\x.tar.gz") == "/C:/Users/ana/x.tar.gz"
+    assert powershell.sftp_path("D:/data/m.gguf") == "/D:/data/m.gguf"
+    assert powershell.sftp_path("/C:/already") == "/C:/already"
