@@ -81,12 +81,9 @@ async def source_problems(node: Node, params: dict) -> dict[str, str]:
     """Form errors (field: message) for a build source the node cannot use; {} when it can, or when the
     source is a tarball (the console checks those itself)."""
     if node.platform == "windows":
-        if params["source"] == "existing":
-            return {}  # The build job checks the folder itself, in PowerShell (builds/job.py).
-        return {
-            "source": f"{node.name} runs Windows, where the console does not build llama.cpp yet: unpack a "
-            "release zip there and register its folder as an existing install."
-        }
+        # The build job checks the folder, or CMake, the compiler, tar and git, itself in PowerShell and names
+        # what is missing with the winget and Chocolatey commands that install it (builds/windows.py).
+        return {}
     if params["source"] not in ("existing", "git"):
         return {}
     field = "path" if params["source"] == "existing" else "git_url"

@@ -37,6 +37,7 @@ from builds.backends import (
 )
 from builds.models import Build, BuildSource
 from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
+from builds.windows import windows_build
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import join, on_windows, read_rpc_banner
@@ -221,40 +222,6 @@ async def probe_binaries(ctx, bin_dir: str) -> dict:
 _BACKEND_PREFIXES = {"CUDA": "cuda", "ROCm": "rocm", "Vulkan": "vulkan", "MTL": "metal"}
 
 
-async def _windows_install(ctx, params: dict) -> str:
-    """A Windows node: an existing install (a release zip unpacked into a folder) is recorded from what its
-    programs print; building on Windows is not done yet."""
-    if params.get("source") != "existing":
-        raise JobFailed(
-            f"{ctx.node.name} is a Windows node: building llama.cpp there is not supported yet. Unpack a "
-            "llama.cpp release zip (its CPU, CUDA or Vulkan build) into a folder and register that folder "
-            "as an existing install."
-        )
-    probed = await probe_binaries(ctx, params["path"])
-    probed["version"] = printable(probed["version"], 200)
-    probed["rpc_protocol"] = printable(probed["rpc_protocol"], 20)
-    if not probed["rpc_protocol"]:
-        raise JobFailed("could not tell the RPC protocol version of this build")
-    backend = backend_of(probed["devices"]) if probed["devices"] is not None else "cpu"
-    build = await db(Build.objects.create)(
-        node=ctx.node,
-        source_kind=BuildSource.EXISTING,
-        source=params["path"],
-        build_dir=params["path"],
-        backend=backend,
-        flags=[],
-        version=probed["version"],
-        rpc_binary=probed["rpc_binary"],
-        rpc_protocol=probed["rpc_protocol"],
-        devices=probed["devices"],
-        rpc_server_path=probed["rpc"],
-        llama_server_path=probed["llama"],
-        job_id=ctx.job.pk,
-    )
-    await ctx.log(f"recorded build #{build.pk}: {probed['rpc_binary']} RPC {probed['rpc_protocol']}")
-    return f"{probed['rpc_binary']} RPC {probed['rpc_protocol']}, {probed['version']} ({backend})"
-
-
 def backend_of(devices: list[dict]) -> str:
     """The backend a build was made with, from the devices its banner lists (CUDA0 → cuda; the CPU alone
     → cpu)."""
@@ -285,7 +252,9 @@ async def build_body(ctx) -> str:
     params = ctx.job.params or {}
     source = params.get("source", "tarball")
     if on_windows(ctx):
-        return await _windows_install(ctx, params)
+        return await windows_build(
+            ctx, params, probe_binaries=probe_binaries, backend_of=backend_of, record=record_build
+        )
     found = parse_prerequisites((await ctx.transport.run(["sh", "-c", PREREQ_SCRIPT], timeout=60)).stdout)
     kinds = await db(lambda: set(ctx.node.devices.values_list("kind", flat=True)))()
     backend = choose_backend(params.get("backend", "auto"), found, kinds)
@@ -319,21 +288,29 @@ async def build_body(ctx) -> str:
         header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))
         probed["rpc_protocol"] = probed["rpc_protocol"] or parse_rpc_protocol_header(header)
         fields["build_dir"] = layout.build_dir
+    if source == "existing" and probed["devices"] is not None:
+        # An install the console did not build: its backend is what its rpc-server serves, not a guess.
+        backend = backend_of(probed["devices"])
+    return await record_build(
+        ctx, probed, BuildSource(source), backend, flags if source != "existing" else [], fields
+    )
+
+
+async def record_build(
+    ctx, probed: dict, source_kind: str, backend: str, flags: list[str], fields: dict
+) -> str:
+    """The Build row for what `probe_binaries` found (on any platform), its log lines, and the hooks."""
     # The version and the protocol are what the binaries printed (an existing install's can be anything):
     # printable text only, cut to their fields, as every string a node reports.
     probed["version"] = printable(probed["version"], 200)
     probed["rpc_protocol"] = printable(probed["rpc_protocol"], 20)
     if not probed["rpc_protocol"]:
         raise JobFailed("could not tell the RPC protocol version of this build")
-
-    if source == "existing" and probed["devices"] is not None:
-        # An install the console did not build: its backend is what its rpc-server serves, not a guess.
-        backend = backend_of(probed["devices"])
     build = await db(Build.objects.create)(
         node=ctx.node,
-        source_kind=BuildSource(source),
+        source_kind=source_kind,
         backend=backend,
-        flags=flags if source != "existing" else [],
+        flags=flags,
         version=probed["version"],
         rpc_binary=probed["rpc_binary"],
         rpc_protocol=probed["rpc_protocol"],

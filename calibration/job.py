@@ -53,7 +53,7 @@ from django.conf import settings
 
 from calibration import link as calibrate_link
 from calibration.fit import CalibrationModel, FixedCosts, Run, comparable, cpu_ticks, fit, rpc_share
-from calibration.store import refusal, store
+from calibration.store import locked_refusal, store
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
 from jobs.on_node import run_dir, tail_lines, wait_listening, write_secret_file
@@ -358,7 +358,7 @@ async def calibrate_body(ctx) -> str:
     node = ctx.node
     if node is None:
         raise JobFailed("A calibration needs a node.")
-    reason = await db(refusal)(node)
+    reason = await db(locked_refusal)(node)
     if reason:
         raise JobFailed(reason)
     build = await db(lambda: node.current_build)()

@@ -111,6 +111,15 @@ def refusal(node, *, besides=None) -> str:
     return ""
 
 
+def locked_refusal(node, *, besides=None) -> str:
+    """`refusal`, checked under the node's row lock (the calibration job's first act, once it runs): a
+    deployment claims its nodes under the same lock after checking that no calibration runs on them
+    (deployments/lifecycle/actions.py `start_deploy`), so the two never both pass in the same instant."""
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(pk=node.pk).first()
+        return refusal(node, besides=besides)
+
+
 def start_calibration(node, *, user=None):
     """Queue a calibration of `node` unless one is already queued or running, or it cannot run now (the
     caller says why, from `refusal`): a job sure to fail is never created. The job, or None."""

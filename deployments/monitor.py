@@ -23,6 +23,7 @@ from deployments.endpoint import endpoint_url
 from deployments.lifecycle import healing
 from deployments.models import ACTIVE_STATES, Deployment, DeploymentState, SpeedSample, StaleProcess
 from jobs.aio import run_to_completion
+from jobs.on_node import tail_argv
 from llamacpp.reaper import Holder, find_holders, runs_our_program
 from nodes.models import Node
 from nodes.transports import transport_for
@@ -188,7 +189,7 @@ async def _check_node(node: Node, opened, processes: list[dict]) -> tuple[dict[i
                         f"another program ({cmdline[:200]})."
                     )
                     continue
-                tail = await transport.run(["tail", "-n", str(LOG_LINES), info["log"]], timeout=30)
+                tail = await transport.run(tail_argv(transport, info["log"], LOG_LINES), timeout=30)
                 lines = "\n".join(line.text for line in tail.lines)
                 dead[pid] = (
                     f"{info['role']} on {node.name} (PID {pid}) is not running. Last log lines:\n{lines}"

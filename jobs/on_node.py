@@ -57,13 +57,18 @@ def remove_argv(ctx, log_path: str) -> list[str]:
     return ["rm", "-f", log_path]
 
 
+def tail_argv(transport, path: str, count: int) -> list[str]:
+    """The command that prints a log's last lines on the node behind `transport`: `tail` on POSIX,
+    PowerShell's Get-Content -Tail on Windows, where a detached program's stderr has a file of its own
+    (path.err)."""
+    if getattr(transport, "shell", "posix") == "windows":
+        return powershell_argv(tail_script([path, path + ".err"], count))
+    return ["tail", "-n", str(int(count)), path]
+
+
 async def tail_lines(ctx, path: str, count: int = 20) -> list[str]:
     """The log's last lines; on Windows a detached program's stderr has a file of its own (path.err)."""
-    if on_windows(ctx):
-        argv = powershell_argv(tail_script([path, path + ".err"], count))
-    else:
-        argv = ["tail", "-n", str(count), path]
-    result = await ctx.transport.run(argv, timeout=30)
+    result = await ctx.transport.run(tail_argv(ctx.transport, path, count), timeout=30)
     return [line.text for line in result.lines if line.stream == "out"]
 
 

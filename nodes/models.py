@@ -251,17 +251,53 @@ class Node(models.Model):
 
     @property
     def platform(self) -> str:
-        """ "linux", "macos" or "windows", as the console must know it to build its commands: the operator's
-        hint, else what the probe found."""
+        """ "linux", "macos" or "windows", as the console must know it to build its commands: what the probe
+        found on the node itself (the shell that answered its first connection, then the system that shell
+        reported) over the operator's hint, which stands in until a probe has run. A hint that says Linux
+        on a PC whose sshd answers in PowerShell must not make the console send it sh commands."""
+        facts = self.facts or {}
+        if facts.get("platform") in ("linux", "macos", "windows"):
+            return facts["platform"]
         if self.platform_hint and self.platform_hint != "auto":
             return self.platform_hint
-        facts = self.facts or {}
         text = " ".join(str(facts.get(key, "")) for key in ("platform", "os", "system", "os_name")).lower()
         if "darwin" in text or "mac" in text:
             return "macos"
         if "windows" in text:
             return "windows"
         return "linux"
+
+    @property
+    def tunnel_refusal(self) -> str:
+        """Why a deployment cannot reach this node's rpc-server through an SSH tunnel, or "" when it can.
+
+        A Windows PC: the tunnel's key, allowed one forward to 127.0.0.1:<port> from the coordinator only,
+        goes into the worker's authorized_keys through POSIX commands (deployments/steps/rpc_tunnel.py),
+        and Windows' OpenSSH reads an administrator's keys from
+        C:\\ProgramData\\ssh\\administrators_authorized_keys, which must keep an ACL of Administrators and
+        SYSTEM only: the console writes neither yet."""
+        if not self.rpc_tunnel:
+            return f"{self.name} does not allow RPC tunnels (a node setting): choose direct mode."
+        if self.platform == "windows":
+            return (
+                f"{self.name} runs Windows, where the console cannot set up the RPC tunnel yet: the tunnel's "
+                "key (allowed one forward, from the coordinator only) must go into the PC's authorized_keys "
+                "(administrators_authorized_keys for an administrator, with its strict ACL), which the "
+                "console writes on Linux and macOS only. Choose direct mode: Windows Firewall then admits "
+                "only the coordinator."
+            )
+        if self.is_local:
+            return f"{self.name} is the console's own host, not reached over SSH: choose direct mode."
+        return ""
+
+    @property
+    def platform_label(self) -> str:
+        """The platform the console uses for the node, and the operator's setting where they differ."""
+        found = {"linux": "Linux", "macos": "macOS", "windows": "Windows"}.get(self.platform, self.platform)
+        hint = self.platform_hint
+        if not hint or hint == "auto" or hint == self.platform:
+            return found
+        return f"{found} (as its SSH server answered; the setting says {self.get_platform_hint_display()})"
 
     @property
     def rpc_endpoint_host(self) -> str:

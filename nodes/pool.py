@@ -98,6 +98,17 @@ def stale_calibration_warnings(nodes: list[Node]) -> list[str]:
     ]
 
 
+def tunnel_warnings(plan: dict, nodes: list[Node]) -> list[str]:
+    """Plan warnings for the workers the plan places layers on that no SSH tunnel can reach (a Windows PC:
+    Node.tunnel_refusal says why), so the plan page says before a confirm that they are reached directly."""
+    placed = {p.get("node") for p in plan.get("placements", []) if p.get("endpoint")}
+    return [
+        f"RPC to {n.name} goes directly over the LAN, never through an SSH tunnel: {n.tunnel_refusal}"
+        for n in nodes
+        if n.name in placed and n.platform == "windows" and n.tunnel_refusal
+    ]
+
+
 def pool_nodes() -> list[Node]:
     """Enabled nodes with fresh hardware data: the default pool."""
     nodes = Node.objects.filter(enabled=True).prefetch_related("devices")

@@ -57,10 +57,10 @@ def _record_unreachable(node_pk: int, message: str) -> None:
 
 
 def shell_for(node) -> str:
-    """ "windows" or "posix" once a probe found the node's platform (the operator's setting overrides it);
-    "" before that: the transport tells the shells apart at this first connection, and the probe checks
-    its answer against the operator's setting."""
-    if not (node.facts or {}).get("platform"):
+    """ "windows" or "posix" once a probe found the node's platform (what its first connection and probe
+    found, not the operator's hint: `Node.platform`); "" before that: the transport tells the shells apart
+    at this first connection, and the probe checks its answer against the operator's setting."""
+    if (node.facts or {}).get("platform") not in ("linux", "macos", "windows"):
         return ""
     return "windows" if node.platform == "windows" else "posix"
 

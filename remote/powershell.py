@@ -121,8 +121,9 @@ _JSON = "ConvertTo-Json -Compress"
 
 def probe_script(rpc_port: int) -> str:
     """The Windows probe in one round trip: sections headed `@@@ <name>` as the POSIX probe prints them,
-    each a CIM class's properties as JSON, nvidia-smi's CSV where it is installed, the RPC port's listener
-    and the llama.cpp programs on the PATH."""
+    each a CIM class's properties as JSON, nvidia-smi's CSV where it is installed, `vulkaninfo --summary`
+    where it is installed and the video controllers (Win32_VideoController), the RPC port's listener and the
+    llama.cpp programs on the PATH."""
     port = int(rpc_port)
     return "\n".join(
         [
@@ -138,6 +139,12 @@ def probe_script(rpc_port: int) -> str:
             "'@@@ nvidia-smi'",
             "if (Get-Command nvidia-smi -ErrorAction SilentlyContinue) { nvidia-smi "
             "--query-gpu=index,name,memory.total,memory.free --format=csv,noheader,nounits }",
+            # vulkaninfo.exe comes with the GPU vendor's driver (its Vulkan runtime puts it in System32).
+            "'@@@ vulkaninfo'",
+            "if (Get-Command vulkaninfo -ErrorAction SilentlyContinue) { vulkaninfo --summary }",
+            "'@@@ video'",
+            "Get-CimInstance -ClassName Win32_VideoController | Select-Object Name,AdapterCompatibility,"
+            f"AdapterRAM,PNPDeviceID | {_JSON}",
             "'@@@ listeners'",
             listeners_script(port),
             "'@@@ binaries'",
@@ -183,32 +190,51 @@ def pid_file(log_path: str) -> str:
     return log_path + ".pid"
 
 
+# Win32_Process.Create's documented return values (the Create method of the Win32_Process class).
+CREATE_RETURN_VALUES = {
+    0: "Successful completion",
+    2: "Access denied",
+    3: "Insufficient privilege",
+    8: "Unknown failure",
+    9: "Path not found",
+    21: "Invalid parameter",
+}
+# What the detached start writes to the PID file in place of a PID when Start-Process refused to start it.
+START_ERROR = "error:"
+
+
 def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
     """Start argv[0] with its output to `log_path` (stderr to `log_path`.err: Start-Process takes two
-    different files) and write its PID to `pid_file(log_path)`. Run by `launch_script`, outside the SSH
-    session."""
+    different files) and write its PID to `pid_file(log_path)`, or, when Start-Process refuses (no such
+    file, access denied, a bad working folder), `error: <its message>`: nobody sees the output of the
+    PowerShell that runs this (`launch_script`), so the file is the one place to say why. Run by
+    `launch_script`, outside the SSH session."""
     program, *args = [str(a) for a in argv]
     parts = [
-        "Start-Process",
+        "try { Start-Process",
         f"-FilePath {ps_quote(program)}",
         *([f"-ArgumentList {ps_quote(windows_command_line(args))}"] if args else []),
         *([f"-WorkingDirectory {ps_quote(cwd)}"] if cwd else []),
         f"-RedirectStandardOutput {ps_quote(log_path)}",
         f"-RedirectStandardError {ps_quote(log_path + '.err')}",
-        "-WindowStyle Hidden -PassThru | Select-Object -ExpandProperty Id |",
-        f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii",
+        "-WindowStyle Hidden -PassThru -ErrorAction Stop | Select-Object -ExpandProperty Id |",
+        f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii }}",
+        f"catch {{ {ps_quote(START_ERROR + ' ')} + $_.Exception.Message |",
+        f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii }}",
     ]
     return " ".join(parts)
 
 
 def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
-    """Start argv detached for good; prints Win32_Process.Create's ReturnValue (0: started).
+    """Start argv detached for good; prints Win32_Process.Create's ReturnValue (0: started;
+    CREATE_RETURN_VALUES says what the others mean).
 
     Windows' OpenSSH puts each session's processes in a job object that ends them all when the session
     ends (by design: Win32-OpenSSH issues 1195 and 1642), so a Start-Process from the session itself would
     die with the SSH command. A process that WMI's Win32_Process.Create starts is outside that job: it is
-    a PowerShell that runs the Start-Process line, which writes the program's PID to a file the transport
-    reads (`pid_file`; the stale one of an earlier start is removed first)."""
+    a PowerShell that runs the Start-Process line, which writes the program's PID (or why it could not
+    start it) to a file the transport reads (`pid_file`; the stale one of an earlier start is removed
+    first)."""
     inner = " ".join(powershell_argv(start_detached_script(argv, log_path=log_path, cwd=cwd)))
     return "\n".join(
         [
@@ -216,6 +242,23 @@ def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None)
             "Invoke-CimMethod -ClassName Win32_Process -MethodName Create -Arguments "
             f"@{{ CommandLine = {ps_quote(inner)} }} | Select-Object -ExpandProperty ReturnValue",
         ]
+    )
+
+
+def start_failure(program: str, host: str, *, answer: str = "", pid_text: str = "", logs: str = "") -> str:
+    """Why a detached start on a Windows node failed, in one message: Win32_Process.Create's return value,
+    Start-Process's own error, or (no PID at all) the last lines of the program's two log files."""
+    head = f"Starting {program!r} on {host} failed"
+    if answer and answer != "0":
+        meaning = CREATE_RETURN_VALUES.get(int(answer)) if answer.isdigit() else None
+        said = f"{answer} ({meaning})" if meaning else repr(answer[:200])
+        return f"{head}: WMI's Win32_Process.Create answered {said}, so nothing was started."
+    if pid_text.startswith(START_ERROR):
+        return f"{head}: Start-Process said: {pid_text[len(START_ERROR) :].strip()[:500]}"
+    tail = f" Last lines of its log files:\n{logs}" if logs.strip() else " Its log files are empty or absent."
+    return (
+        f"{head}: the PowerShell that WMI started wrote no PID within 15 s (it may not have run at all: "
+        f"PowerShell's execution policy, or a machine too busy).{tail}"
     )
 
 
@@ -301,3 +344,56 @@ def shell_of(output: str) -> str:
     if len(lines) >= 3 and lines[0] == "ramdeck-shell" and lines[1] == "%OS%":
         return "powershell"
     return "posix"
+
+
+# -- building llama.cpp on a Windows node -----------------------------------------------------------------
+
+# Where vswhere.exe lives on every machine with Visual Studio 2017 or later, or its Build Tools (Microsoft's
+# documented fixed location under %ProgramFiles(x86)%), and what it is asked: the newest installation with
+# the C++ compiler for x64 (the "Desktop development with C++" workload's MSVC component).
+VSWHERE = "Microsoft Visual Studio\\Installer\\vswhere.exe"
+MSVC_COMPONENT = "Microsoft.VisualStudio.Component.VC.Tools.x86.x64"
+BUILD_COMMANDS = ("cmake", "git", "tar", "ninja", "clang", "clang++", "gcc", "g++", "nvcc", "glslc")
+
+
+def build_tools_script() -> str:
+    """What a build needs on a Windows node, in sections as the probe prints them: the programs on the PATH
+    (Get-Command's paths), the Visual Studio installation with MSVC that vswhere.exe finds, the Vulkan SDK
+    (the environment variable its installer sets) and the user's profile folder."""
+    vswhere = f"(Join-Path ${{env:ProgramFiles(x86)}} {ps_quote(VSWHERE)})"
+    asks = " ".join(ps_quote(a) for a in ("-latest", "-products", "*", "-requires", MSVC_COMPONENT))
+    return "\n".join(
+        [
+            "'@@@ commands'",
+            f"Get-Command {','.join(BUILD_COMMANDS)} -ErrorAction SilentlyContinue"
+            " | Select-Object -ExpandProperty Source",
+            "'@@@ msvc'",
+            f"if (Test-Path -LiteralPath {vswhere} -PathType Leaf) {{ & {vswhere} {asks} "
+            f"{ps_quote('-property')} {ps_quote('installationPath')} }}",
+            "'@@@ vulkan_sdk'",
+            "$env:VULKAN_SDK",
+            "'@@@ home'",
+            "$env:USERPROFILE",
+            "'@@@ end'",
+        ]
+    )
+
+
+def make_dir_script(path: str) -> str:
+    return f"New-Item -ItemType Directory -Force -Path {ps_quote(path)} | Out-Null"
+
+
+def move_script(source: str, destination: str) -> str:
+    """Move a file or folder; an existing file at the destination is replaced (-Force), as `mv` does."""
+    return f"Move-Item -LiteralPath {ps_quote(source)} -Destination {ps_quote(destination)} -Force"
+
+
+def remove_tree_script(path: str) -> str:
+    return f"Remove-Item -LiteralPath {ps_quote(path)} -Recurse -Force -ErrorAction SilentlyContinue"
+
+
+def sftp_path(path: str) -> str:
+    """A Windows path as Windows' OpenSSH SFTP server takes it: C:\\x\\y is /C:/x/y (its absolute form; a
+    bare C:/x/y would be taken as relative to the login's home folder)."""
+    path = path.replace("\\", "/")
+    return "/" + path if re.match(r"[A-Za-z]:/", path) else path

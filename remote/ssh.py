@@ -513,21 +513,30 @@ class SSHTransport:
             raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID.") from exc
 
     async def _start_on_windows(self, argv: Sequence[str], *, log_path: str, cwd: str | None) -> int:
-        """remote/powershell.py's launch_script, then the PID from the file its Start-Process writes."""
+        """remote/powershell.py's launch_script, then the PID from the file its Start-Process writes; a start
+        that fails says why (WMI's return value, Start-Process's error, or the program's log files)."""
         script = powershell.launch_script(argv, log_path=log_path, cwd=cwd)
         result = await self._helper(powershell.powershell_argv(script))
         answer = result.stdout.strip().splitlines()[-1:] if result.ok else []
         if answer != ["0"]:
-            tail = "; ".join(line.text for line in result.lines[-3:])
-            raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
-        read_pid = powershell.powershell_argv(powershell.tail_script([powershell.pid_file(log_path)], 1))
+            said = answer[0] if answer else ""
+            if not said:
+                tail = "; ".join(line.text for line in result.lines[-3:]) or f"exit {result.exit_status}"
+                raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
+            raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, answer=said))
+        read_pid = powershell.powershell_argv(powershell.tail_script([powershell.pid_file(log_path)], 20))
         deadline = asyncio.get_running_loop().time() + 15
         while asyncio.get_running_loop().time() < deadline:
             text = (await self._helper(read_pid)).stdout.strip()
             if text.isdigit():
                 return int(text)
+            if text.startswith(powershell.START_ERROR):
+                raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, pid_text=text))
             await asyncio.sleep(0.2)
-        raise TransportError(f"Starting {argv[0]!r} on {self.target.host} did not report a PID in 15 s.")
+        tails = powershell.tail_script([log_path, log_path + ".err"], 10)
+        logs = await self._helper(powershell.powershell_argv(tails))
+        lines = "\n".join(line.text for line in logs.lines if line.stream == "out")
+        raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, logs=lines))
 
     async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
         if self.shell == "windows":
@@ -545,11 +554,14 @@ class SSHTransport:
 
     # -- files -------------------------------------------------------------------------------------------
 
+    def _sftp_path(self, remote_path: str) -> str:
+        return powershell.sftp_path(remote_path) if self.shell == "windows" else remote_path
+
     async def upload(self, local_path: str, remote_path: str) -> None:
         conn = self._require_conn()
         try:
             async with conn.start_sftp_client() as sftp:
-                await sftp.put(local_path, remote_path)
+                await sftp.put(local_path, self._sftp_path(remote_path))
         except asyncssh.SFTPError as exc:
             raise TransportError(
                 f"Uploading to {self.target.host}:{remote_path} failed: {exc.reason}"
@@ -562,6 +574,7 @@ class SSHTransport:
         `mode` (the server's umask can only narrow it): an old file at the path is removed first, so the
         file never had a wider mode, and the create is exclusive, so a link planted there is not followed."""
         conn = self._require_conn()
+        remote_path = self._sftp_path(remote_path)
         try:
             async with conn.start_sftp_client() as sftp:
                 with contextlib.suppress(asyncssh.SFTPNoSuchFile):
@@ -597,7 +610,10 @@ class SSHTransport:
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         conn = self._require_conn()
         try:
-            async with conn.start_sftp_client() as sftp, sftp.open(remote_path, "rb") as handle:
+            async with (
+                conn.start_sftp_client() as sftp,
+                sftp.open(self._sftp_path(remote_path), "rb") as handle,
+            ):
                 return await handle.read(nbytes)
         except asyncssh.SFTPError as exc:
             raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc.reason}") from exc

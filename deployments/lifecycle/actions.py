@@ -148,12 +148,8 @@ def rpc_refusal(deployment: Deployment, workers: list[Worker]) -> str:
             except rpc_guard.BindRefused as exc:
                 return f"{node.name}: {exc}"
             continue
-        if not node.rpc_tunnel:
-            return f"{node.name} does not allow RPC tunnels (a node setting): choose direct mode."
-        if node.platform == "windows":
-            return f"{node.name} runs Windows, where RPC tunnels are not built yet: choose direct mode."
-        if node.is_local:
-            return f"{node.name} is the console's own host, not reached over SSH: choose direct mode."
+        if reason := node.tunnel_refusal:
+            return reason
     return ""
 
 
@@ -182,9 +178,16 @@ def refusal(deployment: Deployment) -> str:
         if build is None:
             return f"{node.name} has no llama.cpp build: build or register one on its page first."
         protocols[node.name] = build.rpc_protocol
-    # A running calibration holds the node's RPC port and its cores (the first one starts by itself after a
-    # build): a deploy beside it would reap its rpc-server and both would measure nonsense. One still queued
-    # is no obstacle: it refuses to start on a node a deployment holds (calibration/store.py `refusal`).
+    return calibration_refusal_of(nodes) or protocol_mismatch(protocols) or plan_device_refusal(plan)
+
+
+def calibration_refusal_of(nodes: list[Node]) -> str:
+    """Why a deployment on `nodes` cannot start while a calibration runs on one of them, or "".
+
+    A running calibration holds the node's RPC port and its cores (the first one starts by itself after a
+    build): a deploy beside it would reap its rpc-server and both would measure nonsense. One still queued
+    is no obstacle: it refuses to start on a node a deployment holds (calibration/store.py `refusal`). The
+    check that counts runs again under the nodes' row locks (`lock_nodes`), as the calibration's does."""
     calibrating = (
         Job.objects.filter(kind=CALIBRATE, node__in=nodes, state=JobState.RUNNING)
         .select_related("node")
@@ -193,7 +196,19 @@ def refusal(deployment: Deployment) -> str:
     if calibrating is not None:
         node, title = calibrating.node.name, calibrating.title
         return f"{node} is being calibrated ({title}): deploy once that job ends."
-    return protocol_mismatch(protocols) or plan_device_refusal(plan)
+    return ""
+
+
+def lock_nodes(nodes: list[Node]) -> list[Node]:
+    """The nodes' rows locked until the transaction ends (SELECT ... FOR UPDATE, in primary-key order so two
+    callers never wait on each other crosswise). A deploy that claims the nodes and a calibration that
+    starts on one of them both check the other under this lock (calibration/store.py `locked_refusal`),
+    so one of them always sees what the other did: they cannot both pass in the same instant."""
+    return list(Node.objects.select_for_update().filter(pk__in={n.pk for n in nodes}).order_by("pk"))
+
+
+class _Refused(Exception):
+    pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,6 +437,11 @@ def start_deploy(deployment: Deployment, actor=None, *, again: bool = False) -> 
     mark = deployment.mark_redeploying if again else deployment.mark_preparing
     try:
         with transaction.atomic():
+            # Checked again under the nodes' row locks, with the claims below in the same transaction: a
+            # calibration that started since the check above is seen here, or sees these claims itself.
+            nodes = lock_nodes(deployment_nodes(deployment))
+            if reason := calibration_refusal_of(nodes):
+                raise _Refused(reason)
             if not mark():
                 state = deployment.get_state_display().lower()
                 if again:
@@ -444,7 +464,7 @@ def start_deploy(deployment: Deployment, actor=None, *, again: bool = False) -> 
                 },
             )
             run.enqueue()
-    except ClaimConflict as exc:
+    except (ClaimConflict, _Refused) as exc:
         record(actor, "deployment.refused", deployment, changes={"reason": str(exc)})
         return False, str(exc)
     if again:

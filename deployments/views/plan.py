@@ -26,7 +26,7 @@ from jobs.models import may_use_local_node
 from modelfiles.fit import default_context, default_coordinator, trained_context
 from modelfiles.models import ModelFile
 from nodes.models import Node
-from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings
+from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings, tunnel_warnings
 from planning import planner
 from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, may_use, role_required
 
@@ -94,6 +94,7 @@ def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
     except planner.ClusterError as exc:
         return None, str(exc)
     plan["warnings"] += stale_calibration_warnings(rows)
+    plan["warnings"] += tunnel_warnings(plan, rows[1:])
     return plan, ""
 
 

@@ -142,13 +142,19 @@ def rpc_mode_context(deployment: Deployment) -> dict:
         # Checked (names resolved) only where the form is: not on the polled page of an active deployment.
         active = deployment.state in ACTIVE_STATES
         problem = "" if active else lifecycle.rpc_refusal(deployment, workers)
+        # Auto took direct mode: the worker that cannot be tunnelled to says why.
+        note = ""
+        if deployment.rpc_mode == RpcMode.AUTO and effective == RpcMode.DIRECT:
+            others = [w.node for w in workers if w.node.pk != deployment.coordinator_id]
+            note = next((n.tunnel_refusal for n in others if n.tunnel_refusal), "")
     except (KeyError, ValueError, IndexError):
-        effective, problem = "", ""
+        effective, problem, note = "", "", ""
     # One machine (no rpc-server): there is no RPC to choose a way for, so the selector is not shown.
     return {
         "rpc_modes": RpcMode.choices,
         "rpc_effective": effective,
         "rpc_problem": problem,
+        "rpc_note": note,
         "has_workers": bool(workers),
     }
 

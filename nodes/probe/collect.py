@@ -55,7 +55,15 @@ async def collect(
     if rtt_ms is None:
         rtt_ms = await measure_rtt(transport)
     if windows:
-        return await _collect_windows(transport, rpc_port, timeout, rtt_ms)
+        report = await _collect_windows(transport, rpc_port, timeout, rtt_ms)
+        if platform_hint in ("linux", "macos"):
+            # The shell that answered decides which commands the node gets (Node.platform), not the setting.
+            report.warnings.append(
+                f"This node is set to {platform_hint}, but its SSH server answered with "
+                f"{getattr(transport, 'windows_shell', '') or 'a Windows shell'}: it is treated as the "
+                "Windows PC it is. Set its platform to Windows (or Detect) to match."
+            )
+        return report
     known_path, known_version = known_server or ("", "")
     argv = ["sh", "-c", PROBE_SCRIPT, "sh", str(int(rpc_port)), known_path]
     result = await transport.run(argv, timeout=timeout)

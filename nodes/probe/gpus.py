@@ -156,14 +156,25 @@ _VULKAN_PACKAGES = (
 )
 
 
-def add_vulkan(report: Any, sections: dict[str, str], *, cuda_or_rocm: bool) -> None:
+def add_vulkan(
+    report: Any,
+    sections: dict[str, str],
+    *,
+    cuda_or_rocm: bool,
+    cards: list[DrmCard] | None = None,
+    gpus: list[tuple[str, str]] | None = None,
+    packages: str = "",
+) -> None:
     """The GPUs llama.cpp's Vulkan backend would use, named as it names them (nodes/probe/vulkan.py).
 
     A node with NVIDIA or AMD GPUs under CUDA or ROCm is built for those, and such a build has no Vulkan
     devices: theirs are not listed twice. An integrated GPU reads the system's RAM: it is modelled as sharing
     it, like Apple's unified memory, so it replaces the CPU device (one memory, counted once; the planner
-    gives a coordinator's CPU its share of that pool)."""
-    cards = parse_drm(sections.get("drm", ""))
+    gives a coordinator's CPU its share of that pool). `cards` (VRAM by PCI IDs), `gpus` (vendor, name) and
+    `packages` (what brings vulkaninfo) come from the probe's `drm` and `lspci` sections and the Linux
+    packages unless the caller has its own (Windows: Win32_VideoController, the GPU vendor's driver)."""
+    if cards is None:
+        cards = parse_drm(sections.get("drm", ""))
     listed = parse_vulkaninfo_summary(sections.get("vulkaninfo", ""))
     chosen = llama_vulkan_devices(listed)
     if cuda_or_rocm:
@@ -172,12 +183,12 @@ def add_vulkan(report: Any, sections: dict[str, str], *, cuda_or_rocm: bool) -> 
             report.warnings.append(f"Vulkan devices ({names}) are not listed: this node builds CUDA or ROCm.")
         return
     if not sections.get("vulkaninfo", "").strip():
-        for vendor, name in pci_gpus(sections.get("lspci", ""), cards):
+        for vendor, name in pci_gpus(sections.get("lspci", ""), cards) if gpus is None else gpus:
             if vendor in ("Intel", "AMD"):
                 report.warnings.append(
                     f"{vendor} GPU {name} found, but vulkaninfo is not installed, so llama.cpp's Vulkan "
-                    f"backend cannot be checked: install the Vulkan driver and tools ({_VULKAN_PACKAGES}), "
-                    "then probe again."
+                    f"backend cannot be checked: install the Vulkan driver and tools "
+                    f"({packages or _VULKAN_PACKAGES}), then probe again."
                 )
         return
     if listed and not chosen:

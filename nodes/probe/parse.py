@@ -402,7 +402,7 @@ def parse_wired_limit(values: dict[str, str]) -> int | None:
 
 def add_cpu_and_nvidia_devices(
     report: ProbeReport, sections: dict[str, str], total: int, available: int
-) -> None:
+) -> list:
     """The CPU device (its RAM, a table bandwidth until calibration) and the NVIDIA GPUs nvidia-smi listed:
     the same on every platform's probe (Linux, macOS, Windows)."""
     gbs, why = cpu_bandwidth(report.cpu_model)

@@ -351,3 +351,12 @@ def test_until_its_nodes_are_calibrated_the_plans_speed_is_marked_a_guess_from_t
     type(pool["desk"]).objects.filter(pk=pool["desk"].pk).update(calibrated_at=timezone.now())
     page = viewer_client.get(url, {"ctx": 1024}).content.decode()
     assert "guess: not measured yet" not in page and 'id="speed-guess"' not in page
+
+
+def test_the_plan_page_says_a_windows_worker_is_reached_directly_and_why(model, pool, viewer_client):
+    pool["pc"].facts = {"platform": "windows"}  # what its probe found
+    pool["pc"].save()
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    warnings = page.split('<ul class="warnings">', 1)[1].split("</ul>", 1)[0]
+    assert "RPC to pc goes directly over the LAN, never through an SSH tunnel: pc runs Windows" in warnings
+    assert "administrators_authorized_keys" in warnings

@@ -69,3 +69,35 @@ def test_the_mode_of_an_active_deployment_stays_until_it_stops(operator_client, 
     assert "Stop the deployment first" in response.content.decode()
     deployment.refresh_from_db()
     assert deployment.rpc_mode == "auto"
+
+
+def test_a_windows_worker_says_why_it_gets_no_tunnel_on_the_run_page_and_its_node_page(
+    operator_client, deployment, no_enqueue
+):
+    """Auto takes direct mode for a Windows worker and the run page says why; a tunnel asked for is refused
+    with the same sentence before anything starts; the node page says it too."""
+    from nodes.models import Node
+
+    worker = Node.objects.get(name=deployment.plan["placements"][0]["node"])
+    worker.facts = {**(worker.facts or {}), "platform": "windows"}  # what its probe found
+    worker.save()
+    why = "where the console cannot set up the RPC tunnel yet"
+    run_url = reverse("deployments:run", args=[deployment.pk])
+
+    page = operator_client.get(run_url).content.decode()
+    note = page.split('id="rpc-mode-note"', 1)[1].split("</span>", 1)[0]
+    assert "direct on the LAN" in page and why in note and "administrators_authorized_keys" in note
+    assert "Windows Firewall then admits only the coordinator" in note
+
+    Deployment.objects.filter(pk=deployment.pk).update(rpc_mode="tunnel")
+    deployment.refresh_from_db()
+    page = operator_client.get(run_url).content.decode()
+    problem = page.split('id="rpc-mode-problem"', 1)[1].split("</strong>", 1)[0]
+    assert problem.startswith(f">{worker.name} runs Windows, {why}")
+    started, reason = lifecycle.start_deploy(deployment)
+    assert not started and reason == worker.tunnel_refusal and why in reason
+
+    node_page = operator_client.get(worker.get_absolute_url()).content.decode()
+    line = node_page.split('id="rpc-tunnel"', 1)[1].split("</dd>", 1)[0]
+    assert why in line and "Choose direct mode" in line
+    assert 'id="platform">Windows<' in node_page

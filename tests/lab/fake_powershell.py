@@ -40,11 +40,15 @@ SINGLE_QUOTES = "'\u2018\u2019\u201a\u201b"
 # Set in the environment of a command line that Win32_Process.Create runs (outside the session's job).
 OUTSIDE_JOB = "RAMDECK_FAKE_OUTSIDE_JOB"
 PSHOME = "C:\\Windows\\System32\\WindowsPowerShell\\v1.0"
+PROGRAM_FILES_X86 = "C:\\Program Files (x86)"
+# Windows' OpenSSH serves SFTP itself; the lab's sshd hands a subsystem request to the ForceCommand with
+# the subsystem's command (its `Subsystem sftp internal-sftp` line) in SSH_ORIGINAL_COMMAND.
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
-    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule",
+    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try", "Move-Item",
 }  # fmt: skip
 
 
@@ -233,6 +237,8 @@ class Host:
         return self.exit_status
 
     def run_statement(self, statement: list[str]) -> int | None:
+        if statement[0] == "try" and "catch" in statement:
+            return self._try(statement)
         text, values = shape(statement)
         for pattern, handler in self.FORMS:
             if m := re.fullmatch(pattern, text):
@@ -248,6 +254,33 @@ class Host:
             "    + FullyQualifiedErrorId : CommandNotFoundException"
         )
 
+    def _try(self, statement: list[str]) -> int | None:
+        """`try { <one statement> } catch { '<text>' + $_.Exception.Message | Out-File -LiteralPath '<file>'
+        -Encoding ascii }`: the one form the console sends (remote/powershell.py's start_detached_script). As
+        in PowerShell, only a terminating error reaches the catch block: a cmdlet's error is terminating when
+        it runs with -ErrorAction Stop; otherwise it is written to stderr and the script goes on."""
+        split = statement.index("catch")
+        body, handler = statement[1:split], statement[split + 1 :]
+        if body[0] != "{" or body[-1] != "}" or handler[0] != "{" or handler[-1] != "}":
+            raise PSError(
+                f"fake PowerShell: no recorded answer for this try statement: {shape(statement)[0]}"
+            )
+        inner = body[1:-1]
+        text, values = shape(handler[1:-1])
+        m = re.fullmatch(r"§ \+ \$_\.Exception\.Message \| Out-File -LiteralPath § -Encoding ascii", text)
+        if not m:
+            raise PSError(f"fake PowerShell: no recorded answer for this catch block: {text}")
+        try:
+            return self.run_statement(inner)
+        except PSError as exc:
+            if "-ErrorAction Stop" not in shape(inner)[0]:
+                sys.stderr.write(f"{exc}\n")
+                self.exit_status = 1
+                return None
+            message = re.sub(r"^[\w-]+ : ", "", str(exc)).split("\n", 1)[0]
+            self.local_path(values[1]).write_text(values[0] + message + "\r\n")
+            return None
+
     def _marker(self, m, values):
         sys.stderr.write(f"{values[0]}{os.getpid()}\n")
         sys.stderr.flush()
@@ -256,7 +289,7 @@ class Host:
         self.print(values[0])
 
     def _cim(self, m, values):
-        rows = self.state["cim"][m["cls"]]
+        rows = self.state["cim"].get(m["cls"], [])
         self.print_json(rows, m["props"].split(","))
 
     def print_json(self, rows, props: list[str]) -> None:
@@ -268,6 +301,10 @@ class Host:
     def _nvidia(self, m, values):
         if self.state.get("nvidia_smi"):
             self.print(self.state["nvidia_smi"])
+
+    def _vulkaninfo(self, m, values):
+        if self.state.get("vulkaninfo"):
+            self.print(self.state["vulkaninfo"])
 
     def _get_command_sources(self, m, values):
         for name in m["names"].split(","):
@@ -330,15 +367,30 @@ class Host:
                 "Start-Process : This command cannot be run due to the error: The system cannot find the "
                 "file specified."
             )
-        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-            proc = subprocess.Popen(
-                [str(program), *command_line_to_argv(arg_line)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=cwd,
-                start_new_session=True,
+        if cwd is not None and not cwd.is_dir():
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: The directory name is invalid."
             )
+        try:
+            with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+                proc = subprocess.Popen(
+                    [str(program), *command_line_to_argv(arg_line)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+        except PermissionError:
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: Access is denied."
+            ) from None
+        except OSError as exc:
+            # CreateProcess refuses a file that is not a Windows program (ERROR_BAD_EXE_FORMAT).
+            raise PSError(
+                "Start-Process : This command cannot be run due to the error: %1 is not a valid Win32 "
+                f"application. ({exc.strerror})"
+            ) from None
         quoted = f'"{file_path}"'
         self.state["processes"][str(proc.pid)] = f"{quoted} {arg_line}".rstrip()
         self.save()
@@ -359,6 +411,10 @@ class Host:
         """Win32_Process.Create: the command line runs outside this session's job object (its own fake
         shell process, in a session of its own), so what it starts outlives the SSH session."""
         env = {**os.environ, "SSH_ORIGINAL_COMMAND": values[0], OUTSIDE_JOB: "1"}
+        if self.state.get("wmi_create_answer") is not None:
+            # An account WMI refuses (2: Access denied), as the state says.
+            self.print(str(self.state["wmi_create_answer"]))
+            return
         subprocess.Popen(
             [sys.executable, __file__, str(self.root)],
             env=env,
@@ -379,13 +435,16 @@ class Host:
                 os.kill(pid, signal.SIGKILL)
 
     def _native(self, m, values):
-        program = self.which(values[0])
+        self.run_native(values[0], values[1:])
+
+    def run_native(self, name: str, args: list[str]) -> None:
+        program = self.which(name)
         if program is None:
             raise PSError(
-                f"& : The term '{values[0]}' is not recognized as the name of a cmdlet, function, script "
+                f"& : The term '{name}' is not recognized as the name of a cmdlet, function, script "
                 "file, or operable program."
             )
-        argv = command_line_to_argv(legacy_native_line(values[1:]))
+        argv = command_line_to_argv(legacy_native_line(args))
         proc = subprocess.run([str(program), *argv], stdin=subprocess.DEVNULL, capture_output=True)
         sys.stdout.buffer.write(proc.stdout)
         sys.stdout.flush()
@@ -458,6 +517,44 @@ class Host:
                 subprocess.run(["iptables", "-w", "-D", "INPUT", *spec], check=False, capture_output=True)
         self.save()
 
+    def _env(self, m, values):
+        """$env:NAME: the PC's environment variables as the state holds them (an unset one prints nothing)."""
+        value = {"USERPROFILE": self.state["userprofile"], **self.state.get("env", {})}.get(m["name"])
+        if value:
+            self.print(value)
+
+    def _vswhere(self, m, values):
+        """`if (Test-Path (Join-Path ${env:ProgramFiles(x86)} '<vswhere>')) { & (Join-Path ...) args }`: the
+        Visual Studio Installer's vswhere.exe, where the PC has one, run as a native program."""
+        if values[0] != values[1]:
+            raise PSError("fake PowerShell: the vswhere test and call name different files")
+        path = PROGRAM_FILES_X86 + "\\" + values[0]
+        if self.local_path(path).is_file():
+            self.run_native(path, values[2:])
+
+    def _new_dir(self, m, values):
+        self.local_path(values[0]).mkdir(parents=True, exist_ok=True)
+
+    def _move(self, m, values):
+        source, destination = (self.local_path(v) for v in values)
+        if not source.exists():
+            raise PSError(
+                f"Move-Item : Cannot find path '{values[0]}' because it does not exist.\n"
+                "    + CategoryInfo          : ObjectNotFound"
+            )
+        if destination.is_dir():
+            destination = destination / source.name  # into an existing folder, as Move-Item does
+        source.replace(destination)
+
+    def _remove_tree(self, m, values):
+        import shutil
+
+        target = self.local_path(values[0])
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            target.unlink(missing_ok=True)
+
     def _exit_last(self, m, values):
         return getattr(self, "last_exit_code", 0)
 
@@ -468,7 +565,8 @@ class Host:
         (r"\[Console\]::Error\.WriteLine \( § \+ \$PID \)", _marker),
         (r"§", _literal),
         (
-            r"Get-CimInstance -ClassName (?P<cls>Win32_ComputerSystem|Win32_Processor|Win32_OperatingSystem) "
+            r"Get-CimInstance -ClassName "
+            r"(?P<cls>Win32_ComputerSystem|Win32_Processor|Win32_OperatingSystem|Win32_VideoController) "
             r"\| Select-Object (?P<props>[\w,]+) \| ConvertTo-Json -Compress",
             _cim,
         ),
@@ -478,7 +576,12 @@ class Host:
             _nvidia,
         ),
         (
-            r"Get-Command (?P<names>[\w.,-]+) -ErrorAction SilentlyContinue \| Select-Object -ExpandProperty "
+            r"if \( Get-Command vulkaninfo -ErrorAction SilentlyContinue \) \{ vulkaninfo --summary \}",
+            _vulkaninfo,
+        ),
+        (
+            r"Get-Command (?P<names>[\w.,+-]+) -ErrorAction SilentlyContinue \| "
+            r"Select-Object -ExpandProperty "
             r"Source",
             _get_command_sources,
         ),
@@ -501,8 +604,9 @@ class Host:
         (r"Start-Sleep -Milliseconds (?P<ms>\d+)", _sleep),
         (
             r"Start-Process -FilePath §(?P<args> -ArgumentList §)?(?P<cwd> -WorkingDirectory §)? "
-            r"-RedirectStandardOutput § -RedirectStandardError § -WindowStyle Hidden -PassThru \| "
-            r"Select-Object -ExpandProperty Id(?P<pidfile> \| Out-File -LiteralPath § -Encoding ascii)?",
+            r"-RedirectStandardOutput § -RedirectStandardError § -WindowStyle Hidden -PassThru"
+            r"(?: -ErrorAction Stop)? \| Select-Object -ExpandProperty Id"
+            r"(?P<pidfile> \| Out-File -LiteralPath § -Encoding ascii)?",
             _start_process,
         ),
         (r"& §( §)*", _native),
@@ -541,6 +645,16 @@ class Host:
             r"Remove-NetFirewallRule -DisplayName §( , §)* -ErrorAction SilentlyContinue",
             _remove_firewall_rule,
         ),
+        (r"\$env:(?P<name>\w+)", _env),
+        (
+            r"if \( Test-Path -LiteralPath \( Join-Path \$ \{ env:ProgramFiles \( x86 \) \} § \) "
+            r"-PathType Leaf \) "
+            r"\{ & \( Join-Path \$ \{ env:ProgramFiles \( x86 \) \} § \)( §)* \}",
+            _vswhere,
+        ),
+        (r"New-Item -ItemType Directory -Force -Path § \| Out-Null", _new_dir),
+        (r"Move-Item -LiteralPath § -Destination § -Force", _move),
+        (r"Remove-Item -LiteralPath § -Recurse -Force -ErrorAction SilentlyContinue", _remove_tree),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),
     ]
@@ -572,12 +686,40 @@ def run_command(host: Host, command: str) -> int:
     return host.run_script(command)
 
 
+def serve_sftp(root: Path) -> int:
+    """SFTP as Windows' OpenSSH serves it, absolute paths written /C:/Users/...: a real sftp-server, in a
+    mount namespace of its own whose root holds the system's program folders and `C:`, the PC's C drive
+    (the mounts end with the process), starting in the user's profile folder."""
+    state = json.loads((root / "state.json").read_text())
+    os.unshare(os.CLONE_NEWNS)
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    top = root / "sftp-root"
+    top.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(top)], check=True)
+    for name in ("usr", "lib", "lib64", "bin", "sbin", "etc", "dev"):
+        system = Path("/") / name
+        if system.is_symlink():
+            (top / name).symlink_to(os.readlink(system))
+        elif system.is_dir():
+            (top / name).mkdir()
+            subprocess.run(["mount", "--rbind", str(system), str(top / name)], check=True)
+    (top / "C:").mkdir()
+    subprocess.run(["mount", "--bind", str(root / "C"), str(top / "C:")], check=True)
+    os.chroot(top)
+    os.chdir("/")
+    home = "/" + state["userprofile"].replace("\\", "/")
+    os.execv(SFTP_SERVER, [SFTP_SERVER, "-d", home])
+    return 1
+
+
 def main() -> int:
     root = Path(sys.argv[1])
     command = os.environ.get("SSH_ORIGINAL_COMMAND")
     if command is None:
         sys.stderr.write("fake PowerShell: no interactive sessions\n")
         return 1
+    if command == "internal-sftp":
+        return serve_sftp(root)
     host = Host(root)
     try:
         return run_command(host, command)

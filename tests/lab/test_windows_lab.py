@@ -33,6 +33,7 @@ from tests.deploy_fixtures import (
     lab_node,
     listeners_in,
     log_text,
+    route_between,
     rpc_server_binary,
     run,
     start_in,
@@ -316,7 +317,7 @@ def test_the_rpc_server_step_and_the_reap_job_run_on_a_windows_node(lab, lab_hos
     assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
     log = log_text(step)
     assert "[rpc-server] Starting RPC server v7.0.0" in log
-    assert "PS> Start-Process -FilePath 'C:\\llama\\rpc-server.exe'" in log
+    assert "PS> try { Start-Process -FilePath 'C:\\llama\\rpc-server.exe'" in log
     deployment.refresh_from_db()
     record = deployment.processes[f"rpc-server@{node.name}"]
     pid = record["pid"]
@@ -352,7 +353,7 @@ def test_a_process_started_inside_the_ssh_session_dies_with_it_so_the_console_st
 def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, lab_host):
     """ "Existing install" on a Windows node: Test-Path finds ggml-rpc-server.exe and llama-server.exe in the
     folder, llama-server.exe --version runs in the foreground, and the rpc-server's banner is read from a
-    detached start (its log files removed afterwards); building there is refused with what to do instead."""
+    detached start (its log files removed afterwards). (Building from source: test_windows_build_lab.py.)"""
     tools = require_llamacpp()
     drive = windows_like(lab, lab_host)
     drive.install("C:\\llama\\ggml-rpc-server.exe", tools.rpc_server)
@@ -378,10 +379,6 @@ def test_an_unpacked_release_folder_is_registered_as_a_windows_nodes_build(lab, 
     assert not node.detected_install_unrecorded
     run_folder = drive.local(f"{USER_HOME}\\.ramdeck\\run")
     assert list(run_folder.iterdir()) == []  # the banner's log, .err and .pid removed
-
-    compile_job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball"}))
-    assert compile_job.state == JobState.FAILED
-    assert "not supported yet" in compile_job.result and "existing install" in compile_job.result
 
 
 def _namespace_rules(host) -> str:
@@ -462,3 +459,190 @@ def test_direct_mode_opens_the_windows_firewall_to_the_coordinator_only_and_the_
     assert "not an administrator of this Windows PC" in again.result
     assert tag not in _namespace_rules(lab_host)
     run(Job.objects.create(kind="reap", node=node, params={"ports": [port + 2]}))
+
+
+# --- review findings: the shell follows what the node answered; failures say why ---------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_set_to_linux_whose_sshd_answers_in_powershell_gets_powershell_commands(lab, lab_host):
+    """The operator's platform setting says Linux; the first connection found PowerShell, and the probe a
+    Windows PC: from then on the node is Windows for every command the console builds (a second probe,
+    with the shell known from the first, runs the PowerShell probe again), and the probe says the setting
+    is off."""
+    windows_like(lab, lab_host)
+    node = lab_node(lab, lab_host, platform_hint="linux")
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    node.refresh_from_db()
+    assert (node.platform, shell_for(node)) == ("windows", "windows")
+    assert any(
+        "set to linux, but its SSH server answered with powershell" in w for w in node.facts["warnings"]
+    )
+    again = run(Job.objects.create(kind="probe", node=node))
+    assert again.state == JobState.SUCCEEDED, (again.result, log_text(again))
+    node.refresh_from_db()
+    assert node.facts["hostname"] == "GAMING-PC"
+
+
+def test_a_detached_start_of_a_missing_program_says_what_start_process_said(windows):
+    _, ssh, run = windows
+    log = f"{USER_HOME}\\missing-{secrets.token_hex(4)}.log"
+    with pytest.raises(TransportError) as failed:
+        run(ssh.start_daemon(["C:\\llama\\no-such-rpc-server.exe", "-p", "1"], log_path=log))
+    message = str(failed.value)
+    assert (
+        "Start-Process said: This command cannot be run due to the error: The system cannot find the file"
+        in (message)
+    ), message
+    assert "15 s" not in message
+
+
+def test_a_detached_start_of_a_program_windows_cannot_run_says_so(windows):
+    drive, ssh, run = windows
+    # A file that is not a program (no execute permission in the lab: CreateProcess's "Access is denied").
+    target = drive.local("C:\\llama\\notes.exe")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("not a program\n")
+    with pytest.raises(TransportError, match=r"Start-Process said: .*Access is denied"):
+        run(ssh.start_daemon(["C:\\llama\\notes.exe"], log_path=f"{USER_HOME}\\notes.log"))
+
+
+def test_a_start_that_wmi_refuses_names_its_return_value(windows):
+    drive, ssh, run = windows
+    state = json.loads((drive.root / "state.json").read_text())
+    state["wmi_create_answer"] = 2
+    (drive.root / "state.json").write_text(json.dumps(state))
+    with pytest.raises(TransportError, match=r"Win32_Process\.Create answered 2 \(Access denied\)"):
+        run(ssh.start_daemon(["C:\\Windows\\System32\\echo-argv.exe"], log_path=f"{USER_HOME}\\x.log"))
+
+
+def test_the_monitor_reads_a_dead_windows_servers_log_with_get_content(lab, lab_host, windows):
+    """A dead rpc-server.exe's last log lines reach the deployment's reason through PowerShell's
+    Get-Content -Tail (its stdout log and its .err), not `tail`, which Windows does not have."""
+    from deployments.monitor import _check_node
+
+    drive, _, _ = windows
+    log = f"{USER_HOME}\\.ramdeck\\run\\d1-pc-rpc-server-50052.log"
+    drive.local(log).parent.mkdir(parents=True, exist_ok=True)
+    drive.local(log).write_text("\r\n".join(f"line {n}" for n in range(40)) + "\r\n")
+    drive.local(log + ".err").write_text("ggml_backend_cuda_init: out of memory\r\n")
+
+    class PC:
+        name = "gaming-pc"
+        platform = "windows"
+
+    dead_pid = 4_000_000  # above Linux's pid_max: never alive
+    processes = [{"pid": dead_pid, "role": "rpc-server", "log": log}]
+    dead, rows = asyncio.run(_check_node(PC(), SSHTransport(_target(lab, lab_host)), processes))
+    reason = dead[dead_pid]
+    assert "rpc-server on gaming-pc (PID 4000000) is not running. Last log lines:" in reason
+    assert "line 39" in reason and "line 20" not in reason
+    assert "out of memory" in reason
+    assert "is not recognized" not in reason
+    assert rows[0]["alive"] is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_probe_finds_an_intel_gpu_through_vulkaninfo_on_windows(lab, lab_host):
+    """vulkaninfo.exe (the Intel driver's Vulkan runtime) and Win32_VideoController through real SSH: the
+    integrated GPU is Vulkan0, sharing the PC's RAM in place of the CPU device."""
+    video = json.loads((DATA / "probe" / "windows_video_controllers.json").read_text())[
+        "intel_iris_xe_laptop"
+    ]
+    vulkaninfo = (DATA / "probe" / "windows_vulkaninfo_summary_intel_iris_xe.txt").read_text()
+    windows_like(lab, lab_host, vulkaninfo=vulkaninfo, video=video)
+    node = lab_node(lab, lab_host)
+    probe = run(Job.objects.create(kind="probe", node=node))
+    assert probe.state == JobState.SUCCEEDED, (probe.result, log_text(probe))
+    [gpu] = node.devices.all()
+    assert (gpu.name, gpu.kind, gpu.description) == (
+        "Vulkan0",
+        DeviceKind.VULKAN,
+        "Intel(R) Iris(R) Xe Graphics",
+    )
+    assert gpu.unified_memory and gpu.total_bytes == 33473476 * 1024
+
+
+_CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()"
+
+
+def _connect_from(host, address: str, port: int) -> subprocess.CompletedProcess:
+    """One TCP connection from inside `host`'s namespace (a LAN machine that is not the coordinator)."""
+    return subprocess.run(
+        host.exec_argv([sys.executable, "-c", _CONNECT, address, str(port)]),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+@pytest.mark.llamacpp
+@pytest.mark.django_db(transaction=True)
+def test_the_windows_firewall_rule_refuses_a_machine_that_is_not_the_coordinator(lab, lab_hosts, tmp_path):
+    """Direct mode on a Windows worker: with the rules in, the coordinator (this machine's side of the lab
+    link) connects to rpc-server.exe and another machine of the LAN (a second lab namespace, routed to the
+    PC) is refused; the stop removes the rules, after which that machine reaches a server on the port."""
+    pc_host, outsider = lab_hosts(2)
+    route_between([pc_host, outsider])
+    drive = windows_like(lab, pc_host)
+    drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
+    node = lab_node(lab, pc_host)
+    assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
+    Build.objects.create(
+        node=node,
+        source_kind=BuildSource.EXISTING,
+        rpc_protocol="7.0.0",
+        rpc_binary="rpc-server",
+        rpc_server_path="C:\\llama\\rpc-server.exe",
+        llama_server_path="C:\\llama\\llama-server.exe",
+    )
+    port = 41000 + secrets.randbelow(9000)
+    deployment = step_deployment(node, port=port + 1)
+    tag = rpc_guard.tag_for(deployment.pk, node.name)
+    step = run(
+        Job.objects.create(
+            kind="rpc_server",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "args": ["-H", pc_host.address, "-p", str(port)],
+                "port": port,
+                "bind": pc_host.address,
+                "needs": {"CPU": 1},
+                "firewall": {"coordinator": pc_host.host_address, "tag": tag},
+            },
+        )
+    )
+    assert step.state == JobState.SUCCEEDED, (step.result, log_text(step))
+    assert f"admitting only {pc_host.host_address}" in step.result
+
+    socket.create_connection((pc_host.address, port), timeout=5).close()  # the coordinator
+    refused = _connect_from(outsider, pc_host.address, port)
+    assert refused.returncode != 0 and "ConnectionRefusedError" in refused.stderr, refused.stderr
+
+    deployment.refresh_from_db()
+    stop = run(
+        Job.objects.create(
+            kind="stop",
+            node=node,
+            params={
+                "deployment": deployment.pk,
+                "processes": [deployment.processes[f"rpc-server@{node.name}"]],
+                "guards": list(deployment.guards.values()),
+            },
+        )
+    )
+    assert stop.state == JobState.SUCCEEDED, (stop.result, log_text(stop))
+    assert tag not in _namespace_rules(pc_host)
+    # The rules are gone: a server on the same port is open to that machine again.
+    server = start_in(
+        pc_host, [sys.executable, "-m", "http.server", "-b", pc_host.address, str(port)], tmp_path / "h.log"
+    )
+    for _ in range(100):
+        if listeners_in(pc_host, port):
+            break
+        time.sleep(0.1)
+    reached = _connect_from(outsider, pc_host.address, port)
+    assert reached.returncode == 0, reached.stderr
+    server.kill()

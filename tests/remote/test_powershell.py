@@ -162,3 +162,52 @@ def test_the_firewall_blocks_every_address_but_the_coordinators():
     ]
     with pytest.raises(ValueError):
         powershell.firewall_add_script(1, "192.168.1.10'; Remove-NetFirewallRule *", "t")
+
+
+@given(source=HOSTILE.filter(lambda v: "\x00" not in v), target=HOSTILE.filter(lambda v: "\x00" not in v))
+@EXAMPLES
+def test_the_build_jobs_file_commands_hold_each_path_as_one_literal(source, target):
+    """The Windows build's folder, move and remove commands (builds/windows.py): whatever a path holds, it
+    is one verbatim literal of one statement, never code."""
+    for script, paths in (
+        (powershell.make_dir_script(source), [source]),
+        (powershell.move_script(source, target), [source, target]),
+        (powershell.remove_tree_script(source), [source]),
+    ):
+        [statement] = statements(tokenize(script))
+        assert [t for t in statement if isinstance(t, Str)] == paths
+
+
+def test_the_build_tools_script_asks_vswhere_for_msvc_and_prints_sections():
+    script = powershell.build_tools_script()
+    parsed = statements(tokenize(script))
+    literals = [[t for t in s if isinstance(t, Str)] for s in parsed]
+    assert ["@@@ commands"] in literals and ["@@@ msvc"] in literals and ["@@@ end"] in literals
+    vswhere = next(s for s in literals if powershell.VSWHERE in s)
+    assert vswhere[2:] == [
+        "-latest",
+        "-products",
+        "*",
+        "-requires",
+        "Microsoft.VisualStudio.Component.VC.Tools.x86.x64",
+        "-property",
+        "installationPath",
+    ]
+
+
+def test_a_failed_start_is_said_by_wmis_return_value_or_start_process():
+    assert "answered 2 (Access denied)" in powershell.start_failure("x.exe", "pc", answer="2")
+    assert "answered 9 (Path not found)" in powershell.start_failure("x.exe", "pc", answer="9")
+    said = powershell.start_failure(
+        "x.exe", "pc", pid_text="error: The system cannot find the file specified."
+    )
+    assert said.endswith("Start-Process said: The system cannot find the file specified.")
+    quiet = powershell.start_failure("x.exe", "pc", logs="")
+    assert "wrote no PID within 15 s" in quiet and "empty or absent" in quiet
+    assert "Last lines of its log files:\nboom" in powershell.start_failure("x.exe", "pc", logs="boom")
+
+
+def test_a_windows_path_reaches_sftp_in_its_absolute_form():
+    assert powershell.sftp_path("C:\\Users\\ana\\x.tar.gz") == "/C:/Users/ana/x.tar.gz"
+    assert powershell.sftp_path("D:/data/m.gguf") == "/D:/data/m.gguf"
+    assert powershell.sftp_path("/C:/already") == "/C:/already"

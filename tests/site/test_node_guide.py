@@ -81,3 +81,14 @@ def test_the_wsl2_lines_are_the_node_pages():
     ):
         assert line in text, line
     assert side.wslconfig in text
+
+
+def test_the_windows_build_lines_are_the_build_jobs():
+    """The winget lines the Windows section gives are the ones builds/windows.py names when a piece is
+    missing."""
+    from builds.windows import INSTALL
+
+    text = guide()
+    for piece in ("cmake", "msvc", "ninja", "cuda", "vulkan", "git"):
+        winget = INSTALL[piece][0]
+        assert winget in text.replace("\n", " "), piece
