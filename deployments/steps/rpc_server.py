@@ -14,6 +14,7 @@ from jobs.context import JobFailed
 from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
 from llamacpp.args import quiet_argv
+from modelfiles import local_copy
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -36,6 +37,9 @@ async def rpc_server_body(ctx) -> str:
     posix = not on_windows(ctx)
     if ctx.node.rpc_cache_limit_gib and posix:
         await cache.trim_before_start(ctx, ctx.node)
+        # A worker holding its own copy of the model gets the weights of its blocks from its disk, not the
+        # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py).
+        await local_copy.fill_before_start(ctx, deployment)
     argv = rpc_cache.start_argv(
         build.rpc_server_path,
         params["args"],
