@@ -319,6 +319,13 @@ async def fill_before_start(ctx: JobContext, deployment) -> None:
             )
             return
         total = sum(e["size"] for e in wanted)
+        free = (ctx.node.rpc_cache_state or {}).get("free_bytes")  # read by the trim just before
+        if free is not None and total > free:
+            await ctx.log(
+                f"WARNING: {ctx.node.name} has {mib(free)} MiB free on the cache's disk, the fill needs up "
+                f"to {mib(total)} MiB: the RPC cache is not filled from {copy.path}."
+            )
+            return
         await ctx.log(
             f"Filling the RPC cache from {copy.path}: {len(wanted)} tensors ({mib(total)} MiB) of the "
             f"blocks planned on {ctx.node.name}, each checked by SHA-256 on the node."

@@ -5,6 +5,7 @@ page showing the copy, what it pays and the models whose tensors the node's cach
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import html
 from pathlib import Path
@@ -14,11 +15,13 @@ from django.urls import reverse
 
 from audit.models import AuditEvent
 from jobs.models import Job, JobState
+from llamacpp import gguf as gguf_profile
 from llamacpp import tensor_cache
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles import local_copy
 from modelfiles.models import ModelCopy, ModelFile
-from tests.deploy_fixtures import lab_node, log_text, run
+from remote.local import LocalTransport
+from tests.deploy_fixtures import StepContext, lab_node, log_text, run
 from tests.factories import NodeFactory
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
@@ -168,3 +171,63 @@ def test_the_copy_form_refuses_bad_paths_split_models_and_the_models_own_node(op
     # The node page offers the copy, with what it costs against streaming.
     page = operator_client.get(worker.get_absolute_url()).content.decode()
     assert "Copy a model here" in page and "Copy to old-pc" in page and "a copy sends" in page
+
+
+def _fill_deployment(worker, tmp_path, small):
+    """A deployment whose plan gives `worker` blocks 1-2 of a generated model, the worker holding a copy."""
+    from deployments.models import Deployment
+
+    source = NodeFactory(name="desk")
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4))
+    model = _model(source, path)
+    model.tensor_hashes = tensor_cache.hash_tensors(
+        lambda off, n: path.read_bytes()[off : off + n], gguf_profile.read_header_path(path)
+    )
+    model.save()
+    copy = tmp_path / "worker copy $(id).gguf"
+    copy.write_bytes(path.read_bytes())
+    ModelCopy.objects.create(
+        model=model, node=worker, path=str(copy), size_bytes=path.stat().st_size, sha256="0" * 64
+    )
+    placement = {"node": worker.name, "endpoint": "10.0.0.2:50052", "first_layer": 1, "layers": 2}
+    return (
+        model,
+        copy,
+        Deployment.objects.create(
+            name="d", model_file=model, coordinator=source, plan={"placements": [placement]}, port=8080
+        ),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fill_step_writes_the_workers_tensors_from_its_copy_and_counts_them(
+    local_node, tmp_path, small_threshold
+):
+    local_node.llama_cache_dir = str(tmp_path / "cache")
+    local_node.rpc_cache_state = {"bytes": 0, "entries": 0, "names": [], "free_bytes": 10**12}
+    local_node.save()
+    model, copy, deployment = _fill_deployment(local_node, tmp_path, small_threshold)
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    wanted = [e for e in model.tensor_hashes["tensors"] if e["name"].split(".")[1] in ("1", "2")]
+    rpc = tmp_path / "cache" / "rpc"
+    assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in wanted), ctx.lines
+    assert any(f"{len(wanted)} tensors written" in line for line in ctx.lines), ctx.lines
+    local_node.refresh_from_db()
+    assert sorted(local_node.rpc_cache_state["names"]) == sorted(e["fnv"] for e in wanted)
+    assert local_node.rpc_cache_state["bytes"] == sum(e["size"] for e in wanted)
+
+    # A copy whose size changed since it was checked fills nothing, and says so.
+    for entry in rpc.iterdir():
+        entry.unlink()
+    copy.write_bytes(copy.read_bytes()[:-1])
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    assert not list(rpc.iterdir()) and any("is not filled from it" in line for line in ctx.lines), ctx.lines
+
+    # Too little free disk for the tensors: nothing is filled (they cross the network as always).
+    copy.write_bytes(Path(model.path).read_bytes())
+    local_node.rpc_cache_state = {**local_node.rpc_cache_state, "free_bytes": 1000}
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    assert not list(rpc.iterdir()) and any("MiB free on the cache's disk" in line for line in ctx.lines)
