@@ -17,6 +17,7 @@ Split models (several shards) are not copied yet: the job refuses them, saying s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import posixpath
 import time
@@ -254,14 +255,26 @@ async def _copy(ctx: JobContext, model: ModelFile, dest: str, size: int, sha: st
         )
     source = await open_transport_for(model.node)
     begun, last, done = time.monotonic(), 0.0, start
+
+    def read(offset: int) -> asyncio.Task[bytes] | None:
+        if offset >= size:
+            return None
+        return asyncio.ensure_future(source.read_range(model.path, offset, min(CHUNK, size - offset)))
+
+    pending: asyncio.Task[bytes] | None = None
     try:
         async with source:
-            while done < size:
+            # The next chunk is read from the source while this one is written to the node: the two links
+            # (source to console, console to node) work at once.
+            pending = read(done)
+            while pending is not None:
                 if ctx.cancelled():
                     raise JobFailed(f"Cancelled at {mib(done)} MiB; a new copy continues from there.")
-                data = await source.read_range(model.path, done, min(CHUNK, size - done))
+                data = await pending
+                pending = None
                 if not data:
                     raise JobFailed(f"{model.path} on {model.node.name} ended at {done} bytes, not {size}.")
+                pending = read(done + len(data))
                 await ctx.transport.write_at(part, done, data)
                 done += len(data)
                 now = time.monotonic()
@@ -273,6 +286,11 @@ async def _copy(ctx: JobContext, model: ModelFile, dest: str, size: int, sha: st
                     last = now
     except TransportError as exc:
         raise JobFailed(f"The copy stopped at {mib(done)} MiB: {exc}. Start it again to continue.") from None
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
     await ctx.log("Checking the copy's SHA-256 on the node.")
     got = await _sha256_on(ctx.transport, part)
     if got != sha:
