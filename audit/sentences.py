@@ -34,6 +34,8 @@ PHRASES = {
     "build.requested": "asked for a llama.cpp build on {object}",
     "model.register": "registered {object}",
     "model.download": "started a model download ({object})",
+    "model.copy": "started copying {object} to another node",
+    "model.copy.registered": "registered a copy of {object} on another node",
     "process.reap_requested": "asked to end a stale process on {object}",
     "process.reaped": "ended stale processes on {object}",
     "deployment.confirm": "confirmed the plan of {object}",

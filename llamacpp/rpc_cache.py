@@ -17,6 +17,7 @@ files whose name is a cache entry's are counted or removed; anything else in the
 from __future__ import annotations
 
 import posixpath
+import re
 
 from llamacpp.args import quiet_argv
 
@@ -26,9 +27,14 @@ DEFAULT_LIMIT_GIB = 32
 ACTIONS = ("usage", "trim", "clear")
 
 _HEX = "[0-9a-f]" * 16
+_NAME = re.compile(r"^[0-9a-f]{16}$")
+# The entries' names kept on the node (what the node page matches against each model's tensors): a cache
+# of real models holds a few thousand at most.
+MAX_NAMES = 50_000
 
 # $1 action, $2 configured cache folder ("" for llama.cpp's default), $3 limit in bytes (trim).
-# Prints "dir", "removed <name> <bytes>" lines, then "entries", "bytes" and "free_kib" of what is left.
+# Prints "dir", an "entry <name>" line per entry found, "removed <name> <bytes>" lines, then "entries",
+# "bytes" and "free_kib" of what is left.
 SCRIPT = f"""
 set -u
 action=$1 base=$2 limit=${{3:-0}}
@@ -49,6 +55,7 @@ if [ -d "$dir" ]; then
     case ${{f##*/}} in {_HEX}) ;; *) continue ;; esac
     [ -f "$f" ] && [ ! -L "$f" ] || continue
     total=$((total + $(size "$f"))) entries=$((entries + 1))
+    printf 'entry %s\\n' "${{f##*/}}"
   done
   if [ "$action" = clear ] || {{ [ "$action" = trim ] && [ "$total" -gt "$limit" ]; }}; then
     # Oldest first (ls -t sorts by modification time, -r reverses): a file is written once, when the server
@@ -140,11 +147,13 @@ def launch_argv(
 
 def parse(stdout: str) -> dict:
     """The script's output as {"dir", "entries", "bytes", "free_bytes", "removed": [(name, bytes)]}."""
-    found: dict = {"dir": "", "entries": None, "bytes": None, "free_bytes": None, "removed": []}
+    found: dict = {"dir": "", "entries": None, "bytes": None, "free_bytes": None, "removed": [], "names": []}
     for line in stdout.splitlines():
         key, _, value = line.partition(" ")
         if key == "dir":
             found["dir"] = value
+        elif key == "entry" and _NAME.match(value):
+            found["names"].append(value)
         elif key == "removed":
             name, _, size = value.partition(" ")
             if size.isdigit():
@@ -153,4 +162,6 @@ def parse(stdout: str) -> dict:
             found[key] = int(value)
         elif key == "free_kib" and value.isdigit():
             found["free_bytes"] = int(value) * 1024
+    gone = {name for name, _ in found["removed"]}
+    found["names"] = [name for name in found["names"] if name not in gone][:MAX_NAMES]
     return found

@@ -13,3 +13,4 @@ class ModelfilesConfig(AppConfig):
 
         kinds.register("download", "Download model", "modelfiles.download.download_body")
         kinds.register("real_model", "Small real model", "modelfiles.real_model.real_model_body")
+        kinds.register("model_copy", "Copy model to a node", "modelfiles.local_copy.model_copy_body")

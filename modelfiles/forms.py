@@ -9,7 +9,7 @@ from urllib.parse import unquote, urlsplit
 from django import forms
 
 from jobs.models import Job
-from modelfiles import fetch_policy
+from modelfiles import fetch_policy, local_copy
 from modelfiles.models import ModelFile, name_from_path
 from nodes.models import Node, Transport
 from ramdeck_site.roles import can_administer
@@ -177,3 +177,51 @@ class RealModelForm(forms.Form):
         if Job.objects.active().filter(kind="real_model", node=node).exists():
             raise forms.ValidationError(f"The small real model is already on its way to {node.name}.")
         return node
+
+
+class ModelCopyForm(forms.Form):
+    """A model's file copied to another node (a worker) once, so deployments fill that node's RPC cache from
+    its own disk (modelfiles/local_copy.py)."""
+
+    model = forms.ModelChoiceField(queryset=ModelFile.objects.select_related("node"))
+    node = forms.ModelChoiceField(queryset=Node.objects.filter(enabled=True))
+    path = forms.CharField(
+        max_length=1000,
+        required=False,
+        help_text="Where the copy goes on that node (empty: the nodes' model folder, the file's own name). "
+        "A whole copy already there is registered without sending anything.",
+    )
+
+    def __init__(self, *args, user=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _offer_local_nodes_to_admins_only(self, user)
+
+    def clean_path(self) -> str:
+        path = self.cleaned_data["path"]
+        if not path:
+            return ""
+        try:
+            return local_copy.check_destination(path)
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def clean(self):
+        data = super().clean()
+        model, node = data.get("model"), data.get("node")
+        if model is None or node is None:
+            return data
+        if model.node_id == node.pk:
+            raise forms.ValidationError(f"{model.name} lives on {node.name} already.")
+        if node.platform == "windows":
+            raise forms.ValidationError(
+                f"{node.name} runs Windows, whose rpc-server runs without the RPC cache for now: "
+                "a copy would not help."
+            )
+        if len(model.shard_paths or [model.path]) > 1:
+            raise forms.ValidationError(
+                f"{model.name} is a split model: copying split models is not supported yet."
+            )
+        if Job.objects.active().filter(kind=local_copy.KIND, node=node).exists():
+            raise forms.ValidationError(f"A model copy to {node.name} is already queued or running.")
+        data["path"] = data.get("path") or local_copy.default_destination(model)
+        return data

@@ -38,6 +38,10 @@ class ModelFile(models.Model):
     size_bytes = models.BigIntegerField(default=0)
     sha256 = models.CharField(max_length=64, blank=True)
     profile = models.JSONField(default=dict)
+    # The FNV-1a hash (ggml-rpc-server's cache file name) and SHA-256 of each tensor above the RPC cache's
+    # threshold, computed once by the console (llamacpp/tensor_cache.py): what fills a worker's cache from
+    # its own copy, and how a cache's files are matched to the models they hold.
+    tensor_hashes = models.JSONField(default=dict, blank=True, editable=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -58,3 +62,24 @@ class ModelFile(models.Model):
         # text only, however the model was registered.
         self.profile = printable_json(self.profile or {})
         super().save(*args, **kwargs)
+
+
+class ModelCopy(models.Model):
+    """A copy of a model's file on another node (a worker): copied there by the console, or found there
+    whole. Its size and SHA-256 were checked on that node against the model's; a deployment that places
+    blocks on the node fills its RPC tensor cache from this copy before its rpc-server starts
+    (deployments/steps/local_copy.py), so the weights need not cross the network."""
+
+    model = models.ForeignKey(ModelFile, on_delete=models.CASCADE, related_name="copies")
+    node = models.ForeignKey("nodes.Node", on_delete=models.CASCADE, related_name="model_copies")
+    path = models.CharField(max_length=1000)
+    size_bytes = models.BigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64)
+    verified_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["model__name", "node__name"]
+        constraints = [models.UniqueConstraint(fields=["model", "node"], name="one_copy_per_model_and_node")]
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.node}: {self.path}"

@@ -10,4 +10,5 @@ urlpatterns = [
     path("register/", views.model_register, name="register"),
     path("download/", views.model_download, name="download"),
     path("try-real/", views.model_try_real, name="try_real"),
+    path("copy/", views.model_copy, name="copy"),
 ]

@@ -14,9 +14,9 @@ from audit import history
 from jobs.models import Job, refuse_local_node
 from llamacpp import gguf as gguf_profile
 from llamacpp import gguf_isolated, real_model
-from modelfiles import fetch_policy
+from modelfiles import fetch_policy, local_copy
 from modelfiles.fit import default_context, pool_fit
-from modelfiles.forms import ModelDownloadForm, ModelRegisterForm, RealModelForm
+from modelfiles.forms import ModelCopyForm, ModelDownloadForm, ModelRegisterForm, RealModelForm
 from modelfiles.models import ModelFile
 from modelfiles.register import read_model_profile
 from nodes.models import Node
@@ -174,4 +174,25 @@ def model_try_real(request):
             },
         )
         job.enqueue()
+    return redirect(job.get_absolute_url())
+
+
+@require_POST
+@role_required(OPERATOR)
+def model_copy(request):
+    """Copy a model's file to a node once, in the background (a `model_copy` job: progress in its log, a
+    stopped copy resumed), so deployments fill that node's RPC cache from its own disk. Offered on the node
+    page; audited."""
+    _refuse_local(request, "Model copies")
+    form = ModelCopyForm(request.POST, user=request.user)
+    if not form.is_valid():
+        errors = "; ".join(" ".join(e) for e in form.errors.values())
+        messages.error(request, f"The model was not copied: {errors}")
+        node = form.cleaned_data.get("node")
+        return redirect(node) if node is not None else redirect("modelfiles:list")
+    model, node, path = form.cleaned_data["model"], form.cleaned_data["node"], form.cleaned_data["path"]
+    with transaction.atomic():
+        job = local_copy.start_copy(model, node, path, request.user)
+        history.record(request, "model.copy", model, changes={"node": node.name, "path": path, "job": job.pk})
+    messages.success(request, f"Copying {model.name} to {node.name}.")
     return redirect(job.get_absolute_url())

@@ -42,8 +42,22 @@ def limit_bytes(node: Node) -> int:
     return int(node.rpc_cache_limit_gib) * GIB
 
 
+def add_entries(node: Node, filled: list[tuple[str, int]], free_bytes: int | None) -> None:
+    """Entries written into the cache since it was read (a fill from a local copy): counted on the node."""
+    state = dict(node.rpc_cache_state or {})
+    names = list(state.get("names") or [])
+    new = [(name, size) for name, size in filled if name not in set(names)]
+    state["names"] = (names + [name for name, _ in new])[: rpc_cache.MAX_NAMES]
+    state["entries"] = int(state.get("entries") or 0) + len(new)
+    state["bytes"] = int(state.get("bytes") or 0) + sum(size for _, size in new)
+    if free_bytes is not None:
+        state["free_bytes"] = free_bytes
+    node.rpc_cache_state = state
+    node.save(update_fields=["rpc_cache_state"])
+
+
 def save_state(node: Node, found: dict) -> None:
-    state = {key: found[key] for key in ("dir", "entries", "bytes", "free_bytes")}
+    state = {key: found[key] for key in ("dir", "entries", "bytes", "free_bytes", "names")}
     state["read_at"] = timezone.now().isoformat()
     node.rpc_cache_state = state
     node.save(update_fields=["rpc_cache_state"])

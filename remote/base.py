@@ -181,6 +181,15 @@ class Transport(Protocol):
         """The first nbytes of a file on the node."""
         ...
 
+    async def read_range(self, remote_path: str, offset: int, nbytes: int) -> bytes:
+        """At most nbytes of a file on the node, from byte `offset` (fewer at its end)."""
+        ...
+
+    async def write_at(self, remote_path: str, offset: int, data: bytes) -> None:
+        """Write `data` into a file on the node at byte `offset`: a new file (or one emptied) when `offset` is
+        0, else the existing one continued (a copy resumed where it stopped)."""
+        ...
+
 
 class CommandFailed(Exception):
     """`run(..., check=True)`: the command ran and exited non-zero (a job failure, not a transport error)."""

@@ -195,6 +195,28 @@ class LocalTransport:
         except OSError as exc:
             raise TransportError(f"Writing {remote_path} failed: {exc.strerror or exc}") from exc
 
+    async def read_range(self, remote_path: str, offset: int, nbytes: int) -> bytes:
+        def read() -> bytes:
+            with open(remote_path, "rb") as handle:
+                handle.seek(offset)
+                return handle.read(nbytes)
+
+        try:
+            return await asyncio.to_thread(read)
+        except OSError as exc:
+            raise TransportError(f"Reading {remote_path} failed: {exc.strerror or exc}") from exc
+
+    async def write_at(self, remote_path: str, offset: int, data: bytes) -> None:
+        def write() -> None:
+            with open(remote_path, "wb" if offset == 0 else "r+b") as handle:
+                handle.seek(offset)
+                handle.write(data)
+
+        try:
+            await asyncio.to_thread(write)
+        except OSError as exc:
+            raise TransportError(f"Writing {remote_path} failed: {exc.strerror or exc}") from exc
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         def read() -> bytes:
             with open(remote_path, "rb") as handle:

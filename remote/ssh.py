@@ -607,6 +607,27 @@ class SSHTransport:
         await listener.wait_closed()
         return True
 
+    async def read_range(self, remote_path: str, offset: int, nbytes: int) -> bytes:
+        conn = self._require_conn()
+        try:
+            async with conn.start_sftp_client() as sftp, sftp.open(remote_path, "rb") as handle:
+                return await handle.read(nbytes, offset)
+        except asyncssh.SFTPError as exc:
+            raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Reading {self.target.host}:{remote_path} failed: {exc}") from exc
+
+    async def write_at(self, remote_path: str, offset: int, data: bytes) -> None:
+        conn = self._require_conn()
+        try:
+            mode = "wb" if offset == 0 else "r+b"
+            async with conn.start_sftp_client() as sftp, sftp.open(remote_path, mode) as handle:
+                await handle.write(data, offset)
+        except asyncssh.SFTPError as exc:
+            raise TransportError(f"Writing {self.target.host}:{remote_path} failed: {exc.reason}") from exc
+        except (asyncssh.Error, OSError) as exc:
+            raise TransportError(f"Writing {self.target.host}:{remote_path} failed: {exc}") from exc
+
     async def read_head(self, remote_path: str, nbytes: int) -> bytes:
         conn = self._require_conn()
         try:

@@ -13,6 +13,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
+from modelfiles import local_copy
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -35,6 +36,9 @@ async def rpc_server_body(ctx) -> str:
     posix = not on_windows(ctx)
     if ctx.node.rpc_cache_limit_gib and posix:
         await cache.trim_before_start(ctx, ctx.node)
+        # A worker holding its own copy of the model gets the weights of its blocks from its disk, not the
+        # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py).
+        await local_copy.fill_before_start(ctx, deployment)
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
     argv = rpc_cache.launch_argv(
         build.rpc_server_path,

@@ -48,6 +48,7 @@ POST_ONLY = {
     "deployments:rpc_mode": "chooses tunnel or direct RPC (the form is on the run page)",
     "modelfiles:try_real": "registers the small real model (the button is on the models page)",
     "nodes:rpc_cache_read": "reads a node's RPC cache size (the button is on the node page)",
+    "modelfiles:copy": "copies a model to a node (the form is on the node page)",
     "deployments:recalibrate": "stops, calibrates a node and starts again (the button is on the node page)",
 }
 NOT_PAGES = {

@@ -27,20 +27,26 @@ import httpx
 import pytest
 
 from deployments.models import Deployment, DeploymentState
+from jobs.models import JobState
+from llamacpp import tensor_cache
 from llamacpp.gguf import profile_path
 from llamacpp.logs import parse_load_log
+from llamacpp.source import file_sha256
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
-from modelfiles.models import ModelFile
+from modelfiles import local_copy
+from modelfiles.models import ModelCopy, ModelFile
 from nodes.models import Device, DeviceKind
 from planning import planner
 from tests.deploy_fixtures import (
     LLAMA_PORT,
     MIB,
     Cluster,
+    log_text,
     planner_nodes_of,
     start_in,
     stop_proc,
 )
+from tests.deploy_fixtures import run as run_job
 from tests.llamacpp_build import require_llamacpp, use_cached_llamacpp
 
 pytestmark = [
@@ -89,9 +95,13 @@ def rpc_bytes(host, port: int) -> int:
     raise AssertionError(f"no counting rule for port {port}:\n{out.stdout}")
 
 
-def _load_s(deployment: Deployment) -> float:
-    job = deployment.steps.filter(name="llama-server").select_related("job").latest("order").job
+def _step_s(deployment: Deployment, name: str) -> float:
+    job = deployment.steps.filter(name=name).select_related("job").latest("order").job
     return (job.finished_at - job.started_at).total_seconds()
+
+
+def _load_s(deployment: Deployment) -> float:
+    return _step_s(deployment, "llama-server")
 
 
 def _worker_model_bytes(deployment: Deployment) -> int:
@@ -143,7 +153,7 @@ def pair(lab, lab_hosts, tmp_path, settings):
     return cluster
 
 
-def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair, monkeypatch):
+def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair, monkeypatch, settings):
     cluster = pair
     link_mbit = _env_float("RAMDECK_FIRST_WORD_LINK_MBIT", 100)
     model_mib = _env_float("RAMDECK_FIRST_WORD_MODEL_MIB", 512)
@@ -179,8 +189,16 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     assert not _cache_files(cache)
     rpc_port = cluster.workers[0].rpc_port
     rpc_counter(worker_host, rpc_port)
-    figures: dict = {"link_mbit": link_mbit or None, "model_bytes": profile["size_bytes"], "n_layer": n_layer}
-    for run in ("cold", "warm"):
+    figures: dict = {"link_mbit": link_mbit or None, "model_bytes": profile["size_bytes"]}
+    figures["n_layer"] = n_layer
+    names: dict[str, list[str]] = {}
+    for run in ("cold", "warm", "local_copy"):
+        if run == "local_copy":
+            # The worker gets its own copy of the model (the console's copy job, over SFTP), and its cache is
+            # emptied: the first load from the copy must send almost nothing all the same.
+            figures["copy_s"] = _copy_to_worker(cluster, model, settings)
+            for entry in cache.glob("*"):
+                entry.unlink()
         deployment = Deployment.objects.create(
             name=f"wide-{run}",
             model_file=model,
@@ -199,14 +217,27 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         figures[f"{run}_bytes"] = received
         figures[f"{run}_s"] = round(_load_s(deployment), 3)
+        figures[f"{run}_rpc_server_s"] = round(_step_s(deployment, "rpc-server"), 3)
         figures["weights_bytes"] = _worker_model_bytes(deployment)
         figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
+        names[run] = sorted(_cache_files(cache))
         # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server
-        # started: empty before the cold run, the cold run's entries before the warm one.
+        # started: empty before the cold run, the cold run's entries before the warm one; before the
+        # local-copy run empty, then the entries filled from the copy counted in.
         worker = cluster.workers[0]
         worker.refresh_from_db()
         expected = 0 if run == "cold" else figures["cache_after_cold"]
         assert worker.rpc_cache_state["bytes"] == expected, worker.rpc_cache_state
+        if run == "local_copy":
+            figures["fill_log"] = _fill_lines(deployment)
+            # The fill is part of this load: its time (the fill step's own log line) is counted in.
+            filled = [line for line in figures["fill_log"] if "RPC cache filled in" in line]
+            assert filled, figures["fill_log"]
+            figures["fill_s"] = float(filled[0].split("RPC cache filled in ")[1].split(" s")[0])
+            figures["local_copy_s"] = round(figures["local_copy_s"] + figures["fill_s"], 3)
+            # Every file the cold load made was written by the fill, under the same name.
+            assert f"{len(names['cold'])} tensors written" in filled[0], (filled[0], len(names["cold"]))
+            assert names["local_copy"] == names["cold"]
         assert worker.rpc_cache_state["dir"] == str(cache)
         deployment = cluster.stop(deployment, monkeypatch)
         assert deployment.state == DeploymentState.STOPPED
@@ -217,6 +248,8 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     weights, cached = figures["weights_bytes"], figures["cache_after_cold"]
     figures["cacheable_fraction"] = round(cached / weights, 4)
     figures["warm_fraction"] = round(figures["warm_bytes"] / weights, 4)
+    figures["local_copy_fraction"] = round(figures["local_copy_bytes"] / weights, 4)
+    figures["uncacheable_bytes"] = weights - cached
     print("\nFIRST-WORD " + json.dumps(figures))
     # Cold: every weight crossed the link, and the cache kept each tensor above the threshold.
     assert figures["cold_bytes"] >= weights
@@ -227,3 +260,30 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     assert figures["cache_after_warm"] == cached
     assert figures["warm_bytes"] < (weights - cached) + 0.06 * weights
     assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]
+    # Local copy: the cache was empty and filled from the worker's own copy before its rpc-server started,
+    # with exactly the files the cold load made (the same names, so the same FNV-1a hashes rpc-server
+    # computes); the link then carries the part under the threshold and the deploy's own traffic only.
+    assert figures["cache_after_local_copy"] == cached, figures["fill_log"]
+    assert figures["local_copy_bytes"] < (weights - cached) + 0.05 * weights, figures
+    assert figures["local_copy_bytes"] < 0.1 * figures["cold_bytes"]
+    assert any("RPC cache filled" in line for line in figures["fill_log"]), figures["fill_log"]
+
+
+def _fill_lines(deployment: Deployment) -> list[str]:
+    job = deployment.steps.filter(name="rpc-server").select_related("job").latest("order").job
+    return [line for line in log_text(job).splitlines() if "RPC cache fill" in line or "Filling" in line]
+
+
+def _copy_to_worker(cluster, model: ModelFile, settings) -> float:
+    """The model copied to the worker by the console's `model_copy` job (from the coordinator over SFTP,
+    through the console), registered for the worker, its tensors hashed."""
+    settings.RAMDECK_NODE_MODEL_DIR = str(cluster.tmp_path / "worker-models")
+    worker = cluster.workers[0]
+    job = local_copy.start_copy(model, worker, local_copy.default_destination(model), cluster.operator)
+    job = run_job(job)
+    assert job.state == JobState.SUCCEEDED, log_text(job)
+    copy = ModelCopy.objects.get(model=model, node=worker)
+    assert copy.sha256 == file_sha256(Path(model.path)) and copy.path != model.path
+    model.refresh_from_db()
+    assert tensor_cache.valid(model.tensor_hashes)
+    return round((job.finished_at - job.started_at).total_seconds(), 3)

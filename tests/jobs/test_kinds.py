@@ -19,6 +19,7 @@ EXPECTED = {
     "calibrate": "calibration",
     "download": "modelfiles",
     "real_model": "modelfiles",
+    "model_copy": "modelfiles",
     **dict.fromkeys(DEPLOYMENT_KINDS, "deployments"),
 }
 

@@ -66,6 +66,7 @@ def test_load_log_is_keyed_by_endpoint_and_sums_buffers_of_one_device():
     [
         ("CPU_Mapped", "CPU"),
         ("CPU_REPACK", "CPU"),
+        ("AMX", "CPU"),  # f16 weights repacked for Intel AMX: the buffer type has no CPU_ prefix
         ("CUDA_Host", "CPU"),  # pinned host memory of the CUDA backend
         ("CUDA0", "CUDA0"),
         ("MTL0_Mapped", "MTL0"),  # a Mac's weights on Metal, mapped from the file: the GPU's, not the CPU's
@@ -217,3 +218,14 @@ def test_a_log_without_context_lines_reports_nothing():
 )
 def test_the_model_alias_is_the_console_name_as_one_alias(name, alias):
     assert model_alias(name) == alias
+
+
+def test_weights_repacked_for_amx_are_the_cpus_and_counted_as_repacked():
+    # As the pinned build logs an f16 model's CPU blocks on a Xeon with AMX.
+    lines = [
+        "load_tensors:          AMX model buffer size =   131.25 MiB",
+        "load_tensors:   CPU_Mapped model buffer size =    31.35 MiB",
+        "load_tensors: RPC0[10.77.2.2:50052] model buffer size =   395.15 MiB",
+    ]
+    cpu = parse_load_log(lines)["devices"]["CPU"]
+    assert cpu["model"] == round(162.6 * 2**20) and cpu["repacked"] == round(131.25 * 2**20)

@@ -95,6 +95,7 @@ RULES: dict[str, dict[str, object]] = {
     "modelfiles:register": _rule(LOGIN, 403, 400, 400),
     "modelfiles:download": _rule(LOGIN, 403, 400, 400),
     "modelfiles:try_real": _rule(LOGIN, 403, 400, 400),
+    "modelfiles:copy": _rule(LOGIN, 403, 302, 302),  # POST; an empty form goes back with its error
     "deployments:plan": _rule(LOGIN, 200, 200, 200),
     "deployments:confirm": _rule(LOGIN, 403, 302, 302),  # an empty form: back to the plan page
     "deployments:manual": _rule(LOGIN, 403, 400, 400),  # an empty split by hand: the page with its errors

@@ -1,0 +1,215 @@
+"""Filling a worker's RPC tensor cache from its own copy of the model, so its first load sends almost nothing.
+
+What ggml-rpc-server keeps (ggml/src/ggml-rpc/ggml-rpc.cpp in the pinned tree): llama-server offers each
+weight tensor larger than HASH_THRESHOLD (10 MiB, strictly larger) by an FNV-1a 64 hash of the bytes it is
+about to send (`fnv_hash`, offset basis 0xcbf29ce484222325, prime 0x100000001b3); a server started with `-c`
+that has a file named by that hash (`%016llx`: 16 lowercase hexadecimal digits) in its cache folder loads the
+file instead. llama-server sends a tensor whole (one `ggml_backend_tensor_set(cur, data, 0, n_size)`), and
+the bytes it sends are the file's bytes at the tensor's offset: with mmap (the default) `data` points into the
+mapping, without it the tensor is read into a buffer first; the CPU repacking (Q4_0 and others into
+AVX2/AMX/Arm layouts) happens only in the coordinator's own CPU buffers, never in an RPC buffer. So a cache
+entry is exactly `file[data_offset + tensor.offset : ... + n_bytes]`, named by its FNV-1a 64 hash.
+
+The console computes each cacheable tensor's FNV-1a hash once, from its own read of the model (`fnv-c`, a C
+implementation), together with the SHA-256 of the same bytes, and keeps both on the model. A worker that holds
+a copy of the file then cuts those ranges out of it with FILL_SCRIPT, a POSIX sh script (GNU and BSD `tail -c`
+and `head -c`, so macOS too), and checks each piece's SHA-256 on the worker before it takes its cache name: a
+copy that differs from the model (edited, truncated, another quantisation under the same name) fills nothing
+wrong, whatever the file is called.
+
+Plain Python, no Django.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import fnv_c
+
+from llamacpp import gguf as gguf_profile
+from llamacpp.rpc_cache import CacheError, check_folder
+
+HASH_THRESHOLD = 10 * 1024 * 1024
+# The shape of the hashes a model keeps (ModelFile.tensor_hashes): bumped if what is hashed ever changes.
+VERSION = 1
+# A fill run takes at most this many tensors (4 arguments each) in its argv.
+BATCH = 128
+
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+ReadRange = Callable[[int, int], bytes]
+
+
+def fnv1a_64(data: bytes) -> str:
+    """The cache file name ggml-rpc-server gives `data`: its FNV-1a 64 hash as 16 lowercase hex digits."""
+    return f"{fnv_c.fnv1a_64(bytes(data)):016x}"
+
+
+def cacheable(header: gguf_profile.GGUFHeader) -> list[tuple[str, int, int]]:
+    """(name, offset in the file, size) of every tensor llama-server offers by hash: larger than 10 MiB."""
+    return [
+        (t.name, header.data_offset + t.offset, t.n_bytes)
+        for t in header.tensors
+        if t.n_bytes > HASH_THRESHOLD
+    ]
+
+
+def hash_tensors(
+    read_range: ReadRange,
+    header: gguf_profile.GGUFHeader,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """The hashes a model keeps: {"version", "threshold", "tensors": [{"name", "offset", "size", "fnv",
+    "sha256"}]}, reading each cacheable tensor once through `read_range(offset, size)` (whole: one tensor is
+    in memory at a time). `progress(done_bytes, total_bytes)` after each tensor."""
+    todo = cacheable(header)
+    total = sum(size for _, _, size in todo)
+    done = 0
+    tensors = []
+    for name, offset, size in todo:
+        data = read_range(offset, size)
+        if len(data) != size:
+            raise gguf_profile.GGUFError(f"Tensor {name!r} is cut short: {len(data)} of {size} bytes read.")
+        tensors.append(
+            {
+                "name": name,
+                "offset": offset,
+                "size": size,
+                "fnv": fnv1a_64(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+        )
+        done += size
+        if progress:
+            progress(done, total)
+    return {"version": VERSION, "threshold": HASH_THRESHOLD, "tensors": tensors}
+
+
+def valid(hashes: dict[str, Any] | None) -> bool:
+    return bool(hashes) and hashes.get("version") == VERSION and isinstance(hashes.get("tensors"), list)
+
+
+def blocks_of(placement: dict[str, Any]) -> set[int]:
+    """The blocks whose weights a plan's placement puts on its device: its contiguous slice, and the blocks
+    whose routed experts it holds apart from it."""
+    first, count = int(placement.get("first_layer") or 0), int(placement.get("layers") or 0)
+    return set(range(first, first + count)) | {int(b) for b in placement.get("expert_blocks") or []}
+
+
+def tensors_for(hashes: dict[str, Any], placements: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cacheable tensors a worker will be sent for `placements` (its devices' entries of a plan): those
+    of its blocks, and the output layer's where it holds that (with tied embeddings, a copy of token_embd)."""
+    placements = list(placements)
+    blocks = set().union(*(blocks_of(p) for p in placements)) if placements else set()
+    output = any(p.get("output_layer") for p in placements)
+    entries = hashes.get("tensors", [])
+    tied = not any(e["name"] == "output.weight" for e in entries)
+    chosen = []
+    for entry in entries:
+        name = entry["name"]
+        if match := _BLOCK.match(name):
+            if int(match[1]) in blocks:
+                chosen.append(entry)
+        elif output and (
+            name.startswith(("output.", "output_norm.")) or (tied and name == "token_embd.weight")
+        ):
+            chosen.append(entry)
+    return chosen
+
+
+def held(hashes: dict[str, Any], names: Iterable[str]) -> tuple[int, int, int]:
+    """How much of a model a cache holding the files `names` has: (tensors held, of all cacheable, bytes)."""
+    present = set(names)
+    entries = hashes.get("tensors", []) if valid(hashes) else []
+    hit = [e for e in entries if e["fnv"] in present]
+    return len(hit), len(entries), sum(e["size"] for e in hit)
+
+
+# $1 configured cache folder ("" for llama.cpp's default, resolved as llamacpp/rpc_cache.py does), $2 the
+# worker's copy of the model, then four arguments per tensor: its cache name, offset, size and SHA-256.
+# Prints "dir", then per tensor "have NAME" (a file of that name and size is there already), "filled NAME
+# SIZE" or "bad NAME why" (not filled), then "free_kib". Each piece is cut into a temporary name in the
+# cache folder and takes its cache name only once its size and SHA-256 are right, so rpc-server never finds a
+# half-written entry under a real name.
+FILL_SCRIPT = r"""
+set -u
+base=$1 src=$2
+shift 2
+if [ -z "$base" ]; then
+  if [ -n "${LLAMA_CACHE:-}" ]; then base=$LLAMA_CACHE
+  elif [ "$(uname -s)" = Darwin ]; then base=$HOME/Library/Caches/llama.cpp
+  else base=${XDG_CACHE_HOME:-$HOME/.cache}/llama.cpp
+  fi
+fi
+case $base in /*) ;; *) echo "error the cache folder is not an absolute path" >&2; exit 2 ;; esac
+case $src in /*) ;; *) echo "error the model copy is not an absolute path" >&2; exit 2 ;; esac
+[ -f "$src" ] && [ -r "$src" ] || { echo "error the model copy $src is not a readable file" >&2; exit 3; }
+dir=$base/rpc
+mkdir -p -- "$dir" || { echo "error cannot create $dir" >&2; exit 4; }
+printf 'dir %s\n' "$dir"
+if command -v sha256sum >/dev/null 2>&1; then sum() { sha256sum; }; else sum() { shasum -a 256; }; fi
+size() { wc -c < "$1" | tr -d ' '; }
+while [ $# -ge 4 ]; do
+  name=$1 off=$2 len=$3 want=$4
+  shift 4
+  h=[0-9a-f]
+  case $name in $h$h$h$h$h$h$h$h$h$h$h$h$h$h$h$h) ;; *) echo "bad ? not a cache name"; continue ;; esac
+  case $off$len in ''|*[!0-9]*) echo "bad $name offset or size is not a number"; continue ;; esac
+  f=$dir/$name
+  if [ -f "$f" ] && [ ! -L "$f" ] && [ "$(size "$f")" = "$len" ]; then echo "have $name"; continue; fi
+  tmp=$dir/.fill-$name.$$
+  tail -c +$((off + 1)) -- "$src" 2>/dev/null | head -c "$len" > "$tmp"
+  got=$(size "$tmp")
+  if [ "$got" != "$len" ]; then rm -f -- "$tmp"; echo "bad $name cut $got of $len bytes"; continue; fi
+  have=$(sum < "$tmp" | awk '{print $1}')
+  if [ "$have" != "$want" ]; then rm -f -- "$tmp"; echo "bad $name checksum differs"; continue; fi
+  mv -f -- "$tmp" "$f" && printf 'filled %s %s\n' "$name" "$len"
+done
+printf 'free_kib %s\n' "$(df -Pk "$dir" | awk 'NR==2 {print $4}')"
+"""
+
+
+def fill_argvs(folder: str, source: str, entries: list[dict[str, Any]]) -> list[list[str]]:
+    """The argvs (BATCH tensors each) that fill the cache in `folder` from the worker's copy at `source`."""
+    folder = check_folder(folder)
+    if not source.startswith("/") or any(ord(c) < 32 or ord(c) == 127 for c in source):
+        raise CacheError("The model copy must be an absolute path of printable characters.")
+    args: list[str] = []
+    for entry in entries:
+        name, offset, size, sha = entry["fnv"], int(entry["offset"]), int(entry["size"]), entry["sha256"]
+        if not _HEX16.match(name) or not _HEX64.match(sha) or offset < 0 or size <= 0:
+            raise CacheError(f"Tensor {entry.get('name')!r} has no valid hash on record.")
+        args += [name, str(offset), str(size), sha]
+    step = 4 * BATCH
+    return [
+        ["sh", "-c", FILL_SCRIPT, "ramdeck-fill", folder, source, *args[i : i + step]]
+        for i in range(0, len(args), step)
+    ] or [["sh", "-c", FILL_SCRIPT, "ramdeck-fill", folder, source]]
+
+
+def parse_fill(stdout: str) -> dict[str, Any]:
+    """The fill script's output: {"dir", "have": [names], "filled": [(name, bytes)], "bad": [(name, why)],
+    "free_bytes"}."""
+    found: dict[str, Any] = {"dir": "", "have": [], "filled": [], "bad": [], "free_bytes": None}
+    for line in stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "dir":
+            found["dir"] = value
+        elif key == "have":
+            found["have"].append(value)
+        elif key == "filled":
+            name, _, size = value.partition(" ")
+            if size.isdigit():
+                found["filled"].append((name, int(size)))
+        elif key == "bad":
+            name, _, why = value.partition(" ")
+            found["bad"].append((name, why))
+        elif key == "free_kib" and value.isdigit():
+            found["free_bytes"] = int(value) * 1024
+    return found

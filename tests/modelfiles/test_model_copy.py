@@ -1,0 +1,233 @@
+"""Copying a model to a worker once: the form on the node page (operators, audited), the `model_copy` job over
+real SFTP between two lab hosts (progress, resume from a partial file, SHA-256 checked on the destination, a
+whole copy already there registered without sending), the tensors hashed for the RPC cache fill, and the node
+page showing the copy, what it pays and the models whose tensors the node's cache holds."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import html
+from pathlib import Path
+
+import pytest
+from django.urls import reverse
+
+from audit.models import AuditEvent
+from jobs.models import Job, JobState
+from llamacpp import gguf as gguf_profile
+from llamacpp import tensor_cache
+from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from modelfiles import local_copy
+from modelfiles.models import ModelCopy, ModelFile
+from remote.local import LocalTransport
+from tests.deploy_fixtures import StepContext, lab_node, log_text, run
+from tests.factories import NodeFactory
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
+
+
+@pytest.fixture(autouse=True)
+def private_channels(channel_layer):
+    return channel_layer
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    # The generated model's matrices are 128 to 320 KiB: all above this are "cacheable" here.
+    monkeypatch.setattr(tensor_cache, "HASH_THRESHOLD", 64 * 1024)
+    monkeypatch.setattr(local_copy, "CHUNK", 256 * 1024)  # several progress steps for a small file
+
+
+def _model(node, path: Path) -> ModelFile:
+    return ModelFile.objects.create(
+        name="tiny",
+        node=node,
+        path=str(path),
+        size_bytes=path.stat().st_size,
+        profile={"architecture": "llama"},
+    )
+
+
+def _copy(client, model, node, path: str = "") -> Job:
+    response = client.post(reverse("modelfiles:copy"), {"model": model.pk, "node": node.pk, "path": path})
+    assert response.status_code == 302, response
+    job = Job.objects.filter(kind="model_copy", node=node).latest("pk")
+    assert response["Location"] == job.get_absolute_url()
+    return job
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.lab
+def test_a_copy_resumes_from_its_partial_file_and_is_checked_on_the_worker(
+    lab, lab_hosts, operator_client, settings, tmp_path, small_threshold
+):
+    source_host, worker_host = lab_hosts(2)
+    source, worker = lab_node(lab, source_host, name="desk"), lab_node(lab, worker_host, name="old-pc")
+    (tmp_path / "models").mkdir()
+    path = write_tiny_llama(tmp_path / "models" / "tiny.gguf", TinyLlama(n_layer=4))
+    model = _model(source, path)
+    dest = tmp_path / "on-worker" / "tiny.gguf"
+    # An earlier copy stopped after its first MiB.
+    dest.parent.mkdir()
+    Path(f"{dest}.part").write_bytes(path.read_bytes()[: 2**20])
+    job = run(_copy(operator_client, model, worker, str(dest)))
+    assert job.state == JobState.SUCCEEDED, log_text(job)
+    log = log_text(job)
+    assert "Resuming the copy at 1.0 of" in log and "Copied" in log and "(100%" in log, log
+    assert dest.read_bytes() == path.read_bytes() and not Path(f"{dest}.part").exists()
+    copy = ModelCopy.objects.get(model=model, node=worker)
+    assert (copy.path, copy.size_bytes, copy.sha256) == (str(dest), path.stat().st_size, _sha(path))
+    model.refresh_from_db()
+    assert model.sha256 == _sha(path)  # computed on the model's own node, kept
+    assert tensor_cache.valid(model.tensor_hashes) and len(model.tensor_hashes["tensors"]) >= 12
+    assert AuditEvent.objects.filter(action="model.copy").count() == 1
+    assert AuditEvent.objects.filter(action="model.copy.registered").count() == 1
+
+    # The node page shows the copy; once its cache holds some of the model's tensors, the model too.
+    worker.rpc_cache_state = {
+        "bytes": 1,
+        "entries": 2,
+        "names": [e["fnv"] for e in model.tensor_hashes["tensors"][:2]],
+    }
+    worker.save()
+    page = operator_client.get(worker.get_absolute_url()).content.decode()
+    assert str(dest) in page and "deployments fill the RPC cache from it" in page
+    total = len(model.tensor_hashes["tensors"])
+    assert f"tiny: 2 of {total} tensors above the 10 MiB threshold" in page
+
+
+@pytest.mark.lab
+def test_a_whole_copy_already_there_is_registered_and_a_bad_one_is_removed(
+    lab, lab_hosts, operator_client, settings, tmp_path, small_threshold
+):
+    source_host, worker_host = lab_hosts(2)
+    source, worker = lab_node(lab, source_host, name="desk"), lab_node(lab, worker_host, name="old-pc")
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=2))
+    model = _model(source, path)
+    # The same file on the worker already (a shared folder, a copy by hand): nothing is sent.
+    there = tmp_path / "shared" / "tiny.gguf"
+    there.parent.mkdir()
+    there.write_bytes(path.read_bytes())
+    job = run(_copy(operator_client, model, worker, str(there)))
+    assert job.state == JobState.SUCCEEDED, log_text(job)
+    assert "already holds tiny (size and SHA-256 checked)" in log_text(job) and "Copied" not in log_text(job)
+    assert ModelCopy.objects.get(model=model, node=worker).path == str(there)
+
+    # A partial file that is not the model's beginning: the finished copy fails its SHA-256, and is removed.
+    ModelCopy.objects.all().delete()
+    other = tmp_path / "elsewhere" / "tiny.gguf"
+    other.parent.mkdir()
+    Path(f"{other}.part").write_bytes(b"\0" * 4096)
+    failed = run(_copy(operator_client, model, worker, str(other)))
+    assert failed.state == JobState.FAILED and "SHA-256" in failed.result, log_text(failed)
+    assert not Path(f"{other}.part").exists() and not other.exists()
+    assert not ModelCopy.objects.exists()
+
+    # A different file at the destination is never overwritten.
+    other.write_bytes(b"not a model")
+    refused = run(_copy(operator_client, model, worker, str(other)))
+    assert refused.state == JobState.FAILED and "is not tiny" in refused.result
+    assert other.read_bytes() == b"not a model"
+
+
+@pytest.mark.django_db
+def test_a_viewer_cannot_copy_a_model(viewer_client):
+    source, worker = NodeFactory(name="desk"), NodeFactory(name="old-pc")
+    model = ModelFile.objects.create(name="m", node=source, path="/models/m.gguf", size_bytes=10, profile={})
+    assert (
+        viewer_client.post(reverse("modelfiles:copy"), {"model": model.pk, "node": worker.pk}).status_code
+        == 403
+    )
+    assert "Copy a model here" not in viewer_client.get(worker.get_absolute_url()).content.decode()
+    assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_the_copy_form_refuses_bad_paths_split_models_and_the_models_own_node(operator_client):
+    source, worker = NodeFactory(name="desk"), NodeFactory(name="old-pc")
+    model = ModelFile.objects.create(name="m", node=source, path="/models/m.gguf", size_bytes=10, profile={})
+    url = reverse("modelfiles:copy")
+    for path, why in (
+        ("relative/m.gguf", "absolute path"),
+        ("/data/../etc/m.gguf", "without '..'"),
+        ("/data/m.bin", ".gguf"),
+    ):
+        response = operator_client.post(
+            url, {"model": model.pk, "node": worker.pk, "path": path}, follow=True
+        )
+        assert why in html.unescape(response.content.decode()), path
+    response = operator_client.post(url, {"model": model.pk, "node": source.pk}, follow=True)
+    assert "lives on desk already" in response.content.decode()
+    split = ModelFile.objects.create(
+        name="big", node=source, path="/models/big-00001-of-00002.gguf", shard_paths=["a", "b"], profile={}
+    )
+    response = operator_client.post(url, {"model": split.pk, "node": worker.pk}, follow=True)
+    assert "split model" in response.content.decode()
+    assert not Job.objects.filter(kind="model_copy").exists()
+    # The node page offers the copy, with what it costs against streaming.
+    page = operator_client.get(worker.get_absolute_url()).content.decode()
+    assert "Copy a model here" in page and "Copy to old-pc" in page and "a copy sends" in page
+
+
+def _fill_deployment(worker, tmp_path, small):
+    """A deployment whose plan gives `worker` blocks 1-2 of a generated model, the worker holding a copy."""
+    from deployments.models import Deployment
+
+    source = NodeFactory(name="desk")
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TinyLlama(n_layer=4))
+    model = _model(source, path)
+    model.tensor_hashes = tensor_cache.hash_tensors(
+        lambda off, n: path.read_bytes()[off : off + n], gguf_profile.read_header_path(path)
+    )
+    model.save()
+    copy = tmp_path / "worker copy $(id).gguf"
+    copy.write_bytes(path.read_bytes())
+    ModelCopy.objects.create(
+        model=model, node=worker, path=str(copy), size_bytes=path.stat().st_size, sha256="0" * 64
+    )
+    placement = {"node": worker.name, "endpoint": "10.0.0.2:50052", "first_layer": 1, "layers": 2}
+    return (
+        model,
+        copy,
+        Deployment.objects.create(
+            name="d", model_file=model, coordinator=source, plan={"placements": [placement]}, port=8080
+        ),
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_fill_step_writes_the_workers_tensors_from_its_copy_and_counts_them(
+    local_node, tmp_path, small_threshold
+):
+    local_node.llama_cache_dir = str(tmp_path / "cache")
+    local_node.rpc_cache_state = {"bytes": 0, "entries": 0, "names": [], "free_bytes": 10**12}
+    local_node.save()
+    model, copy, deployment = _fill_deployment(local_node, tmp_path, small_threshold)
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    wanted = [e for e in model.tensor_hashes["tensors"] if e["name"].split(".")[1] in ("1", "2")]
+    rpc = tmp_path / "cache" / "rpc"
+    assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in wanted), ctx.lines
+    assert any(f"{len(wanted)} tensors written" in line for line in ctx.lines), ctx.lines
+    local_node.refresh_from_db()
+    assert sorted(local_node.rpc_cache_state["names"]) == sorted(e["fnv"] for e in wanted)
+    assert local_node.rpc_cache_state["bytes"] == sum(e["size"] for e in wanted)
+
+    # A copy whose size changed since it was checked fills nothing, and says so.
+    for entry in rpc.iterdir():
+        entry.unlink()
+    copy.write_bytes(copy.read_bytes()[:-1])
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    assert not list(rpc.iterdir()) and any("is not filled from it" in line for line in ctx.lines), ctx.lines
+
+    # Too little free disk for the tensors: nothing is filled (they cross the network as always).
+    copy.write_bytes(Path(model.path).read_bytes())
+    local_node.rpc_cache_state = {**local_node.rpc_cache_state, "free_bytes": 1000}
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    assert not list(rpc.iterdir()) and any("MiB free on the cache's disk" in line for line in ctx.lines)
