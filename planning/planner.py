@@ -71,6 +71,7 @@ from planning.costs import (
     pipeline_parallel,
 )
 from planning.experts import places_experts, search_experts
+from planning.first_word import BETTER_BY, PROMPT_TOKENS, first_word, predict_ttft, prompt_problem
 from planning.unified_memory import limit_basis
 from planning.waterfill import INF
 from planning.waterfill import search as search_layers
@@ -324,6 +325,7 @@ def _baseline(problem: Problem) -> dict[str, Any]:
         "placements": placements,
         "predicted_tokens_per_s": _tps(ev.seconds_per_token),
         "over_capacity": over,
+        "first_word": first_word(problem, split),
     }
 
 
@@ -481,11 +483,54 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
 
-def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | None = None) -> dict[str, Any]:
-    """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page)."""
+def search_prompt(problem: Problem, n_tokens: int = PROMPT_TOKENS) -> Split | None:
+    """The split with the shortest predicted time to the first token of an `n_tokens` prompt that fits: the
+    decode search run on the problem as the prompt sees it (planning/first_word.py), priced exactly."""
+    split, _ = search_layers(prompt_problem(problem, n_tokens))
+    return split
+
+
+def _prompt_option(problem: Problem, split: Split, seconds: float) -> dict[str, Any] | None:
+    """The split best for long prompts, when it differs from the plan's and reaches the first token at
+    least BETTER_BY sooner: its devices, first token, load and decode speed, for the operator to choose."""
+    other = search_prompt(problem)
+    if other is None or (other.cpu_blocks, other.order, other.counts) == (
+        split.cpu_blocks,
+        split.order,
+        split.counts,
+    ):
+        return None
+    mine, theirs = predict_ttft(problem, split), predict_ttft(problem, other)
+    if theirs > mine * (1 - BETTER_BY):
+        return None
+    ev = evaluate(problem, other)
+    return {
+        "placements": _placements(problem, other, ev),
+        "predicted_tokens_per_s": _tps(ev.seconds_per_token),
+        "first_word": first_word(problem, other),
+    }
+
+
+def plan(
+    profile: dict[str, Any],
+    nodes: Sequence[Node],
+    settings: Settings | None = None,
+    *,
+    objective: str = "decode",
+) -> dict[str, Any]:
+    """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page).
+
+    `objective`: "decode" (the fastest single-stream decode) or "prompt" (the shortest time to the first
+    token of a PROMPT_TOKENS prompt, planning/first_word.py)."""
+    if objective not in ("decode", "prompt"):
+        raise ClusterError(f"Unknown objective {objective!r} (use decode or prompt).")
     settings = settings or Settings()
     problem = build_problem(profile, nodes, settings)
     split, seconds = search(problem)
+    decode_split = split
+    if objective == "prompt" and split is not None:
+        split = search_prompt(problem) or split
+        seconds = evaluate(problem, split).seconds_per_token
     warnings = list(problem.warnings) + _measurement_warnings(nodes, problem)
     n_layer = int(profile["block_count"])
     trained = int(profile.get("context_length") or 0)
@@ -520,6 +565,9 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         "experts_count": int(profile.get("expert_count") or 0),
         "experts_used": int(profile.get("expert_used_count") or 0),
         "places_experts": False,
+        "objective": objective,
+        # The split best for long prompts, when it is not the plan's (see `_prompt_option`).
+        "prompt_option": None,
     }
     if split is None:
         result["suggestions"] = suggestions(profile, nodes, settings)
@@ -556,6 +604,16 @@ def plan(profile: dict[str, Any], nodes: Sequence[Node], settings: Settings | No
         kv_cells=kv_cells(settings)[1],
         pipeline_parallel=pipeline_parallel(split),
         speed_model=speed_model(problem, split),
+        first_word=first_word(problem, split),
+        prompt_option=_prompt_option(problem, split, seconds) if objective == "decode" else None,
+        decode_option=(
+            None
+            if split is decode_split
+            else {
+                "predicted_tokens_per_s": _tps(evaluate(problem, decode_split).seconds_per_token),
+                "first_word": first_word(problem, decode_split),
+            }
+        ),
         llama_server_args=llama_server_args(placements, _settings_dict(settings), n_layer),
         rpc_servers=_rpc_servers(placements, problem),
     )
