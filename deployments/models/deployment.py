@@ -12,6 +12,7 @@ from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
 from modelfiles.models import ModelFile
 from nodes.models import Node
+from planning import first_word
 from planning.speed_check import SPEED_ERROR_LIMIT, miss_causes
 from ramdeck_site import crypto
 from remote.text import printable, printable_json
@@ -164,6 +165,16 @@ class Deployment(models.Model):
         """What the measure step stored about its measurement (verification["speed"]): samples, the context
         it filled, the prediction there, the node's CPU use while it decoded."""
         return (self.verification or {}).get("speed") or {}
+
+    @property
+    def first_word_check(self) -> dict:
+        """The measure step's first token and load against the plan's (verification["first_word"]), with
+        `ttft_off` / `load_off` when either misses by more than planning.first_word.ERROR_LIMIT."""
+        check = dict((self.verification or {}).get("first_word") or {})
+        if check:
+            check["ttft_off"] = first_word.is_off(check.get("ttft_error"))
+            check["load_off"] = first_word.is_off(check.get("load_error"))
+        return check
 
     def speed_miss_reasons(self) -> list[dict[str, str]]:
         """Why the measured speed is far from the prediction, likeliest first: [{"node", "kind", "reason"}].
