@@ -71,7 +71,14 @@ from planning.costs import (
     pipeline_parallel,
 )
 from planning.experts import places_experts, search_experts
-from planning.first_word import BETTER_BY, PROMPT_TOKENS, first_word, predict_ttft, prompt_problem
+from planning.first_word import (
+    BETTER_BY,
+    PROMPT_TOKENS,
+    first_word,
+    predict_ttft,
+    prompt_problem,
+    prompt_rate,
+)
 from planning.unified_memory import limit_basis
 from planning.waterfill import INF
 from planning.waterfill import search as search_layers
@@ -161,10 +168,16 @@ def reported_free(slot: Slot) -> int:
 def baseline_split(problem: Problem) -> Split:
     """llama.cpp's split proportional to the free memory its devices report, with every layer offloaded."""
     devices = default_split_devices(problem)
+    return proportional_split(problem, devices, [reported_free(problem.slots[i]) for i in devices])
+
+
+def proportional_split(problem: Problem, devices: list[int], weights: list[float]) -> Split:
+    """Every layer offloaded to `devices` (slot indices, in order) in proportion to `weights`, as llama.cpp
+    splits for -ts."""
     n = len(problem.block_bytes)
     if not devices:
         return Split(n, [], [])
-    shares = layer_assignment([reported_free(problem.slots[i]) for i in devices], n, n + 1)
+    shares = layer_assignment(weights, n, n + 1)
     counts = [0] * len(devices)
     for dev in shares[:n]:
         counts[dev] += 1
@@ -484,10 +497,21 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
 
 
 def search_prompt(problem: Problem, n_tokens: int = PROMPT_TOKENS) -> Split | None:
-    """The split with the shortest predicted time to the first token of an `n_tokens` prompt that fits: the
-    decode search run on the problem as the prompt sees it (planning/first_word.py), priced exactly."""
-    split, _ = search_layers(prompt_problem(problem, n_tokens))
-    return split
+    """The split with the shortest predicted time to the first token of an `n_tokens` prompt that fits, of
+    these: the decode search run on the problem as the prompt sees it (planning/first_word.py), which knows
+    no pipelining; and, since pipeline parallelism overlaps the ubatches across devices, every block offloaded
+    in proportion to the devices' prompt throughput, and llama.cpp's default split. Each priced exactly."""
+    found, _ = search_layers(prompt_problem(problem, n_tokens))
+    devices = default_split_devices(problem)
+    candidates = [
+        found,
+        proportional_split(problem, devices, [prompt_rate(problem.slots[i]) for i in devices]),
+        baseline_split(problem),
+    ]
+    fitting = [c for c in candidates if c is not None and evaluate(problem, c).fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: predict_ttft(problem, c, n_tokens))
 
 
 def _prompt_option(problem: Problem, split: Split, seconds: float) -> dict[str, Any] | None:

@@ -132,3 +132,15 @@ def test_no_option_is_offered_when_the_decode_split_is_also_best_for_prompts():
     result = plan(_profile(8), cluster, Settings(ctx=4096))
     assert result["prompt_option"] is None
     assert result["first_word"]["load"]["cold_s"] > 1.0
+
+
+def test_two_workers_in_a_pipeline_are_offered_for_long_prompts_when_decode_keeps_to_one():
+    # Equal workers: decode saves a hop by keeping to one; a long prompt's ubatches overlap on both. The
+    # coordinator is too slow to be worth a block.
+    coordinator = _node("a", coordinator=True, gflops=5.0, bandwidth=1.0)
+    cluster = cluster_from_dict({"nodes": [coordinator, _node("b"), _node("c")]})
+    result = plan(_profile(4), cluster, Settings(ctx=2048))
+    assert [p["node"] for p in result["placements"] if p["layers"]] == ["b"]
+    option = result["prompt_option"]
+    assert [p["node"] for p in option["placements"] if p["layers"]] == ["b", "c"]
+    assert option["first_word"]["ttft_s"] < result["first_word"]["ttft_s"] * 0.9
