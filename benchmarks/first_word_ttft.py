@@ -121,7 +121,8 @@ class LlamaServer:
 
     def completion(self, body: dict) -> dict:
         response = self.client.post(f"{self.url}/completion", json=body)
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise SystemExit(f"/completion answered {response.status_code}: {response.text[:300]}")
         return response.json()
 
     def decode_tps(self, tokens: int) -> float:

@@ -174,6 +174,9 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
         for key, value in costs.items():
             if value is not None and (not isinstance(value, int | float) or not 0 <= value < math.inf):
                 raise ClusterError(f"Node {name!r}: {key} must be a number of milliseconds, 0 or more.")
+        link = raw.get("link_mbs")
+        if link is not None and (not isinstance(link, int | float) or not 0 < link < math.inf):
+            raise ClusterError(f"Node {name!r}: link_mbs must be a number of MB/s above 0.")
         quota = raw.get("cpu_quota_cores")
         if quota is not None and (not isinstance(quota, int | float) or not 0 < quota < math.inf):
             raise ClusterError(f"Node {name!r}: cpu_quota_cores must be a number of cores above 0.")
@@ -190,7 +193,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 pipeline_overhead_ms=costs["pipeline_overhead_ms"],
                 cpu_quota_cores=float(quota) if quota is not None else None,
                 cpu_quota_period_ms=costs["cpu_quota_period_ms"],
-                link_mbs=float(raw["link_mbs"]) if raw.get("link_mbs") else None,
+                link_mbs=link,
             )
         )
     validate_cluster(nodes)

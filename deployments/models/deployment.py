@@ -117,6 +117,10 @@ class Deployment(models.Model):
     # each slot at the model's trained context), read from llama-server's log by the verify step; the
     # numbers it came from are verification["context"].
     ctx_used = models.PositiveIntegerField(null=True, blank=True)
+    # How many times llama-server loaded this deployment's model to its health answer, over all its runs (not
+    # cleared by a redeploy): from the second on, its workers' RPC caches hold the large tensors (a warm load,
+    # planning/first_word.py).
+    loads = models.PositiveIntegerField(default=0)
     # When the console's chat box first got an answer from it (the first-run checklist's last tick). Only the
     # time: the conversation itself is never stored.
     chat_answered_at = models.DateTimeField(null=True, blank=True)
@@ -371,6 +375,25 @@ class Deployment(models.Model):
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
         live.changed(self.pk)
+
+    def count_load(self) -> None:
+        """One more load of the model reached llama-server's health answer."""
+        Deployment.objects.filter(pk=self.pk).update(loads=models.F("loads") + 1)
+        self.refresh_from_db(fields=["loads"])
+
+    def workers(self) -> set[str]:
+        """The nodes whose rpc-servers the plan uses."""
+        return {p["node"] for p in (self.plan or {}).get("placements", []) if p.get("endpoint")}
+
+    def load_kind(self) -> str:
+        """ "warm" when this load's workers received this model before (this deployment loaded it already,
+        or another one of the same model on the same workers did: their RPC caches hold its large tensors),
+        else "cold". A cache cleared since is not seen."""
+        if self.loads > 1:
+            return "warm"
+        workers = self.workers()
+        others = Deployment.objects.filter(model_file_id=self.model_file_id, loads__gt=0).exclude(pk=self.pk)
+        return "warm" if workers and any(workers <= other.workers() for other in others) else "cold"
 
     def add_process(self, key: str, info: dict) -> None:
         """Record a process this deployment started (by PID), keeping those other steps recorded: the row

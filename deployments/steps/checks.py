@@ -177,16 +177,6 @@ async def measure_first_token(client, url: str, key: str, n_tokens: int) -> tupl
     return (n if isinstance(n, int) and n > 0 else n_tokens), seconds
 
 
-def load_kind(deployment) -> str:
-    """ "warm" when this model was loaded through a deployment before (its workers' RPC caches then hold its
-    large tensors), else "cold"."""
-    from deployments.models import Deployment
-
-    others = Deployment.objects.filter(model_file_id=deployment.model_file_id).exclude(pk=deployment.pk)
-    earlier = any((d.verification or {}).get("first_word", {}).get("load_s") for d in others)
-    return "warm" if earlier or (deployment.verification or {}).get("first_word") else "cold"
-
-
 async def _read_proc(ctx, pid: int | None) -> dict:
     """The node's load and CPU time, and llama-server's, from Linux's /proc ({} elsewhere)."""
     if ctx.node.platform != "linux" or not pid:
@@ -234,7 +224,7 @@ async def measure_body(ctx) -> str:
     ttft = statistics.median(ttft_samples) if ttft_samples else None
     ttft_predicted = first_word.ttft_at(figures, n_prompt)
     info = next((p for p in (deployment.processes or {}).values() if p.get("role") == "llama-server"), {})
-    kind = await db(load_kind)(deployment)
+    kind = await db(deployment.load_kind)()
     load_predicted = (figures.get("load") or {}).get(f"{kind}_s")
     measured_first = {
         "prompt_tokens": n_prompt,
@@ -289,7 +279,7 @@ async def measure_body(ctx) -> str:
         )
     if info.get("load_s") is not None:
         await ctx.log(
-            f"load ({kind}: {'loaded through a deployment before' if kind == 'warm' else 'first load'}): "
+            f"load ({kind}: {'its workers had it before' if kind == 'warm' else 'first load'}): "
             f"{info['load_s']:.1f} s from llama-server's start to its health answer; predicted "
             + (f"{load_predicted:.1f} s" if load_predicted is not None else "nothing")
         )

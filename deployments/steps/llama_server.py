@@ -124,6 +124,7 @@ async def llama_server_body(ctx) -> str:
     # half second): the measure step sets it beside the plan's prediction (planning/first_word.py).
     load_s = round(asyncio.get_running_loop().time() - started, 2)
     await db(deployment.add_process)(f"llama-server@{ctx.node.name}", {**info, "load_s": load_s})
+    await db(deployment.count_load)()
     return f"llama-server PID {pid} healthy at {url} after {load_s:.1f} s"
 
 
