@@ -154,8 +154,10 @@ def stage_seconds(problem: Problem, split: Split, p0: int, tokens: int, *, last_
     return out
 
 
-def predict_ttft(problem: Problem, split: Split, n_tokens: int = PROMPT_TOKENS) -> float:
-    """Seconds from the prompt's arrival to its first token (see the module's docstring)."""
+def predict_ttft(problem: Problem, split: Split, n_tokens: int | None = None) -> float:
+    """Seconds from the prompt's arrival to its first token (see the module's docstring); the prompt's
+    length by default `prompt_tokens`."""
+    n_tokens = n_tokens or prompt_tokens(problem.settings)
     pipelined = pipeline_parallel(split)
     total = 0.0
     batches = ubatches(n_tokens, problem.settings.ubatch)
@@ -251,12 +253,13 @@ def first_word(problem: Problem, split: Split, n_tokens: int | None = None) -> d
     }
 
 
-def prompt_problem(problem: Problem, n_tokens: int = PROMPT_TOKENS) -> Problem:
+def prompt_problem(problem: Problem, n_tokens: int | None = None) -> Problem:
     """The problem as a long prompt sees it, for the decode search (planning/waterfill.py) to minimise the
     time to the first token instead: each block's "read" is its work for the whole prompt, each device's
     "bandwidth" its prompt throughput, each remote node's overhead its hops, round trips and activations over
     the prompt's ubatches. Memory is the same. The search ignores pipelining; `predict_ttft` then prices what
     it finds exactly."""
+    n_tokens = n_tokens or prompt_tokens(problem.settings)
     matrices, attention = block_flops(problem.profile)
     positions = n_tokens * (n_tokens + 1) / 2
     read = [m * n_tokens + a * positions for m, a in zip(matrices, attention, strict=True)]

@@ -73,11 +73,11 @@ from planning.costs import (
 from planning.experts import places_experts, search_experts
 from planning.first_word import (
     BETTER_BY,
-    PROMPT_TOKENS,
     first_word,
     predict_ttft,
     prompt_problem,
     prompt_rate,
+    prompt_tokens,
 )
 from planning.unified_memory import limit_basis
 from planning.waterfill import INF
@@ -496,11 +496,12 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
 
-def search_prompt(problem: Problem, n_tokens: int = PROMPT_TOKENS) -> Split | None:
+def search_prompt(problem: Problem, n_tokens: int | None = None) -> Split | None:
     """The split with the shortest predicted time to the first token of an `n_tokens` prompt that fits, of
     these: the decode search run on the problem as the prompt sees it (planning/first_word.py), which knows
     no pipelining; and, since pipeline parallelism overlaps the ubatches across devices, every block offloaded
     in proportion to the devices' prompt throughput, and llama.cpp's default split. Each priced exactly."""
+    n_tokens = n_tokens or prompt_tokens(problem.settings)
     found, _ = search_layers(prompt_problem(problem, n_tokens))
     devices = default_split_devices(problem)
     candidates = [
@@ -514,15 +515,15 @@ def search_prompt(problem: Problem, n_tokens: int = PROMPT_TOKENS) -> Split | No
     return min(fitting, key=lambda c: predict_ttft(problem, c, n_tokens))
 
 
-def _prompt_option(problem: Problem, split: Split, seconds: float) -> dict[str, Any] | None:
+def _same(a: Split, b: Split) -> bool:
+    return (a.cpu_blocks, a.order, a.counts, a.experts) == (b.cpu_blocks, b.order, b.counts, b.experts)
+
+
+def _prompt_option(problem: Problem, split: Split) -> dict[str, Any] | None:
     """The split best for long prompts, when it differs from the plan's and reaches the first token at
     least BETTER_BY sooner: its devices, first token, load and decode speed, for the operator to choose."""
     other = search_prompt(problem)
-    if other is None or (other.cpu_blocks, other.order, other.counts) == (
-        split.cpu_blocks,
-        split.order,
-        split.counts,
-    ):
+    if other is None or _same(other, split):
         return None
     mine, theirs = predict_ttft(problem, split), predict_ttft(problem, other)
     if theirs > mine * (1 - BETTER_BY):
@@ -629,10 +630,10 @@ def plan(
         pipeline_parallel=pipeline_parallel(split),
         speed_model=speed_model(problem, split),
         first_word=first_word(problem, split),
-        prompt_option=_prompt_option(problem, split, seconds) if objective == "decode" else None,
+        prompt_option=_prompt_option(problem, split) if objective == "decode" else None,
         decode_option=(
             None
-            if split is decode_split
+            if _same(split, decode_split)
             else {
                 "predicted_tokens_per_s": _tps(evaluate(problem, decode_split).seconds_per_token),
                 "first_word": first_word(problem, decode_split),
