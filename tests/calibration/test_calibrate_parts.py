@@ -123,7 +123,9 @@ def test_a_prompt_run_gives_the_devices_prompt_throughput_in_flops_per_second():
     assert prompt_gflops(model, Run("deep", 0, [10.0])) is None
 
 
-def test_calibration_stores_the_prompt_throughput_and_says_it(db):
+def test_calibration_stores_the_prompt_throughput_and_says_it(db, viewer_client):
+    from django.urls import reverse
+
     from calibration.store import store
 
     node = NodeFactory(name="box")
@@ -139,3 +141,6 @@ def test_calibration_stores_the_prompt_throughput_and_says_it(db):
     assert device.measured_prompt_gflops == 61.5
     assert "CPU: prompts 62 GFLOP/s (95 tokens/s of the calibration model)" in lines
     assert any("95.0 MB/s" in line for line in lines)
+    # The node page's calibration figures show it beside the device's bandwidth.
+    page = viewer_client.get(reverse("nodes:detail", args=[node.name])).content.decode()
+    assert '<span class="muted prompt-throughput">prompts 62 GFLOP/s</span>' in page
