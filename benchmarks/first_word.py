@@ -15,8 +15,16 @@ The test also deploys a third time with the worker holding its own copy of the m
 copy job) and its cache emptied: the fill step cuts the worker's tensors out of its copy into its cache before
 rpc-server starts (modelfiles/local_copy.py), and the bytes received are counted the same way.
 
-Ends with one JSON line in the shape the issue asks for. What this part does not measure is null: the whole
-`ttft` and `decode` parts (no first-token prediction exists yet).
+The first-token part (benchmarks/first_word_ttft.py, over loopback on this machine: two rpc-servers, the
+figures measured as calibration measures them, the plan against llama.cpp's default split for a
+`--prompt-tokens` prompt, `--ttft-rounds` times each in alternation, medians) fills `ttft` and
+`decode.pred_err`. `--skip-load` runs it alone (the load part takes minutes at 100 Mbit/s), `--skip-ttft` the
+load part alone.
+
+    .venv/bin/python benchmarks/first_word.py --skip-load [--ttft-rounds 3] [--prompt-tokens 2000]
+
+Ends with one JSON line in the shape the issue asks for. What was not measured (a part that was skipped) is
+null.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import os
 import shutil
 import statistics
+from pathlib import Path
 
 from figures_of_test import figures_from_test
 
@@ -51,7 +60,45 @@ def main() -> None:
     parser.add_argument("--link-mbit", type=float, default=100.0, help="0: no rate limit")
     parser.add_argument("--model-mib", type=float, default=512.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--skip-load", action="store_true", help="only the first-token part")
+    parser.add_argument("--skip-ttft", action="store_true", help="only the load part")
+    parser.add_argument("--ttft-rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--ttft-layers", type=int, default=4, help="blocks of the first-token part's model")
     args = parser.parse_args()
+    if args.ttft_rounds < 1 or args.prompt_tokens < 16 or args.ttft_layers < 2:
+        raise SystemExit("--ttft-rounds must be at least 1, --prompt-tokens 16, --ttft-layers 2")
+    first = {"ttft": {"plan_s": None, "default_s": None, "pred_err": None}, "decode": {"pred_err": None}}
+    if not args.skip_ttft:
+        from first_word_ttft import run as ttft_run
+
+        from tests.llamacpp_build import llamacpp_binaries
+
+        first = ttft_run(
+            llamacpp_binaries(),
+            rounds=args.ttft_rounds,
+            prompt_tokens=args.prompt_tokens,
+            layers=args.ttft_layers,
+        )
+    load = dict.fromkeys(
+        [
+            "cold_s",
+            "warm_s",
+            "local_copy_s",
+            "cold_bytes",
+            "warm_bytes",
+            "local_copy_bytes",
+            "weights_bytes",
+            "local_disk_s",
+        ]
+    )
+    if not args.skip_load:
+        load = load_part(args)
+    print(f"load average: {Path('/proc/loadavg').read_text().strip()}")
+    print(json.dumps({"load": load, **first}))
+
+
+def load_part(args) -> dict:
     if args.link_mbit and not shutil.which("tc"):
         raise SystemExit("tc is not installed: run with --link-mbit 0 to measure without a rate limit")
     os.environ["RAMDECK_FIRST_WORD_LINK_MBIT"] = str(args.link_mbit)
@@ -73,7 +120,7 @@ def main() -> None:
     def median(key: str):
         return round(statistics.median(r[key] for r in rounds), 3)
 
-    load = {
+    return {
         "cold_s": median("cold_s"),
         "warm_s": median("warm_s"),
         "local_copy_s": median("local_copy_s"),
@@ -83,15 +130,6 @@ def main() -> None:
         "weights_bytes": int(median("weights_bytes")),
         "local_disk_s": median("local_disk_s"),
     }
-    print(
-        json.dumps(
-            {
-                "load": load,
-                "ttft": {"plan_s": None, "default_s": None, "pred_err": None},
-                "decode": {"pred_err": None},
-            }
-        )
-    )
 
 
 if __name__ == "__main__":

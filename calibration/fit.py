@@ -25,6 +25,17 @@ class CalibrationModel:
     remote_name: str
     size_bytes: int
     read_bytes: int  # weights read per token: every block and the output layer (not the input embedding)
+    # Prompt processing's work (planning/first_word.py): FLOPs per token of its blocks' matrices, per token
+    # and position of their attention, and of the output layer once.
+    matrix_flops: float = 0.0
+    attention_flops: float = 0.0
+    output_flops: float = 0.0
+
+    def prompt_flops(self, tokens: int) -> float:
+        """The work of an n-token prompt, the first token included (one ubatch, positions 1..n)."""
+        return (
+            self.matrix_flops * tokens + self.attention_flops * tokens * (tokens + 1) / 2 + self.output_flops
+        )
 
 
 @dataclass
@@ -37,6 +48,9 @@ class Run:
     # On a node with a CPU quota: the rpc-servers' share of the CPU time the node spent on the samples
     # (theirs over theirs plus llama-server's), else None. See `device_seconds_per_token`.
     rpc_cpu_share: float | None = None
+    # A prompt of `prompt_tokens` tokens processed at these speeds (timings.prompt_per_second), if asked.
+    prompt_tokens: int | None = None
+    prompt_per_s: list[float] | None = None
 
     @property
     def seconds_per_token(self) -> float:
@@ -124,3 +138,12 @@ def rpc_share(before: dict[int, int] | None, after: dict[int, int] | None, llama
     if min(used.values()) < 0 or total < MIN_SHARE_TICKS:
         return None
     return round((total - used[llama_pid]) / total, 4)
+
+
+def prompt_gflops(model: CalibrationModel, run: Run) -> float | None:
+    """The device's prompt throughput in GFLOP/s: the model's work for the prompt over the median time the
+    run took for it. None when the run measured no prompt."""
+    if not run.prompt_tokens or not run.prompt_per_s or not model.matrix_flops:
+        return None
+    seconds = run.prompt_tokens / statistics.median(run.prompt_per_s)
+    return round(model.prompt_flops(run.prompt_tokens) / seconds / 1e9, 2)

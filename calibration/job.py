@@ -52,7 +52,16 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from calibration import link as calibrate_link
-from calibration.fit import CalibrationModel, FixedCosts, Run, comparable, cpu_ticks, fit, rpc_share
+from calibration.fit import (
+    CalibrationModel,
+    FixedCosts,
+    Run,
+    comparable,
+    cpu_ticks,
+    fit,
+    prompt_gflops,
+    rpc_share,
+)
 from calibration.store import locked_refusal, store
 from jobs.aio import db
 from jobs.context import JobCancelled, JobFailed
@@ -61,6 +70,7 @@ from llamacpp.args import node_cpu_threads, quiet_argv, quiet_llama_server_args,
 from llamacpp.gguf import profile_path
 from llamacpp.reaper import find_holders
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
+from planning.first_word import block_flops, output_flops
 from remote.base import TransportError
 
 # Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
@@ -83,6 +93,13 @@ PORT_ATTEMPTS = 3
 
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+# A prompt of a few hundred tokens (the models' byte-level vocabulary spends three on a space's "▁"; eight
+# sentences were more than the context), processed in one ubatch of llama.cpp's default 512 within the
+# calibration's context: the device's prompt throughput.
+BATCH_PROMPT = " ".join(f"{PROMPT} {i}" for i in range(5))
+PROMPT_SAMPLES = 2
 
 
 SAMPLES = 3
@@ -118,7 +135,19 @@ def prepared_models() -> list[CalibrationModel]:
                 os.replace(partial, path)
             profile = profile_path(path)
             read = sum(profile["block_weight_bytes"]) + int(profile["output_bytes"])
-            out.append(CalibrationModel(name, str(path), filename, path.stat().st_size, read))
+            matrices, attention = block_flops(profile)
+            out.append(
+                CalibrationModel(
+                    name,
+                    str(path),
+                    filename,
+                    path.stat().st_size,
+                    read,
+                    matrix_flops=sum(matrices),
+                    attention_flops=sum(attention),
+                    output_flops=output_flops(profile),
+                )
+            )
     return out
 
 
@@ -214,6 +243,21 @@ async def _decode(client: httpx.AsyncClient, url: str, key: str, tokens: int) ->
     return float(speed)
 
 
+async def _prompt(client: httpx.AsyncClient, url: str, key: str) -> tuple[int, float]:
+    """One batch run: the prompt processed and one token decoded; (prompt tokens, prompt tokens/s)."""
+    body = {"prompt": BATCH_PROMPT, "n_predict": 1, "cache_prompt": False}
+    response = await client.post(f"{url}/completion", json=body, headers={"Authorization": f"Bearer {key}"})
+    if response.status_code != 200:
+        raise JobFailed(
+            f"llama-server answered /completion with {response.status_code}: {response.text[:200]}"
+        )
+    timings = response.json().get("timings") or {}
+    n, speed = timings.get("prompt_n"), timings.get("prompt_per_second")
+    if not isinstance(n, int) or not isinstance(speed, int | float) or speed <= 0:
+        raise JobFailed("llama-server's answer carried no prompt speed (timings.prompt_n, prompt_per_second)")
+    return n, float(speed)
+
+
 async def read_cpu_ticks(ctx, pids: list[int]) -> dict[int, int] | None:
     """The CPU ticks the processes have used so far (Linux /proc), or None when one cannot be read."""
     script = 'for p; do cat "/proc/$p/stat" || exit 1; done'
@@ -236,6 +280,7 @@ async def timed_run(
     label: str,
     *,
     rpc_pids: Sequence[int] = (),
+    prompt: bool = False,
 ) -> Run:
     """Start llama-server with `placement` arguments, decode a few times, end it; the speeds it reported.
 
@@ -279,10 +324,13 @@ async def timed_run(
                     raise JobCancelled()
                 speeds.append(await _decode(client, url, key, tokens))
             after = await read_cpu_ticks(ctx, watched) if rpc_pids else None
+            prompts = [await _prompt(client, url, key) for _ in range(PROMPT_SAMPLES)] if prompt else []
     finally:
         await procs.end(pid)
         await ctx.transport.run(["rm", "-f", key_path, log_path], timeout=30)
     run = Run(model.name, model.read_bytes, speeds, rpc_share(before, after, pid))
+    if prompts:
+        run.prompt_tokens, run.prompt_per_s = prompts[0][0], [speed for _, speed in prompts]
     share = ""
     if run.rpc_cpu_share is not None:
         share = (
@@ -296,6 +344,12 @@ async def timed_run(
         f"{1000 * run.seconds_per_token:.2f} ms per token "
         f"(samples of {tokens} tokens: {', '.join(f'{s:.1f}' for s in speeds)} tok/s){share}"
     )
+    if prompts:
+        await ctx.log(
+            f"{label}, {model.name} model, a prompt of {run.prompt_tokens} tokens: "
+            f"{', '.join(f'{s:.0f}' for s in run.prompt_per_s or [])} tokens/s, "
+            f"{prompt_gflops(model, run) or 0:.1f} GFLOP/s"
+        )
     return run
 
 
@@ -389,14 +443,25 @@ async def calibrate_body(ctx) -> str:
     quota = facts.get("cpu_quota_cores")
     quota_binds = bool(quota) and quota < (facts.get("cpu_cores") or float("inf"))
 
-    async def run(model: CalibrationModel, placement: list[str], label: str, rpc_pids=()) -> Run:
+    async def run(
+        model: CalibrationModel, placement: list[str], label: str, rpc_pids=(), prompt: bool = False
+    ) -> Run:
         if "--rpc" in placement and "-t" not in placement:
             # The device under test does the work; llama-server, which a deployment runs on another
             # machine, stays out of its way: one thread and no busy-waiting (on a node with a CPU quota,
             # its spinning threads would spend the quota the rpc-server is measured by).
             placement = [*placement, "-t", "1", "--poll", "0"]
         return await timed_run(
-            ctx, procs, build, paths[model.name], model, placement, workdir, label, rpc_pids=rpc_pids
+            ctx,
+            procs,
+            build,
+            paths[model.name],
+            model,
+            placement,
+            workdir,
+            label,
+            rpc_pids=rpc_pids,
+            prompt=prompt,
         )
 
     # The deep model, its context and compute buffers, and llama-server beside it on the same node.
@@ -423,7 +488,8 @@ async def calibrate_body(ctx) -> str:
             label = f"{device.name} through ggml-rpc-server"
             # The quota holds the CPU's time, not a GPU's: only the CPU device's runs are split.
             cpu_pids = [rpc_pid] if quota_binds and device.name == "CPU" else []
-            runs = [await run(model, through, label, cpu_pids) for model in (shallow, deep)]
+            # The deep model also processes a prompt: the device's prompt throughput (issue 20).
+            runs = [await run(model, through, label, cpu_pids, model is deep) for model in (shallow, deep)]
             line = fit(*runs)
             if results["fixed_costs"] is None:
                 fixed = await _fixed_costs(
@@ -445,6 +511,8 @@ async def calibrate_body(ctx) -> str:
                 "runs": [asdict(r) for r in runs],
                 "bandwidth_gbs": _gbs(line.bandwidth_bps),
                 "overhead_ms": _ms(line.fixed_s),
+                "prompt_gflops": prompt_gflops(deep, runs[1]),
+                "prompt_tokens_per_s": runs[1].prompt_per_s,
             }
         if (node.may_coordinate or node.is_local) and "CPU" in results["devices"]:
             # A coordinator's own CPU computes inside llama-server (its threads, not an rpc-server's).

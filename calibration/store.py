@@ -35,12 +35,21 @@ def store(node, results: dict) -> list[str]:
                 bandwidth_gbs=bandwidth,
                 overhead_ms=figures["overhead_ms"],
                 local_bandwidth_gbs=local.get("bandwidth_gbs") if device.name == "CPU" else None,
+                prompt_gflops=figures.get("prompt_gflops"),
             )
             table = f" (table {device.bandwidth_gbs:g})" if device.bandwidth_gbs else ""
             if bandwidth is None:
                 lines.append(f"{device.name}: too fast to tell apart with the calibration models{table}")
             else:
                 lines.append(f"{device.name}: {bandwidth:.1f} GB/s{table}")
+            if figures.get("prompt_gflops"):
+                speeds = figures.get("prompt_tokens_per_s") or []
+                median = (
+                    f" ({sorted(speeds)[len(speeds) // 2]:.0f} tokens/s of the calibration model)"
+                    if speeds
+                    else ""
+                )
+                lines.append(f"{device.name}: prompts {figures['prompt_gflops']:.0f} GFLOP/s{median}")
             if device.name == "CPU" and local.get("bandwidth_gbs"):
                 lines.append(f"CPU inside llama-server: {local['bandwidth_gbs']:.1f} GB/s")
         locked.calibrated_at = timezone.now()

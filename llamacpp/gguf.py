@@ -30,6 +30,7 @@ from typing import Any
 from gguf.constants import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType, LlamaFileType
 
 from llamacpp.args import EXPERTS_PATTERN
+from llamacpp.rpc_cache import HASH_THRESHOLD as RPC_HASH_THRESHOLD
 
 ReadRange = Callable[[int, int], bytes]
 
@@ -481,6 +482,11 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
 
     block_bytes = [0] * n_layer
     expert_bytes = [0] * n_layer
+    # What ggml-rpc-server's cache cannot hold (tensors of HASH_THRESHOLD bytes or fewer cross the link at
+    # every load) and how many tensors it can (one hash round trip each): planning/first_word.py.
+    block_small = [0] * n_layer
+    block_large = [0] * n_layer
+    output_small = output_large = 0
     output_bytes = input_bytes = other_bytes = 0
     has_output = False
     embd_bytes = 0
@@ -497,15 +503,22 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
             match = _BLOCK_RE.match(tensor.name)
             if match and int(match[1]) < n_layer:
                 block_bytes[int(match[1])] += size
+                if size > RPC_HASH_THRESHOLD:
+                    block_large[int(match[1])] += 1
+                else:
+                    block_small[int(match[1])] += size
                 if _EXPERTS_RE.match(tensor.name):
                     expert_bytes[int(match[1])] += size
                 spans = block_spans[int(match[1])]
             elif tensor.name == "output.weight":
                 output_bytes += size
                 has_output = True
+                output_large += size > RPC_HASH_THRESHOLD
+                output_small += 0 if size > RPC_HASH_THRESHOLD else size
                 spans = group_spans["output"]
             elif tensor.name.startswith("output_norm."):
                 output_bytes += size
+                output_small += size
                 spans = group_spans["output"]
             elif tensor.name.startswith("token_embd."):
                 input_bytes += size
@@ -524,6 +537,8 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         # copy of it; on that CPU it is the input's own (mapped once).
         output_bytes += embd_bytes
         tied_output_bytes = embd_bytes
+        output_large += embd_bytes > RPC_HASH_THRESHOLD
+        output_small += 0 if embd_bytes > RPC_HASH_THRESHOLD else embd_bytes
 
     tokens = fields.get("tokenizer.ggml.tokens")
     n_vocab = (
@@ -559,6 +574,10 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "block_weight_bytes": block_bytes,
         "block_expert_bytes": expert_bytes,
         "output_bytes": output_bytes,
+        "block_small_bytes": block_small,
+        "block_large_tensors": block_large,
+        "output_small_bytes": output_small,
+        "output_large_tensors": output_large,
         "tied_embeddings": not has_output,
         "tied_output_bytes": tied_output_bytes,
         "tensor_spans": {

@@ -22,6 +22,8 @@ import re
 from llamacpp.args import quiet_argv
 
 GIB = 1024**3
+# Weight tensors larger than this take the cache path (HASH_THRESHOLD in ggml-rpc.cpp).
+HASH_THRESHOLD = 10 * 1024**2
 # A sensible default limit: the weights of a worker's share of a large model, a few times over.
 DEFAULT_LIMIT_GIB = 32
 ACTIONS = ("usage", "trim", "clear")

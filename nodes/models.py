@@ -496,6 +496,11 @@ class Device(models.Model):
     measured_local_bandwidth_gbs = models.FloatField(
         null=True, blank=True, help_text="The CPU inside llama-server itself (when this node coordinates)."
     )
+    measured_prompt_gflops = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Prompt throughput: GFLOP/s of prompt processing at a 512-token ubatch (issue 20).",
+    )
     measured_overhead_ms = models.FloatField(
         null=True, blank=True, help_text="Fixed per-token cost of a pass through its rpc-server (loopback)."
     )
@@ -564,6 +569,7 @@ class Device(models.Model):
         self.measured_bandwidth_gbs = bandwidth_gbs
         self.measured_overhead_ms = overhead_ms
         self.measured_local_bandwidth_gbs = extra.get("local_bandwidth_gbs")
+        self.measured_prompt_gflops = extra.get("prompt_gflops")
         self.measured_at = timezone.now()
         self.measured_signature = self.hardware_signature
         self.save(
@@ -571,6 +577,7 @@ class Device(models.Model):
                 "measured_bandwidth_gbs",
                 "measured_overhead_ms",
                 "measured_local_bandwidth_gbs",
+                "measured_prompt_gflops",
                 "measured_at",
                 "measured_signature",
                 "updated_at",

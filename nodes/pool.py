@@ -36,6 +36,7 @@ def planner_device(node: Node, d, build=None) -> planner.Device:
         # admin set the device's figure by hand.
         local_bandwidth_gbs=d.measured_local_bandwidth_gbs if source == "measured" else None,
         reported_free_bytes=physical if physical and physical != d.free_bytes else None,
+        prompt_gflops=d.measured_prompt_gflops if source == "measured" else None,
     )
 
 
@@ -72,6 +73,9 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
                 pass_overhead_ms=node.pass_overhead_ms if calibrated else None,
                 hop_ms=node.rpc_hop_ms if calibrated else None,
                 pipeline_overhead_ms=node.pipeline_overhead_ms if calibrated else None,
+                # Measured from the console: the pair's own figure when the console's host coordinates; for
+                # another coordinator the best figure there is (the round trip is its own, above).
+                link_mbs=node.link_throughput_mbs if calibrated else None,
                 **binding_cpu_quota(node.facts or {}),
             )
         )

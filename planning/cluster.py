@@ -77,6 +77,9 @@ class Device:
     # What llama.cpp itself reports as free, when that differs from free_bytes: its default split follows
     # it. A CPU's is all of the machine's RAM, whatever a container limit or other programs leave.
     reported_free_bytes: int | None = None
+    # Its prompt throughput (FLOP/s of prompt processing, in GFLOP/s), measured by calibration; None: the
+    # table's figure (planning/first_word.py).
+    prompt_gflops: float | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,9 @@ class Node:
     # period it is granted per: see `Slot.quota_time`.
     cpu_quota_cores: float | None = None
     cpu_quota_period_ms: float | None = None
+    # The coordinator-to-worker link's throughput for large transfers (MB/s), measured by calibration; None:
+    # the default (planning/first_word.py).
+    link_mbs: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 bandwidth = float(dev.get("bandwidth_gbs") or DEFAULT_BANDWIDTH_GBS.get(kind, 20.0))
                 wired = int(float(dev.get("wired_limit_mib") or 0) * MIB)
                 local = dev.get("local_bandwidth_gbs")
+                prompt = dev.get("prompt_gflops")
                 devices.append(
                     Device(
                         node=name,
@@ -150,6 +157,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                         wired_limit_bytes=wired,
                         bandwidth_source=str(dev.get("bandwidth_source") or "table"),
                         local_bandwidth_gbs=float(local) if local else None,
+                        prompt_gflops=float(prompt) if prompt else None,
                     )
                 )
             except (KeyError, TypeError, ValueError) as exc:
@@ -166,6 +174,9 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
         for key, value in costs.items():
             if value is not None and (not isinstance(value, int | float) or not 0 <= value < math.inf):
                 raise ClusterError(f"Node {name!r}: {key} must be a number of milliseconds, 0 or more.")
+        link = raw.get("link_mbs")
+        if link is not None and (not isinstance(link, int | float) or not 0 < link < math.inf):
+            raise ClusterError(f"Node {name!r}: link_mbs must be a number of MB/s above 0.")
         quota = raw.get("cpu_quota_cores")
         if quota is not None and (not isinstance(quota, int | float) or not 0 < quota < math.inf):
             raise ClusterError(f"Node {name!r}: cpu_quota_cores must be a number of cores above 0.")
@@ -182,6 +193,7 @@ def cluster_from_dict(data: dict[str, Any]) -> list[Node]:
                 pipeline_overhead_ms=costs["pipeline_overhead_ms"],
                 cpu_quota_cores=float(quota) if quota is not None else None,
                 cpu_quota_period_ms=costs["cpu_quota_period_ms"],
+                link_mbs=link,
             )
         )
     validate_cluster(nodes)

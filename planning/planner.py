@@ -71,6 +71,14 @@ from planning.costs import (
     pipeline_parallel,
 )
 from planning.experts import places_experts, search_experts
+from planning.first_word import (
+    BETTER_BY,
+    first_word,
+    predict_ttft,
+    prompt_problem,
+    prompt_rate,
+    prompt_tokens,
+)
 from planning.unified_memory import limit_basis
 from planning.waterfill import INF
 from planning.waterfill import search as search_layers
@@ -160,10 +168,16 @@ def reported_free(slot: Slot) -> int:
 def baseline_split(problem: Problem) -> Split:
     """llama.cpp's split proportional to the free memory its devices report, with every layer offloaded."""
     devices = default_split_devices(problem)
+    return proportional_split(problem, devices, [reported_free(problem.slots[i]) for i in devices])
+
+
+def proportional_split(problem: Problem, devices: list[int], weights: list[float]) -> Split:
+    """Every layer offloaded to `devices` (slot indices, in order) in proportion to `weights`, as llama.cpp
+    splits for -ts."""
     n = len(problem.block_bytes)
     if not devices:
         return Split(n, [], [])
-    shares = layer_assignment([reported_free(problem.slots[i]) for i in devices], n, n + 1)
+    shares = layer_assignment(weights, n, n + 1)
     counts = [0] * len(devices)
     for dev in shares[:n]:
         counts[dev] += 1
@@ -324,6 +338,7 @@ def _baseline(problem: Problem) -> dict[str, Any]:
         "placements": placements,
         "predicted_tokens_per_s": _tps(ev.seconds_per_token),
         "over_capacity": over,
+        "first_word": first_word(problem, split),
     }
 
 
@@ -481,25 +496,75 @@ def _settings_dict(settings: Settings) -> dict[str, Any]:
     return asdict(settings)
 
 
+def search_prompt(problem: Problem, n_tokens: int | None = None) -> Split | None:
+    """The split with the shortest predicted time to the first token of an `n_tokens` prompt that fits, of
+    these: the decode search run on the problem as the prompt sees it (planning/first_word.py), which knows
+    no pipelining; and, since pipeline parallelism overlaps the ubatches across devices, every block offloaded
+    in proportion to the devices' prompt throughput, and llama.cpp's default split. Each priced exactly."""
+    n_tokens = n_tokens or prompt_tokens(problem.settings)
+    found, _ = search_layers(prompt_problem(problem, n_tokens))
+    devices = default_split_devices(problem)
+    candidates = [
+        found,
+        proportional_split(problem, devices, [prompt_rate(problem.slots[i]) for i in devices]),
+        baseline_split(problem),
+    ]
+    fitting = [c for c in candidates if c is not None and evaluate(problem, c).fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: predict_ttft(problem, c, n_tokens))
+
+
+def _same(a: Split, b: Split) -> bool:
+    return (a.cpu_blocks, a.order, a.counts, a.experts) == (b.cpu_blocks, b.order, b.counts, b.experts)
+
+
+def _prompt_option(problem: Problem, split: Split) -> dict[str, Any] | None:
+    """The split best for long prompts, when it differs from the plan's and reaches the first token at
+    least BETTER_BY sooner: its devices, first token, load and decode speed, for the operator to choose."""
+    other = search_prompt(problem)
+    if other is None or _same(other, split):
+        return None
+    mine, theirs = predict_ttft(problem, split), predict_ttft(problem, other)
+    if theirs > mine * (1 - BETTER_BY):
+        return None
+    ev = evaluate(problem, other)
+    return {
+        "placements": _placements(problem, other, ev),
+        "predicted_tokens_per_s": _tps(ev.seconds_per_token),
+        "first_word": first_word(problem, other),
+    }
+
+
 def plan(
     profile: dict[str, Any],
     nodes: Sequence[Node],
     settings: Settings | None = None,
     *,
+    objective: str = "decode",
     split: Split | None = None,
     problem: Problem | None = None,
 ) -> dict[str, Any]:
     """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page).
 
+    `objective`: "decode" (the fastest single-stream decode) or "prompt" (the shortest time to the first
+    token of a PROMPT_TOKENS prompt, planning/first_word.py).
+
     With `split`, the plan of that split, placed by hand (planning/manual.py), instead of the search's: the
     same placements, arguments and baseline, `placed_by_hand` set and the search's own prediction beside it
     (`planner_tokens_per_s`). `problem`: the one built already for these inputs, to save building it again."""
+    if objective not in ("decode", "prompt"):
+        raise ClusterError(f"Unknown objective {objective!r} (use decode or prompt).")
     settings = settings or Settings()
     problem = problem or build_problem(profile, nodes, settings)
     by_hand = split is not None
     searched, seconds = search(problem)
+    decode_split = searched
     if split is None:
         split = searched
+        if objective == "prompt" and split is not None:
+            split = search_prompt(problem) or split
+            seconds = evaluate(problem, split).seconds_per_token
     else:
         planner_seconds = seconds
         seconds = evaluate(problem, split).seconds_per_token
@@ -537,6 +602,9 @@ def plan(
         "experts_count": int(profile.get("expert_count") or 0),
         "experts_used": int(profile.get("expert_used_count") or 0),
         "places_experts": False,
+        "objective": objective,
+        # The split best for long prompts, when it is not the plan's (see `_prompt_option`).
+        "prompt_option": None,
     }
     if by_hand:
         result["placed_by_hand"] = True
@@ -578,6 +646,16 @@ def plan(
         kv_cells=kv_cells(settings)[1],
         pipeline_parallel=pipeline_parallel(split),
         speed_model=speed_model(problem, split),
+        first_word=first_word(problem, split),
+        prompt_option=_prompt_option(problem, split) if objective == "decode" and not by_hand else None,
+        decode_option=(
+            None
+            if by_hand or decode_split is None or _same(split, decode_split)
+            else {
+                "predicted_tokens_per_s": _tps(evaluate(problem, decode_split).seconds_per_token),
+                "first_word": first_word(problem, decode_split),
+            }
+        ),
         llama_server_args=llama_server_args(placements, _settings_dict(settings), n_layer),
         rpc_servers=_rpc_servers(placements, problem),
     )

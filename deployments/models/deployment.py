@@ -12,6 +12,7 @@ from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
 from modelfiles.models import ModelFile
 from nodes.models import Node
+from planning import first_word
 from planning.speed_check import SPEED_ERROR_LIMIT, miss_causes
 from ramdeck_site import crypto
 from remote.text import printable, printable_json
@@ -119,6 +120,10 @@ class Deployment(models.Model):
     # each slot at the model's trained context), read from llama-server's log by the verify step; the
     # numbers it came from are verification["context"].
     ctx_used = models.PositiveIntegerField(null=True, blank=True)
+    # How many times llama-server loaded this deployment's model to its health answer, over all its runs (not
+    # cleared by a redeploy): from the second on, its workers' RPC caches hold the large tensors (a warm load,
+    # planning/first_word.py).
+    loads = models.PositiveIntegerField(default=0)
     # When the console's chat box first got an answer from it (the first-run checklist's last tick). Only the
     # time: the conversation itself is never stored.
     chat_answered_at = models.DateTimeField(null=True, blank=True)
@@ -167,6 +172,16 @@ class Deployment(models.Model):
         """What the measure step stored about its measurement (verification["speed"]): samples, the context
         it filled, the prediction there, the node's CPU use while it decoded."""
         return (self.verification or {}).get("speed") or {}
+
+    @property
+    def first_word_check(self) -> dict:
+        """The measure step's first token and load against the plan's (verification["first_word"]), with
+        `ttft_off` / `load_off` when either misses by more than planning.first_word.ERROR_LIMIT."""
+        check = dict((self.verification or {}).get("first_word") or {})
+        if check:
+            check["ttft_off"] = first_word.is_off(check.get("ttft_error"))
+            check["load_off"] = first_word.is_off(check.get("load_error"))
+        return check
 
     def speed_miss_reasons(self) -> list[dict[str, str]]:
         """Why the measured speed is far from the prediction, likeliest first: [{"node", "kind", "reason"}].
@@ -363,6 +378,25 @@ class Deployment(models.Model):
             setattr(self, name, value)
         Deployment.objects.filter(pk=self.pk).update(**fields)
         live.changed(self.pk)
+
+    def count_load(self) -> None:
+        """One more load of the model reached llama-server's health answer."""
+        Deployment.objects.filter(pk=self.pk).update(loads=models.F("loads") + 1)
+        self.refresh_from_db(fields=["loads"])
+
+    def workers(self) -> set[str]:
+        """The nodes whose rpc-servers the plan uses."""
+        return {p["node"] for p in (self.plan or {}).get("placements", []) if p.get("endpoint")}
+
+    def load_kind(self) -> str:
+        """ "warm" when this load's workers received this model before (this deployment loaded it already,
+        or another one of the same model on the same workers did: their RPC caches hold its large tensors),
+        else "cold". A cache cleared since is not seen."""
+        if self.loads > 1:
+            return "warm"
+        workers = self.workers()
+        others = Deployment.objects.filter(model_file_id=self.model_file_id, loads__gt=0).exclude(pk=self.pk)
+        return "warm" if workers and any(workers <= other.workers() for other in others) else "cold"
 
     def add_process(self, key: str, info: dict) -> None:
         """Record a process this deployment started (by PID), keeping those other steps recorded: the row

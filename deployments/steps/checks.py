@@ -16,7 +16,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from llamacpp.logs import parse_context_log
-from planning import placement, speed_check
+from planning import first_word, placement, speed_check
 from remote.bounded_http import AnswerTooLarge, fetch
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
@@ -115,6 +115,68 @@ async def _completion(client, url: str, key: str) -> dict:
     return timings
 
 
+# The first token after a long prompt (issue 20): a prompt of PROMPT_TOKENS tokens (fewer when a slot's
+# context is smaller), sent as token ids so that its length is exact, from an empty cache, twice.
+TTFT_SAMPLES = 2
+TTFT_TEXT = " ".join(
+    f"Note {i}: the {w} of the household's shared machines, and what each of them holds."
+    for i, w in enumerate(["memory", "disk", "network", "model", "console", "worker"] * 40)
+)
+
+
+async def _post_json(client, url: str, key: str, path: str, body: dict) -> dict:
+    try:
+        status, raw = await fetch(
+            client, "POST", f"{url}{path}", json=body, headers={"Authorization": f"Bearer {key}"},
+            what=f"{path} answer",
+        )  # fmt: skip
+    except AnswerTooLarge as exc:
+        raise JobFailed(f"{exc}; cannot measure") from None
+    except httpx.HTTPError as exc:
+        raise JobFailed(f"POST {path} failed: {exc or type(exc).__name__}") from None
+    text = raw.decode("utf-8", "replace")
+    if status != 200:
+        raise JobFailed(f"POST {path} answered {status}: {text[:300]}")
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise JobFailed(f"llama-server's {path} answer is not a JSON object: {text[:200]!r}")
+    return answer
+
+
+def prompt_length(deployment) -> int:
+    """The prompt the first token is measured after: the plan's (planning/first_word.py `prompt_tokens`), or
+    what one slot's context as llama.cpp gave it holds with room for the token it answers."""
+    settings_ = (deployment.plan or {}).get("settings") or {}
+    planned = ((deployment.plan or {}).get("first_word") or {}).get(
+        "prompt_tokens"
+    ) or first_word.PROMPT_TOKENS
+    per_slot = (deployment.ctx_used or settings_.get("ctx") or planned) // max(
+        1, int(settings_.get("parallel") or 1)
+    )
+    return max(16, min(planned, per_slot - 16))
+
+
+async def measure_first_token(client, url: str, key: str, n_tokens: int) -> tuple[int, list[float]]:
+    """(prompt tokens, seconds to the first token of each sample), timed here from the request to the
+    answer with its one token."""
+    tokens = (await _post_json(client, url, key, "/tokenize", {"content": TTFT_TEXT})).get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise JobFailed("llama-server's /tokenize answer carried no tokens; cannot measure the first token")
+    prompt = (tokens * (n_tokens // len(tokens) + 1))[:n_tokens]
+    body = {"prompt": prompt, "n_predict": 1, "cache_prompt": False}
+    seconds = []
+    loop = asyncio.get_running_loop()
+    for _ in range(TTFT_SAMPLES):
+        start = loop.time()
+        answer = await _post_json(client, url, key, "/completion", body)
+        seconds.append(loop.time() - start)
+    n = (answer.get("timings") or {}).get("prompt_n")
+    return (n if isinstance(n, int) and n > 0 else n_tokens), seconds
+
+
 async def _read_proc(ctx, pid: int | None) -> dict:
     """The node's load and CPU time, and llama-server's, from Linux's /proc ({} elsewhere)."""
     if ctx.node.platform != "linux" or not pid:
@@ -137,6 +199,12 @@ async def measure_body(ctx) -> str:
         for _ in range(MEASURE_SAMPLES):
             samples.append(await _completion(client, url, key))
         after = await _read_proc(ctx, pid)
+        try:
+            n_prompt, ttft_samples = await measure_first_token(client, url, key, prompt_length(deployment))
+        except JobFailed as exc:
+            # Decode speed is what the step is for; a first token it could not time is said, not fatal.
+            await ctx.log(f"first token not measured: {exc.reason}")
+            n_prompt, ttft_samples = prompt_length(deployment), []
     decode = statistics.median(t["predicted_per_second"] for t in samples)
     prompt = statistics.median(t["prompt_per_second"] for t in samples)
     prompt_n = samples[0].get("prompt_n")
@@ -152,7 +220,24 @@ async def measure_body(ctx) -> str:
         "at_filled_context": at_filled,
         "cpu_use": speed_check.cpu_use(before, after),
     }
-    verification = {**(deployment.verification or {}), "speed": check}
+    figures = plan.get("first_word") or {}
+    ttft = statistics.median(ttft_samples) if ttft_samples else None
+    ttft_predicted = first_word.ttft_at(figures, n_prompt)
+    info = next((p for p in (deployment.processes or {}).values() if p.get("role") == "llama-server"), {})
+    kind = await db(deployment.load_kind)()
+    load_predicted = (figures.get("load") or {}).get(f"{kind}_s")
+    measured_first = {
+        "prompt_tokens": n_prompt,
+        "ttft_s": None if ttft is None else round(ttft, 3),
+        "ttft_samples": [round(s, 3) for s in ttft_samples],
+        "ttft_predicted_s": None if ttft_predicted is None else round(ttft_predicted, 3),
+        "ttft_error": first_word.error(ttft, ttft_predicted),
+        "load_s": info.get("load_s"),
+        "load_kind": kind,
+        "load_predicted_s": load_predicted,
+        "load_error": first_word.error(info.get("load_s"), load_predicted),
+    }
+    verification = {**(deployment.verification or {}), "speed": check, "first_word": measured_first}
     await db(deployment.record)(
         measured_decode_tps=decode,
         measured_prompt_tps=prompt,
@@ -181,4 +266,31 @@ async def measure_body(ctx) -> str:
             f"The prediction is off by more than {speed_check.SPEED_ERROR_LIMIT:.0%}. Likely: "
             + "; ".join(f"{row['node']}: {row['reason']}" for row in reasons)
         )
-    return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s"
+    # The first word's figures, after decode's.
+    if ttft is not None:
+        await ctx.log(
+            f"first token after a prompt of {n_prompt} tokens: {ttft:.2f} s "
+            f"({', '.join(f'{s:.2f}' for s in ttft_samples)}); predicted "
+            + (
+                f"{ttft_predicted:.2f} s"
+                if ttft_predicted is not None
+                else "nothing (a plan before issue 20)"
+            )
+        )
+    if info.get("load_s") is not None:
+        await ctx.log(
+            f"load ({kind}: {'its workers had it before' if kind == 'warm' else 'first load'}): "
+            f"{info['load_s']:.1f} s from llama-server's start to its health answer; predicted "
+            + (f"{load_predicted:.1f} s" if load_predicted is not None else "nothing")
+        )
+    for what, value in (
+        ("first token", measured_first["ttft_error"]),
+        ("load", measured_first["load_error"]),
+    ):
+        if first_word.is_off(value):
+            await ctx.log(
+                f"The {what} prediction is off by {value:+.0%} (more than {first_word.ERROR_LIMIT:.0%})."
+            )
+    return f"decode {decode:.1f} tok/s (predicted {predicted or 0:.1f}), prompt {prompt:.1f} tok/s" + (
+        f", first token after {n_prompt} tokens {ttft:.2f} s" if ttft is not None else ""
+    )

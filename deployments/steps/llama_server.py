@@ -95,26 +95,30 @@ async def llama_server_body(ctx) -> str:
         key_file=key_path,
         platform=ctx.node.platform,
     )
+    started = asyncio.get_running_loop().time()
     pid = await ctx.start_daemon(argv, log_path=log_path)
-    await db(deployment.add_process)(
-        f"llama-server@{ctx.node.name}",
-        {
-            "node": ctx.node.name,
-            "role": "llama-server",
-            "pid": pid,
-            "port": port,
-            "log": log_path,
-            "key_file": key_path,
-            "local_ends": ends,
-            "started_at": timezone.now().isoformat(),
-        },
-    )
+    info = {
+        "node": ctx.node.name,
+        "role": "llama-server",
+        "pid": pid,
+        "port": port,
+        "log": log_path,
+        "key_file": key_path,
+        "local_ends": ends,
+        "started_at": timezone.now().isoformat(),
+    }
+    await db(deployment.add_process)(f"llama-server@{ctx.node.name}", info)
     url = endpoint_url(deployment)
     timeout = float(
         ctx.job.params.get("health_timeout") or health_timeout_s(deployment.model_file.size_bytes)
     )
     await follow_until_healthy(ctx, pid, log_path, url, timeout=timeout)
-    return f"llama-server PID {pid} healthy at {url}"
+    # The load as the household feels it, from the start to the health answer (to within the polling's
+    # half second): the measure step sets it beside the plan's prediction (planning/first_word.py).
+    load_s = round(asyncio.get_running_loop().time() - started, 2)
+    await db(deployment.add_process)(f"llama-server@{ctx.node.name}", {**info, "load_s": load_s})
+    await db(deployment.count_load)()
+    return f"llama-server PID {pid} healthy at {url} after {load_s:.1f} s"
 
 
 def llama_process(deployment) -> dict:

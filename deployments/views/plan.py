@@ -83,14 +83,22 @@ def plan_inputs(model: ModelFile, form: PlanForm) -> tuple[list[Node], str]:
     return [coordinator, *[n for n in form.cleaned_data["nodes"] if n.pk != coordinator.pk]], ""
 
 
-def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
+def _objective(data) -> str:
+    """What the plan optimises: "prompt" (the first token of a long prompt) when the request asks for it,
+    else "decode" (single-stream decode speed, the default)."""
+    return "prompt" if (data or {}).get("objective") == "prompt" else "decode"
+
+
+def _compute_plan(model: ModelFile, form: PlanForm, objective: str = "decode") -> tuple[dict | None, str]:
     if not form.is_valid():
         return None, ""
     rows, error = plan_inputs(model, form)
     if error:
         return None, error
     try:
-        plan = planner.plan(model.profile, planner_nodes(rows[1:], rows[0]), form.settings())
+        plan = planner.plan(
+            model.profile, planner_nodes(rows[1:], rows[0]), form.settings(), objective=objective
+        )
     except planner.ClusterError as exc:
         return None, str(exc)
     plan["warnings"] += stale_calibration_warnings(rows)
@@ -98,7 +106,7 @@ def _compute_plan(model: ModelFile, form: PlanForm) -> tuple[dict | None, str]:
     return plan, ""
 
 
-def _confirm_fields(form: PlanForm) -> list[tuple[str, object]]:
+def _confirm_fields(form: PlanForm, objective: str = "decode") -> list[tuple[str, object]]:
     """The settings the page's plan was computed with, as the Confirm form posts them: what is confirmed is
     what was shown, whatever the settings form holds by then."""
     data = form.cleaned_data
@@ -109,7 +117,18 @@ def _confirm_fields(form: PlanForm) -> list[tuple[str, object]]:
     fields += [(key, data[key]) for key in ("ctx", "parallel", "cache_type", "clamp")]
     if data.get("beyond"):
         fields.append(("beyond", "on"))
+    if objective != "decode":
+        fields.append(("objective", objective))
     return fields
+
+
+def _objective_links(request, objective: str) -> dict[str, str]:
+    """The page's own address with the other objective: the plan for long prompts, or back to decode."""
+    query = request.GET.copy()
+    query.pop("objective", None)
+    decode = f"{request.path}?{query.urlencode()}"
+    query["objective"] = "prompt"
+    return {"prompt": f"{request.path}?{query.urlencode()}", "decode": decode}
 
 
 def _stale_reasons(form: PlanForm) -> list[str]:
@@ -141,7 +160,8 @@ def nothing_to_split(plan: dict | None) -> bool:
 
 
 def _preview_context(request, model: ModelFile, form: PlanForm, manual_data=None) -> dict:
-    plan, error = _compute_plan(model, form)
+    objective = _objective(request.POST if request.method == "POST" else request.GET)
+    plan, error = _compute_plan(model, form, objective)
     fits = bool(plan and plan["fits"])
     # A plan on a device its node's build lacks is shown, with why it cannot be confirmed.
     refused = plan_device_refusal(plan) if fits else ""
@@ -165,9 +185,11 @@ def _preview_context(request, model: ModelFile, form: PlanForm, manual_data=None
         "commands": command_lines(model, plan) if fits else None,
         "stale_reasons": _stale_reasons(form),
         # Also when the planner's plan is refused: a split by hand may leave out the device it is refused for.
-        "confirm_fields": _confirm_fields(form) if fits and not form.errors else [],
+        "confirm_fields": _confirm_fields(form, objective) if fits and not form.errors else [],
         # The settings the plan on the page was computed with, which the split by hand is checked with.
         "plan_fields": _confirm_fields(form) if plan is not None and not form.errors else [],
+        "objective": objective,
+        "objective_links": _objective_links(request, objective),
         "confirmable": confirmable,
         "deploy_refusal": _deploy_refusal(request.user, plan) if confirmable else "",
         "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,
@@ -213,7 +235,7 @@ def plan_confirm(request, pk: int):
     model = _get_model(pk)
     form = _plan_form(request, model, request.POST)
     # The plan is computed again here: what is stored is what the planner says now, not what the page showed.
-    plan, error = _compute_plan(model, form)
+    plan, error = _compute_plan(model, form, _objective(request.POST))
     if plan is None or not plan["fits"]:
         context = _preview_context(request, model, form)
         context["error"] = error or ("" if form.errors else "This plan does not fit.")
@@ -380,6 +402,7 @@ def _confirm(
                 "endpoint": f"{deployment.host}:{deployment.port}",
                 "predicted_tokens_per_s": plan["predicted_tokens_per_s"],
                 "baseline_tokens_per_s": plan["baseline"]["predicted_tokens_per_s"],
+                "objective": plan.get("objective", "decode"),
             },
         )
         if deploy:

@@ -97,6 +97,10 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
     ratio = statistics.median(measured["slow"]) / statistics.median(measured["fast"])
     print(f"bandwidth GB/s, fast {measured['fast']}, slow {measured['slow']}: ratio of medians {ratio:.3f}")
     assert FACTOR[0] <= ratio <= FACTOR[1], (ratio, measured)
+    prompts = {name: Node.objects.get(pk=node.pk).devices.get(name="CPU").measured_prompt_gflops
+               for name, node in (("fast", fast), ("slow", slow))}  # fmt: skip
+    print(f"prompt GFLOP/s (the last round): {prompts}")
+    assert prompts["slow"] < prompts["fast"], prompts
     for node in (Node.objects.get(pk=fast.pk), Node.objects.get(pk=slow.pk)):
         cpu = node.devices.get(name="CPU")
         assert cpu.measurement_state == "fresh" and cpu.bandwidth_source == "measured"
@@ -107,6 +111,9 @@ def test_a_throttled_host_measures_slower_in_proportion_to_its_quota(lab, lab_ho
         assert node.calibrated_at and node.pass_overhead_ms >= 0 and node.rpc_hop_ms >= 0
         assert node.link_rtt_ms > 0 and node.link_throughput_mbs > 0
         assert node.calibration["devices"]["CPU"]["runs"][1]["model"] == "deep"
+        # The deep model's prompt of a few hundred tokens, in one ubatch: the device's prompt throughput.
+        assert node.calibration["devices"]["CPU"]["runs"][1]["prompt_tokens"] > 200
+        assert cpu.measured_prompt_gflops > 0
     # Under the quota llama-server's CPU time, spent beside the rpc-server here, is taken out of the slow
     # host's runs (read from /proc over SSH); the unthrottled host's wall times count as they are.
     slow_runs = Node.objects.get(pk=slow.pk).calibration["devices"]["CPU"]["runs"]

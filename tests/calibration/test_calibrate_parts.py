@@ -110,3 +110,37 @@ def test_a_node_is_calibrated_only_with_a_build_devices_and_no_running_deploymen
     assert start_calibration(node) is not None
     assert start_calibration(node) is None  # one at a time per node
     assert Job.objects.filter(kind="calibrate").count() == 1
+
+
+def test_a_prompt_run_gives_the_devices_prompt_throughput_in_flops_per_second():
+    from calibration.fit import CalibrationModel, prompt_gflops
+
+    # 100 MFLOP a token of matrices, 1 kFLOP a token per position of attention, 2 MFLOP of output layer: a
+    # 400-token prompt is 40 GFLOP + 80.2 MFLOP + 2 MFLOP; at 400 tokens/s (the median) that takes 1 s.
+    model = CalibrationModel("deep", "", "", 0, 0, matrix_flops=100e6, attention_flops=1e3, output_flops=2e6)
+    run = Run("deep", 0, [10.0], prompt_tokens=400, prompt_per_s=[300.0, 400.0, 500.0])
+    assert prompt_gflops(model, run) == pytest.approx((40e9 + 1e3 * 400 * 401 / 2 + 2e6) / 1e9, abs=0.01)
+    assert prompt_gflops(model, Run("deep", 0, [10.0])) is None
+
+
+def test_calibration_stores_the_prompt_throughput_and_says_it(db, viewer_client):
+    from django.urls import reverse
+
+    from calibration.store import store
+
+    node = NodeFactory(name="box")
+    device = DeviceFactory(node=node, name="CPU", kind="cpu")
+    figures = {
+        "bandwidth_gbs": 12.0,
+        "overhead_ms": 0.2,
+        "prompt_gflops": 61.5,
+        "prompt_tokens_per_s": [90, 95],
+    }
+    lines = store(node, {"devices": {"CPU": figures}, "link": {"rtt_ms": 0.3, "throughput_mbs": 95.0}})
+    device.refresh_from_db()
+    assert device.measured_prompt_gflops == 61.5
+    assert "CPU: prompts 62 GFLOP/s (95 tokens/s of the calibration model)" in lines
+    assert any("95.0 MB/s" in line for line in lines)
+    # The node page's calibration figures show it beside the device's bandwidth.
+    page = viewer_client.get(reverse("nodes:detail", args=[node.name])).content.decode()
+    assert '<span class="muted prompt-throughput">prompts 62 GFLOP/s</span>' in page

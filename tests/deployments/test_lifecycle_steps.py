@@ -39,7 +39,15 @@ def _serve(
             if asked is not None:
                 asked.append(json.loads(request))
             time.sleep(delay)
-            body = json.dumps(answers.pop(0) if answers is not None else answer).encode()
+            if self.path == "/tokenize":
+                # The measure step's long prompt, as token ids (llama-server's /tokenize answer).
+                body = json.dumps({"tokens": list(range(1, 101))}).encode()
+            else:
+                # A list of answers is for the decode samples; the first token's requests get the last.
+                reply = (
+                    (answers.pop(0) if len(answers) > 1 else answers[0]) if answers is not None else answer
+                )
+                body = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -88,6 +96,10 @@ def test_measure_records_the_speed_llama_server_reports(local_node):
     deployment.refresh_from_db()
     assert deployment.measured_decode_tps == 12.5 and "decode 12.5" in result
     assert deployment.predicted_decode_tps == 10.0 and deployment.speed_error == pytest.approx(0.25)
+    # The first token after a long prompt, measured too (a plan made before issue 20 predicts none).
+    check = deployment.first_word_check
+    assert check["prompt_tokens"] > 16 and len(check["ttft_samples"]) == 2 and check["ttft_s"] >= 0
+    assert check["ttft_predicted_s"] is None and not check["ttft_off"]
 
 
 def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again(local_node):
@@ -101,8 +113,9 @@ def test_a_measurement_far_from_the_prediction_names_the_node_to_calibrate_again
         server.server_close()
     deployment.refresh_from_db()
     assert deployment.speed_error == pytest.approx(-0.6) and deployment.speed_is_off
-    assert "(-60% against the prediction)" in ctx.lines[-2]
-    assert ctx.lines[-1] == (
+    decode = [line for line in ctx.lines if line.startswith(("decode ", "The prediction is off"))]
+    assert "(-60% against the prediction)" in decode[-2]
+    assert decode[-1] == (
         "The prediction is off by more than 25%. Likely: "
         "console-host: never calibrated: the plan used table figures for it"
     )
@@ -133,10 +146,13 @@ def test_measure_decodes_a_fixed_length_several_times_and_compares_at_the_contex
     finally:
         server.shutdown()
         server.server_close()
-    assert len(asked) == 3
+    decode, tokenize, first = asked[:3], asked[3], asked[4:]
     assert all(
-        a["n_predict"] == 128 and a["ignore_eos"] is True and a["cache_prompt"] is False for a in asked
+        a["n_predict"] == 128 and a["ignore_eos"] is True and a["cache_prompt"] is False for a in decode
     )
+    # Then the first token after a long prompt, sent as token ids of an exact length, twice.
+    assert "content" in tokenize and len(first) == 2
+    assert all(a["n_predict"] == 1 and a["cache_prompt"] is False and len(a["prompt"]) > 16 for a in first)
     deployment.refresh_from_db()
     assert deployment.measured_decode_tps == 19.0  # the median
     # Priced at its full 16384 cells the plan says 10 tok/s (+90%); at the 84 this run read, 19.8.
@@ -146,6 +162,7 @@ def test_measure_decodes_a_fixed_length_several_times_and_compares_at_the_contex
     assert check["samples"] == [10.0, 30.0, 19.0] and check["filled"] == 84 and check["at_filled_context"]
     assert "the median of 3 runs of 128 tokens (10.0, 30.0, 19.0)" in ctx.lines[0]
     assert "at the 84 tokens of context it filled" in ctx.lines[0]
+    assert ctx.lines[-1].startswith("first token after a prompt of ")
 
 
 def test_a_run_that_decodes_fewer_tokens_than_asked_is_no_measurement(local_node):
@@ -184,7 +201,7 @@ def test_a_slow_measurement_while_the_coordinator_is_busy_names_the_load_not_onl
     use = deployment.verification["speed"]["cpu_use"]
     assert use["others_cpus"] >= 0.5, use  # the burner's core, at least half of it
     kinds = [row["kind"] for row in deployment.speed_miss_reasons()]
-    assert kinds[0] == "load" and "it was busy while it was measured" in ctx.lines[-1]
+    assert kinds[0] == "load" and any("it was busy while it was measured" in line for line in ctx.lines)
     # Calibrating again is advised for the figures (never calibrated), not for the load.
     assert kinds == ["load", "calibration"] and deployment.recalibration_advice() == ["console-host"]
 

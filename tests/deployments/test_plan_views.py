@@ -360,3 +360,44 @@ def test_the_plan_page_says_a_windows_worker_is_reached_directly_and_why(model, 
     warnings = page.split('<ul class="warnings">', 1)[1].split("</ul>", 1)[0]
     assert "RPC to pc goes directly over the LAN, never through an SSH tunnel: pc runs Windows" in warnings
     assert "administrators_authorized_keys" in warnings
+
+
+def test_the_plan_page_shows_first_token_and_load_beside_decode_speed(model, viewer_client):
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    row = page.split('id="plan-first-word"')[1].split("</div>")[0]
+    # A prompt as long as one slot's context holds (2,000 tokens where it holds them), as measured.
+    assert "first token after 1008 tokens" in row and " s cold" in row and " s warm" in row
+
+
+def _calibrated(pool, desk_gflops: float, pc_gflops: float) -> None:
+    for name, bandwidth, gflops in (("desk", 2, desk_gflops), ("pc", 50, pc_gflops)):
+        node = pool[name]
+        node.calibrated_at = timezone.now()
+        node.save(update_fields=["calibrated_at"])
+        node.devices.get().record_measurement(bandwidth_gbs=bandwidth, overhead_ms=0.1, prompt_gflops=gflops)
+
+
+def test_a_split_better_for_long_prompts_is_offered_and_confirmed_when_chosen(model, pool, operator_client):
+    # The worker decodes fast (its memory) but computes prompts slowly; the coordinator the other way round.
+    _calibrated(pool, desk_gflops=2000, pc_gflops=0.5)
+    url = reverse("deployments:plan", args=[model.pk])
+    page = operator_client.get(url, {"ctx": 1024}).content.decode()
+    assert 'id="prompt-option"' in page and "For long prompts another split is better" in page
+    link = re.search(r'id="choose-prompt" href="([^"]+)"', page)[1].replace("&amp;", "&")
+    assert "objective=prompt" in link
+    chosen = operator_client.get(link).content.decode()
+    assert 'id="prompt-objective"' in chosen and 'id="choose-decode"' in chosen
+    assert '<input type="hidden" name="objective" value="prompt">' in chosen
+    data = {"ctx": 1024, "parallel": 1, "cache_type": "f16", "clamp": 0.7, "objective": "prompt"}
+    operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    deployment = Deployment.objects.get()
+    assert deployment.plan["objective"] == "prompt"
+    assert (
+        deployment.plan["decode_option"]["predicted_tokens_per_s"] > deployment.plan["predicted_tokens_per_s"]
+    )
+
+
+def test_no_prompt_option_when_the_decode_split_is_also_best_for_prompts(model, pool, viewer_client):
+    _calibrated(pool, desk_gflops=1, pc_gflops=1000)
+    page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
+    assert 'id="prompt-option"' not in page and 'id="prompt-objective"' not in page

@@ -221,6 +221,8 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         figures["weights_bytes"] = _worker_model_bytes(deployment)
         figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
         names[run] = sorted(_cache_files(cache))
+        # The measure step's first token and load against the plan's (issue 20), for the record.
+        figures[f"{run}_first_word"] = (deployment.verification or {}).get("first_word")
         # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server
         # started: empty before the cold run, the cold run's entries before the warm one; before the
         # local-copy run empty, then the entries filled from the copy counted in.
@@ -256,7 +258,8 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     assert 0.9 * weights < cached <= weights
     # Warm: the cache is not written again, and what crosses is the part under the threshold, plus the
     # deploy's own traffic: SSH, and the measure step's three samples of 128 tokens, each token's
-    # activations crossing to the worker and back (about 17 MB here): far less than the weights.
+    # activations crossing to the worker and back (about 17 MB here), and its two prompts of a slot's
+    # context for the first token (about 5 MB of activations each): far less than the weights.
     assert figures["cache_after_warm"] == cached
     assert figures["warm_bytes"] < (weights - cached) + 0.06 * weights
     assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]

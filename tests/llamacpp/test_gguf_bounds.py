@@ -397,6 +397,13 @@ def test_a_real_model_gives_exactly_the_profile_and_fields_it_gave_before_the_bo
             before["profile"]["input_embedding_bytes"] if before["profile"]["tied_embeddings"] else 0
         )
         assert len(profile.pop("tensor_spans")["blocks"]) == before["profile"]["block_count"]
+        # Added since (issue 20): what ggml-rpc-server's cache cannot hold, which adds up with what it can to
+        # the blocks' and output layer's bytes (the tied output's copy counted with the output layer).
+        small, large = profile.pop("block_small_bytes"), profile.pop("block_large_tensors")
+        assert len(small) == len(large) == before["profile"]["block_count"]
+        assert all(s <= b for s, b in zip(small, before["profile"]["block_weight_bytes"], strict=True))
+        assert profile.pop("output_small_bytes") <= before["profile"]["output_bytes"]
+        assert profile.pop("output_large_tensors") >= 0
         assert profile == before["profile"], route
     shards = [path.with_name(n) for n in before["profile"]["shards"]]
     for shard, expected in zip(shards, before["headers"], strict=True):

@@ -421,3 +421,39 @@ def test_the_planner_takes_the_quota_the_probe_found_on_the_node():
     planned = {n.name: n for n in planner_nodes([node, coordinator], coordinator)}
     assert (planned["slow"].cpu_quota_cores, planned["slow"].cpu_quota_period_ms) == (0.1, 10.0)
     assert planned["desk"].cpu_quota_cores is None
+
+
+@pytest.mark.django_db
+def test_the_deployment_page_sets_first_token_and_load_beside_their_predictions(viewer_client):
+    deployment = _deployment(measured=90.0)
+    first = {"prompt_tokens": 2000, "ttft_s": 6.0, "ttft_samples": [6.0, 6.1], "ttft_predicted_s": 4.0,
+             "ttft_error": 0.5, "load_s": 11.0, "load_kind": "cold", "load_predicted_s": 10.0,
+             "load_error": 0.1}  # fmt: skip
+    Deployment.objects.filter(pk=deployment.pk).update(verification={"first_word": first})
+    page = viewer_client.get(deployment.get_absolute_url()).content.decode()
+    # The first token missed by half again: a red badge; the load within 25%: held.
+    assert '<span class="badge bad" id="ttft-flag">First token missed by +50%</span>' in page
+    assert "First token after a 2000-token prompt: 6.00 s measured against 4.00 s predicted" in page
+    assert '<span class="badge ok" id="load-flag">Load held (+10%)</span>' in page
+    assert "Load (cold): 11.0 s from llama-server's start to its health answer against 10.0 s" in page
+
+
+@pytest.mark.django_db
+def test_a_load_is_warm_once_its_workers_received_the_model_through_a_deployment():
+    deployment = _deployment(measured=None)
+    plan = {**deployment.plan, "placements": [{**p, "endpoint": "10.0.0.2:50052"} if p["node"] == "pc" else p
+                                              for p in deployment.plan["placements"]]}  # fmt: skip
+    Deployment.objects.filter(pk=deployment.pk).update(plan=plan)
+    deployment.refresh_from_db()
+    deployment.count_load()
+    assert deployment.loads == 1 and deployment.load_kind() == "cold"
+    deployment.count_load()  # a restart: the worker's RPC cache holds the large tensors now
+    assert deployment.load_kind() == "warm"
+    # Another deployment of the same model on the same worker starts warm; on no worker it has no cache.
+    other = Deployment.objects.create(name="again", model_file=deployment.model_file,
+                                      coordinator=deployment.coordinator, plan=plan)  # fmt: skip
+    assert other.load_kind() == "warm"
+    alone = Deployment.objects.create(
+        name="alone", model_file=deployment.model_file, coordinator=deployment.coordinator, plan={}
+    )
+    assert alone.load_kind() == "cold"
