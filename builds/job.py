@@ -32,6 +32,8 @@ from builds.backends import (
     cmake_env,
     cmake_flags,
     missing_prerequisites,
+    old_vulkan_headers,
+    os_family,
     parse_prerequisites,
     vulkan_instead,
 )
@@ -189,6 +191,19 @@ async def _compile(ctx, found: dict[str, str], layout: Layout, flags: list[str],
     return rpc_target
 
 
+async def _check_vulkan_headers(ctx, found: dict[str, str], tree: str) -> None:
+    """Refuse before compiling when the tree's Vulkan backend uses VK_EXT_layer_settings and the node's
+    Vulkan headers lack it: the compile would fail half an hour in, on "'LayerSettingEXT' is not a member of
+    'vk'". Older trees, which do not use it, build with older headers."""
+    why = old_vulkan_headers(found, os_family(found))
+    if not why:
+        return
+    source = posixpath.join(tree, "ggml", "src", "ggml-vulkan", "ggml-vulkan.cpp")
+    uses = await ctx.transport.run(["grep", "-q", "LayerSettingEXT", source], timeout=60)
+    if uses.exit_status == 0:
+        raise JobFailed(f"{ctx.node.name} cannot build this llama.cpp with Vulkan: {why}.")
+
+
 async def probe_binaries(ctx, bin_dir: str) -> dict:
     """Run the binaries in bin_dir: llama-server's version and the RPC server's protocol from its banner."""
     exe = ".exe" if on_windows(ctx) else ""
@@ -283,6 +298,8 @@ async def build_body(ctx) -> str:
         else:
             raise JobFailed(f"unknown build source {source!r}")
         layout = Layout(root, tree, posixpath.join(tree, f"build-{backend}"), backend)
+        if backend == "vulkan":
+            await _check_vulkan_headers(ctx, found, tree)
         await _compile(ctx, found, layout, flags, bool(params.get("rebuild")))
         probed = await probe_binaries(ctx, layout.bin_dir)
         header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))

@@ -11,7 +11,7 @@ from planning import planner
 MIB = 1024**2
 
 
-def planner_device(node: Node, d, build=None) -> planner.Device:
+def planner_device(node: Node, d, build=None, *, coordinator: bool = False) -> planner.Device:
     source = d.bandwidth_source
     # ggml-rpc-server reports all of the machine's RAM for a CPU, whatever limit the probe found: llama.cpp's
     # own default split follows that.
@@ -22,6 +22,13 @@ def planner_device(node: Node, d, build=None) -> planner.Device:
         # A GPU whose memory the probe could not read (a Vulkan card without amdgpu's sysfs files): what the
         # build's own rpc-server said at registration.
         total, free = banner["total_mib"] * MIB, min(banner["free_mib"], banner["total_mib"]) * MIB
+    heap = build.banner_device(d.name) if build is not None and d.unified_memory and not coordinator else None
+    if d.kind == "vulkan" and heap and heap["total_mib"] * MIB < total:
+        # A Vulkan device that shares the system's RAM (an integrated GPU, Mesa's llvmpipe) was probed as all
+        # of it; its driver may offer less (llvmpipe: 2048 MiB), and a worker's rpc-server serves only this
+        # device, so what the driver offers is what it can hold. (On a coordinator the CPU's share of the
+        # RAM is llama-server's own, outside the driver's heap.)
+        total, free = heap["total_mib"] * MIB, min(free, heap["total_mib"] * MIB)
     return planner.Device(
         node=node.name,
         name=d.name,
@@ -66,7 +73,9 @@ def planner_nodes(nodes: list[Node], coordinator: Node) -> list[planner.Node]:
             planner.Node(
                 name=node.name,
                 address=node.rpc_endpoint_host,
-                devices=tuple(planner_device(node, d, build) for d in rows),
+                devices=tuple(
+                    planner_device(node, d, build, coordinator=node.pk == coordinator.pk) for d in rows
+                ),
                 coordinator=node.pk == coordinator.pk,
                 rpc_port=node.rpc_port,
                 rtt_ms=rtt,

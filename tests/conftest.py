@@ -24,11 +24,18 @@ pytest_plugins: list[str] = [
 def pytest_collection_modifyitems(config, items):
     """Browser tests last: Playwright's sync API keeps an event loop on the main thread for the rest of the
     session, which would break later tests that start their own (asyncio.run, async_to_sync). Within each
-    part, the tests that need llama.cpp after the others, so a first build runs beside those
-    (tests/llamacpp_background.py)."""
-    from tests.llamacpp_background import needs_llamacpp  # registered as a plugin above: imported after
+    part, the tests that need llama.cpp after the others, and those that need its Vulkan build after those,
+    so a first build runs beside the tests before them (tests/llamacpp_background.py)."""
+    # Registered as a plugin above: imported after.
+    from tests.llamacpp_background import needs_llamacpp, needs_vulkan
 
-    items.sort(key=lambda item: (item.get_closest_marker("browser") is not None, needs_llamacpp(item)))
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("browser") is not None,
+            needs_llamacpp(item),
+            needs_vulkan(item),
+        )
+    )
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,4 +1,5 @@
-"""Fetch the pinned llama.cpp source and build the tests' llama.cpp once per machine.
+"""Fetch the pinned llama.cpp source and build the tests' llama.cpp once per machine (`--backend=vulkan`: the
+Vulkan RPC server the tests marked `vulkan` run, tests/llamacpp_build.py).
 
 The suite runs this beside the tests that do not need llama.cpp (tests/llamacpp_background.py); run alone,
 it builds ahead of a session. When llama.cpp cannot be had it says why; under CI=true it then exits 1,
@@ -18,7 +19,7 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 django.setup()
 
-from tests.llamacpp_build import LlamaCppUnavailable, llamacpp_binaries
+from tests.llamacpp_build import CPU, VULKAN, LlamaCppUnavailable, llamacpp_binaries
 from tests.unavailable import in_ci
 
 
@@ -36,17 +37,28 @@ def end_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+FLAVOURS = {flavour.backend: flavour for flavour in (CPU, VULKAN)}
+
+
 def main() -> int:
+    flavour = CPU
     for arg in sys.argv[1:]:
         if arg.startswith("--with-parent="):
             end_with_parent(int(arg.partition("=")[2]))
+        elif arg.startswith("--backend="):
+            name = arg.partition("=")[2]
+            if name not in FLAVOURS:
+                print(f"--backend must be one of {', '.join(FLAVOURS)}, not {name!r}", file=sys.stderr)
+                return 2
+            flavour = FLAVOURS[name]
     started = time.monotonic()
     try:
-        found = llamacpp_binaries()
+        found = llamacpp_binaries(flavour)
     except LlamaCppUnavailable as exc:
-        print(f"llama.cpp is not available: {exc}", file=sys.stderr)
+        print(f"llama.cpp ({flavour.backend}) is not available: {exc}", file=sys.stderr)
         return 1 if in_ci() else 0
-    print(f"llama.cpp ready in {time.monotonic() - started:.0f} s: {found.rpc_server.parent}", flush=True)
+    took = time.monotonic() - started
+    print(f"llama.cpp ({flavour.backend}) ready in {took:.0f} s: {found.rpc_server.parent}", flush=True)
     return 0
 
 

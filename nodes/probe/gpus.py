@@ -5,7 +5,10 @@ the probe script printed (pure, no Django).
 all. It takes the discrete and integrated GPUs in the order the loader lists them, one per GPU when two
 drivers expose the same one (same deviceUUID), and only when there is none the first device that is not a
 CPU; Mesa's llvmpipe (a CPU device) is never taken by default (ggml-vulkan.cpp, `ggml_vk_instance_init`).
-Its devices are named Vulkan0, Vulkan1, … in that order, and so are ours.
+Its devices are named Vulkan0, Vulkan1, … in that order, and so are ours. When the node's environment sets
+GGML_VK_VISIBLE_DEVICES (indices into the loader's list, like CUDA_VISIBLE_DEVICES), llama.cpp takes exactly
+those, in that order, CPU devices included: that is how llvmpipe becomes a Vulkan0, and it is the CPU's own
+RAM, so it is modelled as sharing it like an integrated GPU.
 
 The summary states no memory. A discrete AMD card's VRAM comes from the amdgpu driver's sysfs files (the
 probe's `drm` section: "cardN vendor device vram_total vram_used"), matched by PCI vendor and device ID; an
@@ -41,6 +44,11 @@ class VulkanDevice:
     @property
     def integrated(self) -> bool:
         return self.device_type == INTEGRATED
+
+    @property
+    def shares_system_memory(self) -> bool:
+        """An integrated GPU, or a CPU device (Mesa's llvmpipe), whose "device memory" is the system's RAM."""
+        return self.device_type in (INTEGRATED, CPU_TYPE)
 
     @property
     def vendor(self) -> str:
@@ -82,8 +90,28 @@ def parse_vulkaninfo_summary(text: str) -> list[VulkanDevice]:
     return devices
 
 
-def llama_vulkan_devices(devices: list[VulkanDevice]) -> list[VulkanDevice]:
-    """The devices llama.cpp's Vulkan backend uses by default, in its order: Vulkan0 is the first."""
+def parse_visible(text: str) -> list[int] | None:
+    """The probe's `vk-visible` section: GGML_VK_VISIBLE_DEVICES's indices when the node sets it ("set=0,2"),
+    None when it does not. llama.cpp reads it as numbers separated by commas or spaces and stops at the
+    first that is not one."""
+    for line in text.splitlines():
+        if line.startswith("set="):
+            indices = []
+            for word in line[4:].replace(",", " ").split():
+                if not word.isdigit():
+                    break
+                indices.append(int(word))
+            return indices
+    return None
+
+
+def llama_vulkan_devices(devices: list[VulkanDevice], visible: list[int] | None = None) -> list[VulkanDevice]:
+    """The devices llama.cpp's Vulkan backend uses, in its order: Vulkan0 is the first. `visible` is the
+    node's GGML_VK_VISIBLE_DEVICES: exactly those of the loader's list (an index past its end makes llama.cpp
+    fail, so it is not a device)."""
+    if visible is not None:
+        by_index = {d.index: d for d in devices}
+        return [by_index[i] for i in visible if i in by_index]
     chosen: list[VulkanDevice] = []
     for device in devices:
         if device.device_type in GPU_TYPES and not any(c.uuid and c.uuid == device.uuid for c in chosen):
@@ -176,7 +204,16 @@ def add_vulkan(
     if cards is None:
         cards = parse_drm(sections.get("drm", ""))
     listed = parse_vulkaninfo_summary(sections.get("vulkaninfo", ""))
-    chosen = llama_vulkan_devices(listed)
+    visible = parse_visible(sections.get("vk-visible", ""))
+    chosen = llama_vulkan_devices(listed, visible)
+    if visible is not None:
+        unknown = [i for i in visible if i not in {d.index for d in listed}]
+        if unknown and listed:
+            report.warnings.append(
+                f"GGML_VK_VISIBLE_DEVICES names Vulkan device {', '.join(map(str, unknown))}, which "
+                "vulkaninfo does not list: llama.cpp's Vulkan backend fails to start with it. Correct it on "
+                "the node."
+            )
     if cuda_or_rocm:
         if chosen:
             names = ", ".join(d.name for d in chosen)
@@ -191,14 +228,14 @@ def add_vulkan(
                     f"({packages or _VULKAN_PACKAGES}), then probe again."
                 )
         return
-    if listed and not chosen:
+    if listed and not chosen and visible is None:
         report.warnings.append(
             "Vulkan lists only a CPU device (such as Mesa's llvmpipe): that is the CPU itself, counted once."
         )
     cpu = next((d for d in report.devices if d.name == "CPU"), None)
     for number, device in enumerate(chosen):
         name = f"Vulkan{number}"
-        if device.integrated:
+        if device.shares_system_memory:
             gbs, why = integrated_bandwidth(device.name, report.cpu_model)
             report.devices.append(
                 DeviceInfo(
@@ -216,8 +253,9 @@ def add_vulkan(
                 # The CPU's own estimate was about this same memory: the integrated GPU stands for it now.
                 report.devices.remove(cpu)
                 report.warnings[:] = [w for w in report.warnings if not w.startswith("CPU bandwidth")]
+                what = "an integrated GPU" if device.integrated else "a CPU device (Mesa's llvmpipe)"
                 report.warnings.append(
-                    f"{name} is an integrated GPU that shares the system's RAM: it is planned as that one "
+                    f"{name} is {what} that shares the system's RAM: it is planned as that one "
                     "memory, in place of the CPU."
                 )
             continue

@@ -84,6 +84,10 @@ Darwin)
   if command -v vulkaninfo >/dev/null 2>&1; then
     vulkaninfo --summary 2>/dev/null
   fi
+  # The devices llama.cpp's Vulkan backend takes when the node's environment names them (its
+  # GGML_VK_VISIBLE_DEVICES, like CUDA_VISIBLE_DEVICES): printed only when set, even to nothing.
+  sec vk-visible
+  [ -n "${GGML_VK_VISIBLE_DEVICES+set}" ] && printf 'set=%s\n' "$GGML_VK_VISIBLE_DEVICES"
   sec drm
   for c in /sys/class/drm/card*; do
     case "${c##*/}" in *-*) continue ;; esac

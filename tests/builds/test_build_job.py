@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from builds.backends import PREREQ_SCRIPT, cmake_env, os_family, vulkan_instead
+from builds.backends import PREREQ_SCRIPT, cmake_env, old_vulkan_headers, os_family, vulkan_instead
 from builds.job import (
     cache_has_flags,
     choose_backend,
@@ -17,6 +19,7 @@ from jobs.models import Job, JobState
 from llamacpp.logs import parse_rpc_banner_version, parse_server_version
 from llamacpp.versions import parse_rpc_protocol_header, protocol_mismatch, rpc_target_of, src_dir_name
 from tests.deploy_fixtures import lab_node, log_text, rpc_server_binary, run
+from tests.unavailable import unavailable
 
 LINUX_ALL = """\
 cmake=/usr/bin/cmake
@@ -191,18 +194,18 @@ add_executable(llama-server server.cpp)
 }
 
 
-def _mini_tarball(tmp_path) -> str:
+def _mini_tarball(tmp_path, version: str = "1.0", extra: dict[str, str] | None = None) -> str:
     """A llama.cpp-shaped source tarball (the sdist layout: one top folder holding llama.cpp/) that builds
-    in seconds with the real cmake and compiler."""
+    in seconds with the real cmake and compiler; `extra` adds files."""
     import tarfile
 
-    top = tmp_path / "mini-1.0"
-    for name, text in MINI_FILES.items():
+    top = tmp_path / f"mini-{version}"
+    for name, text in {**MINI_FILES, **(extra or {})}.items():
         (top / name).parent.mkdir(parents=True, exist_ok=True)
         (top / name).write_text(text)
-    archive = tmp_path / "mini-1.0.tar.gz"
+    archive = tmp_path / f"mini-{version}.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
-        tar.add(top, arcname="mini-1.0")
+        tar.add(top, arcname=f"mini-{version}")
     return str(archive)
 
 
@@ -385,22 +388,74 @@ def test_the_prerequisite_script_runs_here_and_names_this_debian():
     found = parse_prerequisites(result.stdout)
     assert os_family(found) == "debian"
     assert found["cmake"] and "vulkan_icd" in found and "spirv_headers" in found and "hipconfig" in found
+    assert "vulkan_layer_settings" in found
+
+
+def test_vulkan_headers_without_layer_settings_are_named_with_what_to_install():
+    debian = parse_prerequisites(
+        "distro=debian\nvulkan_headers=/usr/include/vulkan/vulkan.h\nvulkan_layer_settings=\n"
+    )
+    why = old_vulkan_headers(debian, os_family(debian))
+    assert why.startswith("its Vulkan headers (/usr/include/vulkan/vulkan.h) lack VK_EXT_layer_settings")
+    assert "Debian 13's libvulkan-dev, or LunarG's Vulkan SDK with VULKAN_SDK set" in why
+    assert old_vulkan_headers({**debian, "vulkan_layer_settings": "yes"}, "debian") == ""
+
+
+def old_vulkan_sdk(folder) -> str:
+    """A Vulkan SDK folder whose headers predate VK_EXT_layer_settings, as Debian 12's 1.3.239 do."""
+    for name, text in {
+        "include/vulkan/vulkan.h": '#include "vulkan_core.h"\n',
+        "include/vulkan/vulkan_core.h": "#define VK_HEADER_VERSION 239\n#define VK_EXT_debug_utils 1\n",
+        "include/spirv/unified1/spirv.hpp": "namespace spv {}\n",
+    }.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return str(folder)
 
 
 @pytest.mark.lab
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 @pytest.mark.django_db(transaction=True)
-def test_a_vulkan_build_on_a_node_without_the_vulkan_sdk_names_what_to_install(lab, lab_host):
-    """The lab host is this Debian machine, which has no glslc or Vulkan headers: the real prerequisite
-    script, run over SSH, makes the job fail before anything is uploaded, naming Debian's packages."""
+def test_a_vulkan_build_with_headers_too_old_for_the_source_is_refused_before_compiling(
+    lab, lab_host, tmp_path, settings
+):
+    """Over real SSH, on a node whose Vulkan SDK (VULKAN_SDK, which CMake's FindVulkan takes first) has
+    headers without VK_EXT_layer_settings: a source whose Vulkan backend uses it is refused before cmake
+    runs, naming what to install; a source that does not use it builds."""
+    import shutil
+
+    if not (shutil.which("glslc") and list(Path("/usr/share/vulkan/icd.d").glob("*.json"))):
+        unavailable("glslc and a Vulkan driver are needed here (make install-system-deps installs them)")
+    sdk = old_vulkan_sdk(tmp_path / "sdk")
+    lab.start_sshd(lab_host, extra_config=[f"SetEnv VULKAN_SDK={sdk}"])
+    settings.RAMDECK_BUILD_ROOT = str(tmp_path / "root")
+    settings.RAMDECK_TARBALL_DIR = str(tmp_path)
     node = lab_node(lab, lab_host)
-    job = run(Job.objects.create(kind="build", node=node, params={"source": "tarball", "backend": "vulkan"}))
-    assert job.state == JobState.FAILED
-    assert f"{node.name} lacks what the vulkan build needs" in job.result
-    assert "glslc, the shader compiler (sudo apt-get install glslc)" in job.result
-    assert "(sudo apt-get install libvulkan-dev)" in job.result
-    assert "uploading" not in log_text(job)
+    uses = {"llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp": "std::vector<vk::LayerSettingEXT> settings;\n"}
+    tarball = _mini_tarball(tmp_path, "new", uses)
+    job = run(
+        Job.objects.create(
+            kind="build", node=node, params={"source": "tarball", "tarball": tarball, "backend": "vulkan"}
+        )
+    )
+    assert job.state == JobState.FAILED, log_text(job)[-2000:]
+    assert (
+        f"{node.name} cannot build this llama.cpp with Vulkan: its Vulkan headers ({sdk}/include"
+        in job.result
+    )
+    assert "lack VK_EXT_layer_settings" in job.result and "Debian 13's libvulkan-dev" in job.result
+    assert "configuring" not in log_text(job)
     assert not Build.objects.exists()
+
+    older = _mini_tarball(tmp_path, "old", {"llama.cpp/ggml/src/ggml-vulkan/ggml-vulkan.cpp": "int x;\n"})
+    job = run(
+        Job.objects.create(
+            kind="build", node=node, params={"source": "tarball", "tarball": older, "backend": "vulkan"}
+        )
+    )
+    assert job.state == JobState.SUCCEEDED, (job.result, log_text(job)[-2000:])
+    assert "-DGGML_VULKAN=ON" in log_text(job)
+    assert Build.objects.get().backend == "vulkan"
 
 
 @pytest.mark.lab

@@ -94,6 +94,42 @@ def test_a_vulkan_card_whose_memory_the_probe_could_not_read_is_planned_with_the
     assert (vulkan.total_bytes, vulkan.free_bytes) == (24560 * MIB, 23908 * MIB)
 
 
+def test_a_vulkan_builds_banner_on_mesas_cpu_driver_offers_llvmpipe_as_vulkan0():
+    """Recorded from the Vulkan build here with GGML_VK_VISIBLE_DEVICES=0 (llama.cpp takes no CPU device
+    otherwise): llvmpipe's driver offers a heap of 2048 MiB, whatever the machine's RAM."""
+    info = banner("vulkan_llvmpipe.txt")
+    assert info["version"] == "7.0.0"
+    assert banner_devices(info) == [
+        {
+            "name": "Vulkan0",
+            "description": "llvmpipe (LLVM 15.0.6, 256 bits)",
+            "total_mib": 2048,
+            "free_mib": 2048,
+        }
+    ]
+
+
+@pytest.mark.django_db
+def test_a_vulkan_device_sharing_the_ram_is_planned_with_no_more_than_its_drivers_heap_on_a_worker():
+    """The probe models llvmpipe (or an integrated GPU) as all of the system's RAM; its driver offers 2048
+    MiB, and a worker's rpc-server serves that device alone: the plan holds it to the driver's figure. On a
+    coordinator, whose CPU uses the RAM beside it inside llama-server, the probe's figure stands."""
+    desk = NodeFactory(name="desk", last_seen_at=timezone.now(), may_coordinate=True)
+    DeviceFactory(node=desk, name="CPU", kind=DeviceKind.CPU, total_bytes=32 << 30, free_bytes=30 << 30)
+    box = NodeFactory(name="mini-pc", last_seen_at=timezone.now(), may_coordinate=True)
+    DeviceFactory(node=box, name="Vulkan0", kind=DeviceKind.VULKAN, total_bytes=24 << 30, free_bytes=20 << 30,
+                  unified_memory=True)  # fmt: skip
+    Build.objects.create(
+        node=box, source_kind=BuildSource.EXISTING, backend="vulkan", rpc_protocol="7.0.0",
+        devices=banner_devices(banner("vulkan_llvmpipe.txt")), rpc_server_path="/r", llama_server_path="/l",
+    )  # fmt: skip
+    _, worker = planner_nodes([desk, box], desk)
+    [vulkan] = worker.devices
+    assert (vulkan.total_bytes, vulkan.free_bytes, vulkan.unified) == (2048 * MIB, 2048 * MIB, True)
+    [coordinating] = planner_nodes([box], box)
+    assert coordinating.devices[0].total_bytes == 24 << 30
+
+
 # -- refusals ------------------------------------------------------------------------------------------------
 
 

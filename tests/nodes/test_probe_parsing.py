@@ -434,3 +434,42 @@ def test_the_probe_reads_each_cards_ids_and_vram_from_sysfs_and_skips_connectors
     result = subprocess.run(["sh", "-c", "sec() { :; }\n" + loop], capture_output=True, text=True, check=True)
     assert result.stdout == "card0 0x8086 0x46a6 0 0\ncard1 0x1002 0x744c 25753026560 1116504064\n"
     assert recorded("drm_amd_rx7900xtx.txt") in result.stdout
+
+
+def linux_with_text(**sections: str) -> probe.ProbeReport:
+    """The recorded Debian probe with the named sections' text (not files) filled in."""
+    extra = "".join(f"@@@ {name.replace('_', '-')}\n{text}\n" for name, text in sections.items())
+    text = recorded("linux_debian12_x86_64.txt").replace("@@@ rocm-smi\n", "@@@ rocm-smi\n\n" + extra, 1)
+    return probe.build_report(text, rpc_port=50052)
+
+
+@pytest.mark.parametrize(
+    ("section", "indices"),
+    [("", None), ("set=0\n", [0]), ("set=1,0\n", [1, 0]), ("set=2 3\n", [2, 3]), ("set=\n", []),
+     ("set=0,x,1\n", [0])],
+)  # fmt: skip
+def test_ggml_vk_visible_devices_is_read_as_llamacpp_reads_it(section, indices):
+    assert gpus.parse_visible(section) == indices
+
+
+def test_llvmpipe_named_by_ggml_vk_visible_devices_is_vulkan0_sharing_the_systems_ram():
+    """With GGML_VK_VISIBLE_DEVICES=0 llama.cpp's Vulkan backend takes Mesa's CPU driver as Vulkan0 (its
+    rpc-server then serves Vulkan0 and not the CPU): that device's memory is the system's RAM, so it is
+    planned as that one memory in place of the CPU, like an integrated GPU."""
+    report = linux_with_text(vulkaninfo=recorded("vulkaninfo_summary_llvmpipe.txt"), vk_visible="set=0")
+    [device] = report.devices
+    assert (device.name, device.kind, device.unified_memory) == ("Vulkan0", "vulkan", True)
+    assert device.description.startswith("llvmpipe (LLVM 15.0.6")
+    assert (device.total_bytes, device.free_bytes) == (report.ram_total_bytes, report.ram_available_bytes)
+    assert any("a CPU device (Mesa's llvmpipe) that shares the system's RAM" in w for w in report.warnings)
+    assert not any("that is the CPU itself" in w for w in report.warnings)
+    # llama.cpp's own choice without it (the GPUs, never llvmpipe) is unchanged, and so is an empty list.
+    amd = gpus.parse_vulkaninfo_summary(recorded("vulkaninfo_summary_amd_rx7900xtx.txt"))
+    assert [d.index for d in gpus.llama_vulkan_devices(amd, [1, 0])] == [1, 0]
+    assert gpus.llama_vulkan_devices(amd, []) == []
+
+
+def test_ggml_vk_visible_devices_naming_a_device_vulkan_lacks_is_said():
+    report = linux_with_text(vulkaninfo=recorded("vulkaninfo_summary_llvmpipe.txt"), vk_visible="set=3")
+    assert [d.name for d in report.devices] == ["CPU"]
+    assert any("GGML_VK_VISIBLE_DEVICES names Vulkan device 3" in w for w in report.warnings)

@@ -32,3 +32,43 @@ def test_the_test_build_lives_where_the_console_build_job_puts_a_tarball_build()
     assert found.build_dir == tree / "build-cpu"
     assert found.rpc_server.name in ("ggml-rpc-server", "rpc-server")
     assert found.llama_server == tree / "build-cpu" / "bin" / "llama-server"
+
+
+class _FakeBuild:
+    """A background build that records when it is started, finished when told."""
+
+    def __init__(self, started: list, done: bool = False):
+        self.proc, self.done, self.started = None, done, started
+
+    @property
+    def finished(self) -> bool:
+        return self.done
+
+    def start(self) -> None:
+        self.started.append(self)
+        self.proc = object()
+
+
+def test_the_vulkan_build_beside_the_suite_starts_once_no_cpu_build_runs(monkeypatch):
+    from tests import llamacpp_background as background
+
+    started: list = []
+    cpu, vulkan = _FakeBuild(started), _FakeBuild(started)
+    monkeypatch.setattr(background, "_builds", {"cpu": cpu, "vulkan": vulkan})
+    background._start_vulkan_after_cpu()
+    assert started == []  # one compile at a time: the CPU build, which more tests wait for, first
+    cpu.done = True
+    background._start_vulkan_after_cpu()
+    background._start_vulkan_after_cpu()
+    assert started == [vulkan]
+    alone = _FakeBuild(started)  # the CPU build was cached: the Vulkan one starts at once
+    monkeypatch.setattr(background, "_builds", {"vulkan": alone})
+    background._start_vulkan_after_cpu()
+    assert started == [vulkan, alone]
+
+
+def test_a_test_reaching_for_the_vulkan_build_while_it_runs_unmarked_fails_at_once(monkeypatch):
+    monkeypatch.setitem(llamacpp_build.UNMARKED_TEST_DURING_BUILD, "vulkan", "tests/x.py::test_y")
+    monkeypatch.setattr(llamacpp_build, "built_binaries", lambda flavour=llamacpp_build.CPU: None)
+    with pytest.raises(AssertionError, match="tests/x.py::test_y needs the vulkan llama.cpp build.*`vulkan`"):
+        llamacpp_build.llamacpp_binaries(llamacpp_build.VULKAN)
