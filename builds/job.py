@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from builds.amx import NO_AMX, amx_check_argv, amx_flags, amx_verdict
 from builds.backends import (
     PREREQ_SCRIPT,
     choose_backend,
@@ -283,6 +284,8 @@ async def build_body(ctx) -> str:
         )
     flags = cmake_flags(backend, targets)
     await ctx.log(f"prerequisites present ({found.get('os')} {found.get('arch')}); backend {backend}")
+    if source != "existing":
+        flags += await _amx_flags(ctx)
 
     if source == "existing":
         probed = await probe_binaries(ctx, params["path"])
@@ -311,6 +314,18 @@ async def build_body(ctx) -> str:
     return await record_build(
         ctx, probed, BuildSource(source), backend, flags if source != "existing" else [], fields
     )
+
+
+async def _amx_flags(ctx) -> list[str]:
+    """AMX left out of the build where the node's CPU lists it but faults on it (builds/amx.py)."""
+    verdict = amx_verdict((await ctx.transport.run(amx_check_argv(), timeout=120)).stdout)
+    if verdict == "faults":
+        await ctx.log(
+            "this CPU lists AMX but faults on its instructions (a virtual machine whose hypervisor does not "
+            f"pass them through): building without AMX ({NO_AMX}), or llama-server would die at its first "
+            "answer"
+        )
+    return amx_flags(verdict)
 
 
 async def record_build(

@@ -23,6 +23,7 @@ does; those are marked `llamacpp` (or `e2e`); the Vulkan build follows it, for t
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from builds.amx import amx_check_argv, amx_flags, amx_verdict
 from builds.backends import PREREQ_SCRIPT, missing_prerequisites, parse_prerequisites
 from builds.job import cache_has_flags, cmake_flags
 from llamacpp.args import LLAMA_SERVER_BINARY, RPC_SERVER_BINARIES
@@ -91,6 +93,22 @@ def fetch_tarball() -> Path:
         raise LlamaCppUnavailable(f"the llama.cpp source could not be fetched: {exc}") from exc
 
 
+@functools.cache
+def _local_amx_flags() -> tuple[str, ...]:
+    """AMX left out where this CPU lists it but faults on it (builds/amx.py), as the build job does."""
+    result = subprocess.run(amx_check_argv(), capture_output=True, text=True, timeout=120)
+    return tuple(amx_flags(amx_verdict(result.stdout)))
+
+
+def _flags(flavour: Flavour) -> list[str]:
+    """The console's flags for the flavour's backend; AMX only matters where llama-server is built (its CPU
+    weights are what llama.cpp's AMX kernels run on)."""
+    flags = cmake_flags(flavour.backend)
+    if flavour.with_llama_server:
+        flags += list(_local_amx_flags())
+    return flags
+
+
 def _bin_dir(flavour: Flavour) -> Path:
     return _source_dir() / f"build-{flavour.backend}" / "bin"
 
@@ -103,7 +121,7 @@ def _find(bin_dir: Path, flavour: Flavour) -> LlamaCpp | None:
     cache = bin_dir.parent / "CMakeCache.txt"
     if not (rpc and cache.is_file()) or (flavour.with_llama_server and not server.is_file()):
         return None
-    if not cache_has_flags(cache.read_text(errors="replace"), cmake_flags(flavour.backend)):
+    if not cache_has_flags(cache.read_text(errors="replace"), _flags(flavour)):
         return None
     return LlamaCpp(rpc, server if flavour.with_llama_server else None)
 
@@ -192,7 +210,7 @@ def _build(src: Path, flavour: Flavour) -> None:
     _check_prerequisites(flavour)
     env = {**os.environ, **(vulkan_env() if flavour is VULKAN else {})}
     build = src / f"build-{flavour.backend}"
-    flags = cmake_flags(flavour.backend)
+    flags = _flags(flavour)
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", *flags], check=True, env=env)
     targets = [rpc_target_of(_rpc_cmakelists(src))]
     if flavour.with_llama_server:
