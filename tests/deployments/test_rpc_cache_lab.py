@@ -6,7 +6,9 @@ blocks (n_embd 2560, grouped-query attention with 4 KV heads, n_ff 6912, f16) wh
 feed-forward matrices are 12.5 to 34 MiB, above the pinned build's 10 MiB HASH_THRESHOLD; only the K and V
 projections (2.5 MiB) and the norms stay under it. The console deploys it twice, each time a fresh
 deployment of the same plan on a cold then a warm cache, and the worker's veth counts what it received
-(`rx_bytes` in its namespace) from the start of each deploy to its end. The load time is the llama-server
+(`rx_bytes` in its namespace) from the start of each deploy until its measure step starts (the load is over
+then; the measure step's own samples send activations back and forth, counted apart as `*_deploy_bytes`).
+A third deploy loads from the worker's own copy of the model (see below). The load time is the llama-server
 step (the model read and the worker's weights sent). `local_disk_s` is the same model loaded by one
 llama-server from its local disk, all on its CPU.
 
@@ -27,6 +29,7 @@ import httpx
 import pytest
 
 from deployments.models import Deployment, DeploymentState
+from deployments.steps import checks
 from jobs.models import JobState
 from llamacpp import tensor_cache
 from llamacpp.gguf import profile_path
@@ -211,8 +214,12 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
             rpc_mode="direct",
         )
         before, rpc_before = rx_bytes(worker_host), rpc_bytes(worker_host, rpc_port)
+        at_measure = _count_until_measure(monkeypatch, worker_host)
         deployment = cluster.deploy(deployment, monkeypatch)
-        received = rx_bytes(worker_host) - before
+        # The load's bytes: up to the measure step, whose samples (3 × 128 tokens and two long prompts) send
+        # activations to the worker and back; the whole deploy's are kept beside them.
+        figures[f"{run}_deploy_bytes"] = rx_bytes(worker_host) - before
+        received = at_measure["rx"] - before
         figures[f"{run}_rpc_bytes"] = rpc_bytes(worker_host, rpc_port) - rpc_before
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         figures[f"{run}_bytes"] = received
@@ -256,10 +263,8 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     # Cold: every weight crossed the link, and the cache kept each tensor above the threshold.
     assert figures["cold_bytes"] >= weights
     assert 0.9 * weights < cached <= weights
-    # Warm: the cache is not written again, and what crosses is the part under the threshold, plus the
-    # deploy's own traffic: SSH, and the measure step's three samples of 128 tokens, each token's
-    # activations crossing to the worker and back (about 17 MB here), and its two prompts of a slot's
-    # context for the first token (about 5 MB of activations each): far less than the weights.
+    # Warm: the cache is not written again, and what crosses until the measure step is the part under the
+    # threshold, plus the load's own traffic (SSH, a hash for each cached tensor): far less than the weights.
     assert figures["cache_after_warm"] == cached
     assert figures["warm_bytes"] < (weights - cached) + 0.06 * weights
     assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]
@@ -270,6 +275,20 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     assert figures["local_copy_bytes"] < (weights - cached) + 0.05 * weights, figures
     assert figures["local_copy_bytes"] < 0.1 * figures["cold_bytes"]
     assert any("RPC cache filled" in line for line in figures["fill_log"]), figures["fill_log"]
+
+
+def _count_until_measure(monkeypatch, host) -> dict:
+    """The worker's received bytes when the measure step starts (the load is over: llama-server answered
+    its health check and the placement was verified)."""
+    original = checks.measure_body
+    seen: dict = {}
+
+    async def counted(ctx):
+        seen["rx"] = rx_bytes(host)
+        return await original(ctx)
+
+    monkeypatch.setattr(checks, "measure_body", counted)
+    return seen
 
 
 def _fill_lines(deployment: Deployment) -> list[str]:
