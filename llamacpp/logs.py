@@ -34,6 +34,9 @@ _OFFLOADED_RE = re.compile(r"offloaded (?P<n>\d+)/(?P<m>\d+) layers to GPU")
 _HOST_SUFFIXES = ("_Host", "_REPACK", "_AMX", "_KLEIDIAI")
 # Of those, the CPU backend's copies of weights in a layout of its own: the plan does not model them.
 _CPU_EXTRA_SUFFIXES = ("_REPACK", "_AMX", "_KLEIDIAI")
+# The same extra buffer types as some builds name them, with no CPU_ prefix: the pinned build's AMX buffer
+# type is "AMX" (ggml-cpu/amx: f16 and quantised matrices repacked for AMX tiles on CPUs that have them).
+_CPU_EXTRA_NAMES = ("AMX", "KLEIDIAI", "REPACK")
 
 
 # A device's own memory under another name: Metal's weights mapped from the file (MTL0_Mapped) or private
@@ -48,7 +51,7 @@ def buffer_key(buffer: str) -> str:
     if match:
         index = int(match["index"])
         return match["endpoint"] if index == 0 else f"{match['endpoint']}#{index}"
-    if buffer.startswith("CPU") or buffer.endswith(_HOST_SUFFIXES):
+    if buffer.startswith("CPU") or buffer.endswith(_HOST_SUFFIXES) or buffer in _CPU_EXTRA_NAMES:
         return "CPU"
     for suffix in _DEVICE_SUFFIXES:
         if buffer.endswith(suffix):
@@ -79,7 +82,8 @@ def parse_load_log(lines: Iterable[str]) -> dict[str, Any]:
             what = match["what"].lower()
             sizes = devices.setdefault(key, {"model": 0, "kv": 0, "compute": 0, "output": 0, "rs": 0})
             sizes[what] += round(float(match["mib"]) * 1024 * 1024)
-            if what == "model" and match["buffer"].endswith(_CPU_EXTRA_SUFFIXES):
+            extra = match["buffer"].endswith(_CPU_EXTRA_SUFFIXES) or match["buffer"] in _CPU_EXTRA_NAMES
+            if what == "model" and extra:
                 # Weights the CPU backend copied into a layout of its own (repacked for AVX2/AMX/Arm).
                 sizes["repacked"] = sizes.get("repacked", 0) + round(float(match["mib"]) * 1024 * 1024)
             continue
