@@ -78,6 +78,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 os.environ["DATABASE_URL"] = f"sqlite:///{WORKDIR / 'console.sqlite3'}"
 os.environ["RAMDECK_VAR_DIR"] = str(WORKDIR / "var")
 os.environ["ALLOWED_HOSTS"] = "testserver,localhost"
+# A llama-server that aborts (a worker OOM-killed under it) would otherwise attach gdb for a backtrace, inside
+# the coordinator's memory limit: gdb is OOM-killed and leaves llama-server stopped, the request hanging.
+os.environ["GGML_NO_BACKTRACE"] = "1"
 
 import django
 
