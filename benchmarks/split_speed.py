@@ -150,6 +150,7 @@ class Cluster:
     rpc_procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     firewall: list[list[str]] = field(default_factory=list)
     burner: subprocess.Popen | None = None
+    calibrated: set[str] = field(default_factory=set)
 
     @property
     def workers(self) -> list[tuple[str, LabHost]]:
@@ -257,8 +258,11 @@ def probe_and_calibrate(cluster: Cluster) -> None:
         run_inline("probe", cluster.node(name))
     for name in cluster.nodes:
         node = cluster.node(name)
-        if all(d.measurement_state == "fresh" for d in node.devices.all()):
+        # Once per run: a figure calibration could not measure (a busy node's, "too fast to tell apart")
+        # stays a guess, and after the memory limits a node may have no room for the calibration models.
+        if name in cluster.calibrated or all(d.measurement_state == "fresh" for d in node.devices.all()):
             continue
+        cluster.calibrated.add(name)
         started = time.monotonic()
         job = run_inline("calibrate", node)
         say(f"calibrated {name} in {time.monotonic() - started:.0f} s: {job.result}")
