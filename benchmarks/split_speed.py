@@ -22,7 +22,26 @@ long one is not a split an expert would keep, so the sweep leaves it out (and sa
 survive it.
 
     .venv/bin/python benchmarks/split_speed.py [--slow-quota 10] [--model-mib 360] [--repeats 3]
-                                               [--case fits_fast|needs_both|both] [--rpc-mode direct]
+                                               [--case fits_fast|needs_both|both|moe] [--rpc-mode direct]
+                                               [--slow-cpus N] [--busy desk|fast|slow]
+
+Case "moe" (issue 19): a generated mixture of experts (llama.cpp's `llama` architecture, eight experts of
+which a token reads two; --model-mib, default 300, of which the routed experts are nine tenths) on the same
+mixed cluster. The fast worker has room for every block's attention and the output layer and about
+MOE_FAST_EXPERT_SHARE of the experts, the coordinator for the experts of about one block beside
+llama-server, the slow worker for everything. The hand sweep is what an expert would try: `-ts` in eighths
+as above, then `--n-cpu-moe N` (the experts of the first N blocks in the coordinator's memory) with the
+round's best -ts and the next eighth toward the fast worker, for every N whose experts fit the
+coordinator's memory as its probe reports it (the lab's coordinator maps the model from a page cache that
+another cgroup already paid for, so an N that would not fit a real laptop's memory still loads here: it is
+left out, and said so). The plan must survive a prompt that fills the context, as in needs_both.
+
+Mixes whose slowness is not a quota: `--slow-cpus N` keeps the slow worker on N of this machine's cores by a
+cgroup v1 cpuset (the last N; no CPU quota, so each core runs at full speed: on this two-core machine a
+one-core worker is slow by having fewer cores than the others, which share both); `--busy NODE` starts a CPU
+burner (`python -c 'while 1: pass'`) inside that lab host's namespace and cgroups before the nodes are
+probed and calibrated, and ends it by its PID when the benchmark ends: a machine that is busy all along, as
+the calibration sees it too.
 
 The plan is deployed in direct RPC mode by default, as llama.cpp's own variants are run (their llama-server
 reaches the rpc-servers on the workers' LAN addresses): what is compared is the split, not the transport.
@@ -34,7 +53,8 @@ the sweep's best, never slower than the better of (b) and (c), and the predictio
 This machine's two cores are shared by the lab hosts (and whatever else runs on it), so the numbers move
 with the machine's load: the script prints every sample. Ends with one JSON line:
 {"cases": [{"name", "plan_tps", "default_tps", "fit_tps", "sweep_best_tps", "ratio_default", "ratio_fit",
-"ratio_sweep", "pred_err"}, ...]}.
+"ratio_sweep", "pred_err", "predicted_tps", "sweep_best", "sweep_ratio_default", "load"}, ...], "mix": {...},
+"load": [1, 5, 15 min]}.
 """
 
 from __future__ import annotations
@@ -51,8 +71,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.runs import run_deployment, run_stop
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORKDIR = Path(tempfile.mkdtemp(prefix="ramdeck-split-"))
@@ -60,6 +78,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ramdeck_site.settings")
 os.environ["DATABASE_URL"] = f"sqlite:///{WORKDIR / 'console.sqlite3'}"
 os.environ["RAMDECK_VAR_DIR"] = str(WORKDIR / "var")
 os.environ["ALLOWED_HOSTS"] = "testserver,localhost"
+# A llama-server that aborts (a worker OOM-killed under it) would otherwise attach gdb for a backtrace, inside
+# the coordinator's memory limit: gdb is OOM-killed and leaves llama-server stopped, the request hanging.
+os.environ["GGML_NO_BACKTRACE"] = "1"
 
 import django
 
@@ -82,10 +103,12 @@ from llamacpp.gguf import profile_path
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles.models import ModelFile
 from nodes.models import Node
+from planning.costs import expert_bytes_per_block
 from tests.deploy_fixtures import lab_node, listeners_in, route_between
 from tests.factories import UserFactory
 from tests.lab.netlab import Lab, LabHost, cleanup_leftovers, kill_pid
 from tests.llamacpp_build import require_llamacpp
+from tests.runs import run_deployment, run_stop
 
 MIB = 2**20
 RPC_PORT = 50052
@@ -100,6 +123,15 @@ COORDINATOR_MIB = 72
 FAST_HEADROOM_MIB = 8
 WIDTH = {"n_embd": 1536, "n_head": 12, "n_head_kv": 4, "n_ff": 4096, "n_ctx_train": 2048}
 BLOCK_BYTES = 2 * (2 * 1536 * 1536 + 2 * 1536 * 512 + 3 * 1536 * 4096)  # f16 weights of one block: 50 MB
+# The moe case: eight experts of n_ff 1024, two per token; per block 48 MiB of routed experts (a token reads
+# 12) and 5 MiB of attention and router, which every token reads.
+MOE_WIDTH = {"n_embd": 1024, "n_head": 8, "n_head_kv": 2, "n_ff": 1024, "n_ctx_train": 2048,
+             "n_expert": 8, "n_expert_used": 2}  # fmt: skip
+MOE_BLOCK_BYTES = 2 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 8 * 1024 + 3 * 8 * 1024 * 1024)
+# The share of the experts the fast worker has room for beside every block's attention and the output.
+MOE_FAST_EXPERT_SHARE = 0.6
+# The coordinator's room for experts beside llama-server, in blocks' worth of experts.
+MOE_COORDINATOR_EXPERT_BLOCKS = 1.5
 
 
 def say(text: str) -> None:
@@ -117,6 +149,8 @@ class Cluster:
     model: ModelFile | None = None
     rpc_procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     firewall: list[list[str]] = field(default_factory=list)
+    burner: subprocess.Popen | None = None
+    calibrated: set[str] = field(default_factory=set)
 
     @property
     def workers(self) -> list[tuple[str, LabHost]]:
@@ -153,14 +187,23 @@ def allow_forwarding(cluster: Cluster) -> None:
                 cluster.firewall.append(rule)
 
 
-def build_cluster(lab: Lab, slow_quota: float, model_mib: int) -> Cluster:
+def build_cluster(
+    lab: Lab, slow_quota: float, model_mib: int, *, slow_cpus: int = 0, moe: bool = False
+) -> Cluster:
     hosts = [lab.add_host() for _ in range(3)]
     cluster = Cluster(lab, *hosts)
     route_between(hosts)
     allow_forwarding(cluster)
-    # A 10 ms quota period: the slow worker is slower all the time, as an old PC is, rather than fast in
-    # bursts with 100 ms pauses (a quota'd container), which no speed per byte describes.
-    lab.throttle_cpu(cluster.slow_host, slow_quota, period_us=10_000)
+    if slow_cpus:
+        # Fewer cores, each at full speed, and no quota: the last `slow_cpus` of this machine's.
+        cpus = sorted(os.sched_getaffinity(0))[-slow_cpus:]
+        lab.pin_cpus(cluster.slow_host, cpus)
+        slowness = f"slow worker on CPU {','.join(map(str, cpus))} (cpuset, no quota)"
+    else:
+        # A 10 ms quota period: the slow worker is slower all the time, as an old PC is, rather than fast
+        # in bursts with 100 ms pauses (a quota'd container), which no speed per byte describes.
+        lab.throttle_cpu(cluster.slow_host, slow_quota, period_us=10_000)
+        slowness = f"slow worker at {slow_quota:.0%} of a core"
     cluster.operator = UserFactory(username="oscar-operator", role="operator")
     binaries = require_llamacpp()
     for name, host in (
@@ -171,8 +214,13 @@ def build_cluster(lab: Lab, slow_quota: float, model_mib: int) -> Cluster:
         node = lab_node(lab, host, name=name, may_coordinate=name == "desk")
         run_inline("build", node, source="existing", path=str(binaries.rpc_server.parent))
         cluster.nodes[name] = node
-    layers = max(2, round(model_mib * MIB / BLOCK_BYTES))
-    path = write_tiny_llama(WORKDIR / "split.gguf", TinyLlama(n_layer=layers, seed=42, **WIDTH))
+    if moe:
+        layers = max(2, round(model_mib * MIB / MOE_BLOCK_BYTES))
+        spec = TinyLlama(n_layer=layers, seed=42, **MOE_WIDTH)
+    else:
+        layers = max(2, round(model_mib * MIB / BLOCK_BYTES))
+        spec = TinyLlama(n_layer=layers, seed=42, **WIDTH)
+    path = write_tiny_llama(WORKDIR / "split.gguf", spec)
     profile = profile_path(path)
     cluster.model = ModelFile.objects.create(
         name="split",
@@ -182,8 +230,24 @@ def build_cluster(lab: Lab, slow_quota: float, model_mib: int) -> Cluster:
         profile=profile,
     )
     size = profile["size_bytes"] / MIB
-    say(f"model: {layers} blocks, {size:.0f} MiB; slow worker at {slow_quota:.0%} of a core")
+    kind = "a mixture of experts (8 experts, 2 a token)" if moe else "dense"
+    say(f"model: {kind}, {layers} blocks, {size:.0f} MiB; {slowness}")
     return cluster
+
+
+def start_burner(cluster: Cluster, node: str) -> None:
+    """A CPU burner on the lab host of `node`, in its namespace and cgroups (as if started over its sshd)."""
+    host = {"desk": cluster.coordinator_host, "fast": cluster.fast_host, "slow": cluster.slow_host}[node]
+    argv = host.limited_argv([sys.executable, "-c", "while 1: pass"])
+    cluster.burner = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    say(f"CPU burner on {node} (pid {cluster.burner.pid})")
+
+
+def stop_burner(cluster: Cluster) -> None:
+    if cluster.burner is not None:
+        kill_pid(cluster.burner.pid)
+        cluster.burner.wait()
+        cluster.burner = None
 
 
 def probe_and_calibrate(cluster: Cluster) -> None:
@@ -194,8 +258,11 @@ def probe_and_calibrate(cluster: Cluster) -> None:
         run_inline("probe", cluster.node(name))
     for name in cluster.nodes:
         node = cluster.node(name)
-        if all(d.measurement_state == "fresh" for d in node.devices.all()):
+        # Once per run: a figure calibration could not measure (a busy node's, "too fast to tell apart")
+        # stays a guess, and after the memory limits a node may have no room for the calibration models.
+        if name in cluster.calibrated or all(d.measurement_state == "fresh" for d in node.devices.all()):
             continue
+        cluster.calibrated.add(name)
         started = time.monotonic()
         job = run_inline("calibrate", node)
         say(f"calibrated {name} in {time.monotonic() - started:.0f} s: {job.result}")
@@ -379,11 +446,16 @@ def plan_run(
 
 
 def describe_plan(plan: dict) -> str:
-    parts = [
-        f"{p['node']}/{p['device']} {p['layers']}{'+out' if p['output_layer'] else ''}"
-        for p in plan["placements"]
-        if p["layers"] or p["output_layer"]
-    ]
+    """Each device's blocks (+out for the output layer), and for a mixture of experts placed apart the
+    blocks whose experts it holds (x...)."""
+    parts = []
+    for p in plan["placements"]:
+        text = f"{p['node']}/{p['device']} {p['layers']}{'+out' if p['output_layer'] else ''}"
+        experts = p.get("expert_blocks") or []
+        if plan.get("places_experts") and experts:
+            text += f" x{','.join(map(str, experts))}"
+        if p["layers"] or p["output_layer"] or (plan.get("places_experts") and experts):
+            parts.append(text)
     return ", ".join(parts)
 
 
@@ -393,14 +465,41 @@ def fast_limit(profile: dict) -> int:
     return int(sum(profile["block_weight_bytes"]) + profile["output_bytes"]) + FAST_HEADROOM_MIB * MIB
 
 
+def moe_fast_limit(profile: dict) -> int:
+    """Memory for the fast worker in the moe case: every block's attention and the output layer, about
+    MOE_FAST_EXPERT_SHARE of the experts, and FAST_HEADROOM_MIB for its buffers."""
+    experts = sum(expert_bytes_per_block(profile))
+    dense = sum(profile["block_weight_bytes"]) - experts + profile["output_bytes"]
+    return int(dense + MOE_FAST_EXPERT_SHARE * experts) + 4 * FAST_HEADROOM_MIB * MIB
+
+
+def moe_coordinator_limit(profile: dict) -> int:
+    """Memory for the coordinator in the moe case: llama-server and the experts of about
+    MOE_COORDINATOR_EXPERT_BLOCKS blocks."""
+    block = max(expert_bytes_per_block(profile))
+    return COORDINATOR_MIB * MIB + int(MOE_COORDINATOR_EXPERT_BLOCKS * block)
+
+
+def cpu_moe_blocks_that_fit(profile: dict) -> int:
+    """The largest --n-cpu-moe whose experts fit the coordinator's memory beside llama-server."""
+    block = max(expert_bytes_per_block(profile))
+    return int((moe_coordinator_limit(profile) - COORDINATOR_MIB * MIB) // block)
+
+
 def run_case(cluster: Cluster, client: Client, name: str, repeats: int, rpc_mode: str) -> dict:
     probe_and_calibrate(cluster)
     samples: dict[str, list[float]] = {"plan": [], "default": [], "fit": []}
-    sweep: dict[int, list[float]] = {k: [] for k in range(9)}
+    # The hand sweep by label: -ts k,8-k first, then (moe) --n-cpu-moe with the best of those.
+    variants: dict[str, list[str]] = {
+        f"-ts {k},{8 - k}": ["-ngl", "999", "--fit", "off", "-ts", f"{k},{8 - k}"] for k in range(9)
+    }
+    sweep: dict[str, list[float]] = {label: [] for label in variants}
     deployment = None
     too_big: set[int] = set()
-    # Only where a worker has a memory limit (needs_both): the coordinator's own limit is the same for all.
-    check_full = name == "needs_both"
+    left_out: set[str] = set()
+    # Only where a worker has a memory limit (needs_both, moe): the coordinator's own limit is the same for
+    # all.
+    check_full = name in ("needs_both", "moe")
     survived: dict[str, bool] = {}
     for round_no in range(1, repeats + 1):
         full = check_full and round_no == 1
@@ -428,25 +527,39 @@ def run_case(cluster: Cluster, client: Client, name: str, repeats: int, rpc_mode
                 raise SystemExit(f"[{name}] the {variant} split did not load; see {WORKDIR}/llama-server.log")
             samples[variant].append(value)
             say(f"[{name}] round {round_no} ({variant}) {value:.1f} tok/s")
-        for k in range(9):
-            if k in too_big:
+        for label, extra in list(variants.items()):
+            k = int(label.split()[1].split(",")[0]) if label.startswith("-ts") else None
+            if k is not None and k in too_big or label in left_out:
                 continue
-            value = llama_run(
-                cluster, ["-ngl", "999", "--fit", "off", "-ts", f"{k},{8 - k}"], full_prompt=full
-            )
+            value = llama_run(cluster, extra, full_prompt=full)
             if value is None:
-                # The fast worker ran out of memory: every larger share for it does too.
-                too_big.update(range(k, 9))
                 why = f"does not load{f' or survive a prompt of {CTX} tokens' if full else ''}"
-                say(f"[{name}] round {round_no} (sweep) -ts {k},{8 - k} {why} (out of memory)")
+                say(f"[{name}] round {round_no} (sweep) {label} {why} (out of memory)")
+                if k is not None:
+                    # The fast worker ran out of memory: every larger share for it does too.
+                    too_big.update(range(k, 9))
+                else:
+                    left_out.add(label)
                 continue
-            sweep[k].append(value)
-            say(f"[{name}] round {round_no} (sweep) -ts {k},{8 - k} {value:.1f} tok/s")
+            sweep[label].append(value)
+            say(f"[{name}] round {round_no} (sweep) {label} {value:.1f} tok/s")
+        if name == "moe" and round_no == 1:
+            add_cpu_moe_variants(cluster, variants, sweep, left_out, name)
+            for label, extra in variants.items():
+                if label.startswith("--n-cpu-moe") and label not in left_out and not sweep[label]:
+                    value = llama_run(cluster, extra, full_prompt=full)
+                    if value is None:
+                        say(f"[{name}] round {round_no} (sweep) {label} does not load (out of memory)")
+                        left_out.add(label)
+                        continue
+                    sweep[label].append(value)
+                    say(f"[{name}] round {round_no} (sweep) {label} {value:.1f} tok/s")
     stop_rpc_servers(cluster)
     medians = {key: statistics.median(values) for key, values in samples.items()}
     sweep_medians = {k: statistics.median(v) for k, v in sweep.items() if v}
     best_k = max(sweep_medians, key=sweep_medians.get)
     predicted = deployment.plan["predicted_tokens_per_s"]
+    load = os.getloadavg()
     result = {
         "name": name,
         "plan_tps": round(medians["plan"], 2),
@@ -457,21 +570,51 @@ def run_case(cluster: Cluster, client: Client, name: str, repeats: int, rpc_mode
         "ratio_fit": round(medians["plan"] / medians["fit"], 3),
         "ratio_sweep": round(medians["plan"] / sweep_medians[best_k], 3),
         "pred_err": round(abs(predicted - medians["plan"]) / medians["plan"], 3),
+        "predicted_tps": round(predicted, 2),
+        "sweep_best": best_k,
+        # How much the mix allows: the best hand split's own ratio to llama.cpp's default.
+        "sweep_ratio_default": round(sweep_medians[best_k] / medians["default"], 3),
+        "plan": describe_plan(deployment.plan),
+        "load": [round(x, 2) for x in load],
     }
     if check_full:
         result["survives_full_prompt"] = survived
-        result["sweep_left_out"] = sorted(too_big)
+        result["sweep_left_out"] = sorted([f"-ts {k},{8 - k}" for k in too_big] + list(left_out))
     say(f"\n[{name}] medians over {repeats} rounds (tokens/s):")
     say(f"  (a) console's plan        {medians['plan']:8.1f}   predicted {predicted:.1f}, "
         f"error {result['pred_err']:.0%}")  # fmt: skip
     say(f"  (b) llama.cpp default     {medians['default']:8.1f}   plan is {result['ratio_default']:.2f}x")
     say(f"  (c) llama.cpp --fit on    {medians['fit']:8.1f}   plan is {result['ratio_fit']:.2f}x")
-    say(f"  (d) best -ts {best_k},{8 - best_k}         {sweep_medians[best_k]:8.1f}   plan is "
-        f"{result['ratio_sweep']:.2f}x")  # fmt: skip
-    say("  sweep: " + ", ".join(f"{k}/8 {v:.1f}" for k, v in sorted(sweep_medians.items())))
-    if name == "needs_both" and 8 in sweep_medians:
+    say(f"  (d) best {best_k:<18} {sweep_medians[best_k]:8.1f}   plan is {result['ratio_sweep']:.2f}x "
+        f"(the best sweep is {result['sweep_ratio_default']:.2f}x the default)")  # fmt: skip
+    say("  sweep: " + ", ".join(f"{k} {v:.1f}" for k, v in sweep_medians.items()))
+    say(f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if name == "needs_both" and "-ts 8,0" in sweep_medians:
         say("  NOTE: the whole model loaded on the fast worker (-ts 8,0): this case is not what it claims")
     return result
+
+
+def add_cpu_moe_variants(
+    cluster: Cluster, variants: dict, sweep: dict, left_out: set[str], name: str
+) -> None:
+    """--n-cpu-moe N with the first round's best -ts and the next eighth toward the fast worker (the
+    experts moved to the coordinator leave it room for more), for every N up to the blocks whose experts
+    fit the coordinator's memory; one N beyond, to say it is left out."""
+    profile = cluster.model.profile
+    done = {label: v[0] for label, v in sweep.items() if v and label.startswith("-ts")}
+    if not done:
+        return
+    best = int(max(done, key=done.get).split()[1].split(",")[0])
+    fits = cpu_moe_blocks_that_fit(profile)
+    for n in range(1, fits + 2):
+        for k in sorted({best, min(8, best + 1)}):
+            label = f"--n-cpu-moe {n} -ts {k},{8 - k}"
+            variants[label] = ["-ngl", "999", "--fit", "off", "-ts", f"{k},{8 - k}", "--n-cpu-moe", str(n)]
+            sweep[label] = []
+            if n > fits:
+                left_out.add(label)
+                say(f"[{name}] (sweep) {label} left out: the experts of {n} blocks do not fit the "
+                    f"coordinator's {moe_coordinator_limit(profile) / MIB:.0f} MiB")  # fmt: skip
 
 
 def main() -> None:
@@ -479,27 +622,47 @@ def main() -> None:
     parser.add_argument(
         "--slow-quota", type=float, default=10.0, help="slow worker's CPU quota, percent of a core"
     )
-    parser.add_argument("--model-mib", type=int, default=360, help="size of the generated model in MiB")
+    parser.add_argument(
+        "--model-mib", type=int, default=None, help="size of the generated model in MiB (360; moe: 300)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every variant (at least 3)")
-    parser.add_argument("--case", choices=["fits_fast", "needs_both", "both"], default="both")
+    parser.add_argument("--case", choices=["fits_fast", "needs_both", "both", "moe"], default="both")
+    parser.add_argument(
+        "--slow-cpus", type=int, default=0, help="slow worker on this many cores by a cpuset, no quota"
+    )
+    parser.add_argument("--busy", choices=["desk", "fast", "slow"], help="a CPU burner on this node")
     parser.add_argument(
         "--rpc-mode", choices=["direct", "tunnel"], default="direct", help="how the plan's deployment reaches"
         " the rpc-servers (llama.cpp's own variants always go direct)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.model_mib is None:
+        args.model_mib = 300 if args.case == "moe" else 360
     if not 1 <= args.slow_quota <= 100 or args.model_mib < 32 or args.repeats < 1:
         parser.error("--slow-quota must be 1..100, --model-mib at least 32, --repeats at least 1")
+    cores = len(os.sched_getaffinity(0))
+    if not 0 <= args.slow_cpus < cores:
+        parser.error(f"--slow-cpus must be 1..{cores - 1} (this machine has {cores} cores)")
+    mix = {"slow_quota": None if args.slow_cpus else args.slow_quota / 100,
+           "slow_cpus": args.slow_cpus or None, "busy": args.busy}  # fmt: skip
     call_command("migrate", verbosity=0)
     cleanup_leftovers()
     lab = Lab()
     cluster = None
     try:
-        cluster = build_cluster(lab, args.slow_quota / 100, args.model_mib)
+        cluster = build_cluster(
+            lab, args.slow_quota / 100, args.model_mib, slow_cpus=args.slow_cpus, moe=args.case == "moe"
+        )
+        if args.busy:
+            start_burner(cluster, args.busy)
         probe_and_calibrate(cluster)
         # Calibrated first (the calibration models would not fit beside llama-server in what is left),
         # then the coordinator's memory shrinks to what a busy laptop has free. A memory limit changes what
         # fits, not how fast a device is: the calibration stays valid.
-        lab.limit_memory(cluster.coordinator_host, COORDINATOR_MIB * MIB)
+        coordinator_limit = COORDINATOR_MIB * MIB
+        if args.case == "moe":
+            coordinator_limit = moe_coordinator_limit(cluster.model.profile)
+        lab.limit_memory(cluster.coordinator_host, coordinator_limit)
         client = Client()
         client.force_login(cluster.operator)
         cases = []
@@ -510,14 +673,22 @@ def main() -> None:
             lab.limit_memory(cluster.fast_host, limit)
             say(f"\nfast worker limited to {limit / MIB:.0f} MiB")
             cases.append(run_case(cluster, client, "needs_both", args.repeats, args.rpc_mode))
+        if args.case == "moe":
+            limit = moe_fast_limit(cluster.model.profile)
+            lab.limit_memory(cluster.fast_host, limit)
+            coordinator_mib = coordinator_limit / MIB
+            say(f"\nfast worker limited to {limit / MIB:.0f} MiB, coordinator to {coordinator_mib:.0f}")
+            cases.append(run_case(cluster, client, "moe", args.repeats, args.rpc_mode))
     finally:
         if cluster is not None:
+            stop_burner(cluster)
             stop_rpc_servers(cluster)
             for rule in cluster.firewall:
                 subprocess.run(["iptables", "-D", *rule], capture_output=True)
         lab.close()
         shutil.rmtree(WORKDIR, ignore_errors=True)
-    print(json.dumps({"rpc_mode": args.rpc_mode, "cases": cases}))
+    load = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps({"rpc_mode": args.rpc_mode, "mix": mix, "load": load, "cases": cases}))
 
 
 if __name__ == "__main__":

@@ -495,6 +495,10 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
     # coordinator CPU's tensors as one range per shard, from its first tensor to the end of its last
     # (llama_model_loader::get_mapping_range), so what its CPU holds depends on the order of the file.
     block_spans: list[dict[int, list[int]]] = [{} for _ in range(n_layer)]
+    # A mixture of experts: the same by block for its routed experts and for the rest of it, which `-ot`
+    # rules may place on different devices (planning/costs.py `cpu_mapped_bytes`).
+    expert_spans: list[dict[int, list[int]]] = [{} for _ in range(n_layer)]
+    dense_spans: list[dict[int, list[int]]] = [{} for _ in range(n_layer)]
     group_spans: dict[str, dict[int, list[int]]] = {"input": {}, "output": {}, "other": {}}
     for shard, header in enumerate(headers):
         for tensor in header.tensors:
@@ -507,8 +511,11 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
                     block_large[int(match[1])] += 1
                 else:
                     block_small[int(match[1])] += size
+                part = dense_spans
                 if _EXPERTS_RE.match(tensor.name):
                     expert_bytes[int(match[1])] += size
+                    part = expert_spans
+                _widen_span(part[int(match[1])], shard, tensor.offset, size)
                 spans = block_spans[int(match[1])]
             elif tensor.name == "output.weight":
                 output_bytes += size
@@ -529,8 +536,7 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
                 # rope_freqs and friends: small, kept with the input on the coordinator's CPU.
                 other_bytes += size
                 spans = group_spans["other"]
-            span = spans.setdefault(shard, [tensor.offset, tensor.offset + size])
-            span[0], span[1] = min(span[0], tensor.offset), max(span[1], tensor.offset + size)
+            _widen_span(spans, shard, tensor.offset, size)
     tied_output_bytes = 0
     if not has_output:
         # Tied embeddings: the output matrix is token_embd. A device other than the coordinator's CPU gets a
@@ -583,6 +589,14 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "tensor_spans": {
             **{group: _span_list(spans) for group, spans in group_spans.items()},
             "blocks": [_span_list(spans) for spans in block_spans],
+            **(
+                {
+                    "block_experts": [_span_list(spans) for spans in expert_spans],
+                    "block_dense": [_span_list(spans) for spans in dense_spans],
+                }
+                if any(expert_bytes)
+                else {}
+            ),
         },
         "input_embedding_bytes": input_bytes,
         "other_bytes": other_bytes,
@@ -591,6 +605,11 @@ def build_profile(headers: list[GGUFHeader], *, shard_names: list[str] | None = 
         "split_count": len(headers),
         "shards": shard_names or [],
     }
+
+
+def _widen_span(spans: dict[int, list[int]], shard: int, offset: int, size: int) -> None:
+    span = spans.setdefault(shard, [offset, offset + size])
+    span[0], span[1] = min(span[0], offset), max(span[1], offset + size)
 
 
 def _span_list(spans: dict[int, list[int]]) -> list[list[int]]:

@@ -34,8 +34,9 @@ _OFFLOADED_RE = re.compile(r"offloaded (?P<n>\d+)/(?P<m>\d+) layers to GPU")
 _HOST_SUFFIXES = ("_Host", "_REPACK", "_AMX", "_KLEIDIAI")
 # Of those, the CPU backend's copies of weights in a layout of its own: the plan does not model them.
 _CPU_EXTRA_SUFFIXES = ("_REPACK", "_AMX", "_KLEIDIAI")
-# The Intel AMX buffer type is called plain "AMX" (ggml-cpu/amx/amx.cpp): a CPU one too.
-_CPU_EXTRA_NAMES = ("AMX",)
+# The same extra buffer types as some builds name them, with no CPU_ prefix: the pinned build's AMX buffer
+# type is "AMX" (ggml-cpu/amx: f16 and quantised matrices repacked for AMX tiles on CPUs that have them).
+_CPU_EXTRA_NAMES = ("AMX", "KLEIDIAI", "REPACK")
 
 
 # A device's own memory under another name: Metal's weights mapped from the file (MTL0_Mapped) or private

@@ -304,11 +304,18 @@ def forward_argv(
 
 
 def tunnel_rpc_args(args: list[str], local_ends: dict[str, str]) -> list[str]:
-    """llama-server's arguments with each planned `--rpc` endpoint replaced by its tunnel's local end."""
+    """llama-server's arguments with each planned `--rpc` endpoint replaced by its tunnel's local end, in
+    `--rpc` and in the RPC buffer names of `-ot` rules (`RPC0[host:port]`, a mixture of experts' experts
+    placed apart): llama.cpp names an RPC buffer after the endpoint it connected to, and refuses a rule
+    whose buffer does not exist."""
     args = list(args)
     if "--rpc" in args:
         at = args.index("--rpc") + 1
         args[at] = ",".join(local_ends.get(e, e) for e in args[at].split(","))
+    for at in range(len(args) - 1):
+        if args[at] in ("-ot", "--override-tensor"):
+            for endpoint, local in local_ends.items():
+                args[at + 1] = args[at + 1].replace(f"[{endpoint}]", f"[{local}]")
     return args
 
 

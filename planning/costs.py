@@ -182,6 +182,14 @@ def first_block_bytes(profile: dict[str, Any], settings: Settings) -> int:
     return reserve_ubatch(settings) * 4 * 2 * int(profile["embedding_length"])
 
 
+def apart_bytes(profile: dict[str, Any], settings: Settings) -> int:
+    """What a device other than the coordinator's CPU holds more when it computes the experts of some of
+    its blocks while others of its blocks send theirs to another device: one more f32 row per ubatch token
+    (the experts' result coming back), as llama.cpp's log shows for a generated mixture of experts
+    (tests/planning/test_moe_memory_vs_llamacpp.py: 8.01 MiB reserved, 7.51 counted without it)."""
+    return reserve_ubatch(settings) * 4 * int(profile["embedding_length"])
+
+
 def input_copy_bytes(profile: dict[str, Any], settings: Settings) -> int:
     """One copy of the inputs of a device's split at the worst-case ubatch: what pipeline parallelism adds to
     a CPU device's compute buffer per extra copy.
@@ -229,6 +237,9 @@ class Slot:
     input_copy: int = 0
     # What its compute buffer holds more when its blocks start at block 0 (`first_block_bytes`).
     first_extra: int = 0
+    # What its compute buffer holds more when it runs the experts of some blocks while other blocks of its
+    # own have their experts elsewhere (`apart_bytes`).
+    apart_extra: int = 0
     # The CPU of a remote node held to a CPU quota, when it is the node's only device: the quota's period
     # (seconds) and the quota in cores (see `quota_time`). 0.0: no quota to model.
     burst_s: float = 0.0
@@ -366,6 +377,30 @@ def cpu_weight_tables(profile: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     return tables[0], tables[1]
 
 
+def cpu_mapped_bytes(
+    profile: dict[str, Any], blocks: Sequence[int], expert_blocks: Sequence[int], output: bool
+) -> int | None:
+    """The file range llama.cpp maps for the coordinator's CPU when a mixture of experts is placed apart:
+    the CPU holds the rest of `blocks` (the input, and the output layer when `output`) and the routed experts
+    of `expert_blocks`. One range per shard from the first of those tensors to the end of the last, as for a
+    dense model (`cpu_weight_tables`): it covers whatever lies between, such as the attention of a block
+    whose experts alone are on the CPU. None for a profile read before expert spans were recorded."""
+    spans = profile.get("tensor_spans") or {}
+    n = int(profile["block_count"])
+    if len(spans.get("block_experts", [])) != n or len(spans.get("block_dense", [])) != n:
+        return None
+    ranges: dict[int, list[int]] = {}
+    _widen(ranges, spans.get("input", []))
+    _widen(ranges, spans.get("other", []))
+    if output:
+        _widen(ranges, spans.get("output", []))
+    for block in blocks:
+        _widen(ranges, spans["block_dense"][block])
+    for block in expert_blocks:
+        _widen(ranges, spans["block_experts"][block])
+    return _mapped(ranges)
+
+
 def _compute_table(profile: dict[str, Any], settings: Settings, *, coordinator_cpu: bool) -> dict:
     return {
         (role, pp): compute_bytes(profile, settings, role=role, coordinator_cpu=coordinator_cpu, pipeline=pp)
@@ -434,6 +469,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
             lazy=remote and device.kind == "cpu",
             input_copy=input_copy_bytes(profile, settings),
             first_extra=first_block_bytes(profile, settings),
+            apart_extra=apart_bytes(profile, settings),
             **_quota(node, device) if remote else {},
         )
 
@@ -442,6 +478,7 @@ def build_problem(profile: dict[str, Any], nodes: Sequence[Node], settings: Sett
     cpu = slot(cpu_device, coordinator)
     cpu.compute = _compute_table(profile, settings, coordinator_cpu=True)
     cpu.first_extra = 0
+    cpu.apart_extra = 0
     slots = [slot(d, coordinator) for d in coordinator.devices if d.name != "CPU"]
     for node in nodes:
         if not node.coordinator:
@@ -602,10 +639,15 @@ def evaluate(problem: Problem, split: Split) -> Evaluation:
             # the experts of other blocks placed here (both zero for a dense model).
             weights = int((problem.cpu_weights_out if output else problem.cpu_weights)[count])
             weights += sum(ex[b] for b in holds if b not in own) - sum(ex[b] for b in own if b not in holds)
+            if split.experts is not None:
+                mapped = cpu_mapped_bytes(problem.profile, own, holds, output)
+                weights = weights if mapped is None else mapped
         kv = sum(problem.kv[start : start + count])
         hosts_more = any(not start <= b < start + count for b in holds)
         role = _role(slot is problem.cpu, start, count, output, n, hosts_more)
         compute = slot.compute_for(role, copies, first=start == 0 and count > 0)
+        if holds and any(ex[b] and experts[b] != key for b in own):
+            compute += slot.apart_extra
         fits = fits and weights + kv + compute <= slot.capacity
         read = sum(problem.read_bytes[b] - ex_read[b] for b in own) + sum(ex_read[b] for b in holds)
         work = (read + (out_bytes if output else 0)) / slot.bandwidth

@@ -115,7 +115,9 @@ class _Tables:
         else:
             compute = buffer("mid")
         fixed = self.out_bytes if last else 0.0
-        used = self.dense_mem[:, :, None] + h * self.unit_mem + compute + fixed
+        # It keeps its own blocks' experts first (`_assign`): some of them elsewhere while it holds some.
+        apart = np.where((h > 0) & (h < own), s.apart_extra, 0)
+        used = self.dense_mem[:, :, None] + h * self.unit_mem + compute + apart + fixed
         work = (self.dense_read[:, :, None] + h * self.unit_read + fixed) / s.bandwidth
         time = s.time_with_overhead(work) if s.remote and first_use else s.quota_time(work)
         cost = time + self.excursions(s, self.own)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,6 @@ def test_the_check_program_compiles_and_runs_on_this_machine(tmp_path):
     """The real program through the real compiler: on this machine's CPU it gives a definite verdict."""
     result = subprocess.run(amx_check_argv(), capture_output=True, text=True, timeout=120)
     verdict = amx_verdict(result.stdout)
-    listed = "amx_tile" in open("/proc/cpuinfo").read().split()
+    listed = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
     assert verdict != "untested", result
     assert (verdict == "absent") == (not listed)

@@ -46,6 +46,7 @@ SUBNET = "10.77"
 LOCK_PATH = "/run/ramdeck-lab.lock"
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 CGROUP_MEMORY_MOUNT = Path("/sys/fs/cgroup/memory")
+CGROUP_CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 NETNS_ETC = Path("/etc/netns")
 SSHD = "/usr/sbin/sshd"
 # A system user for the tests that need password authentication (namespaces share /etc/passwd).
@@ -189,12 +190,14 @@ class LabHost:
     password_auth: bool = False
     cgroup: Path | None = None  # The cpu controller's group (throttle_cpu).
     memory_cgroup: Path | None = None  # The memory controller's group (limit_memory).
+    cpuset_cgroup: Path | None = None  # The cpuset controller's group (pin_cpus).
     link_mbit: float | None = None  # The tbf rate limit on its veth (limit_link).
     extra_pids: list[int] = field(default_factory=list)
 
     @property
     def cgroups(self) -> list[Path]:
-        return [group for group in (self.cgroup, self.memory_cgroup) if group is not None]
+        groups = (self.cgroup, self.memory_cgroup, self.cpuset_cgroup)
+        return [group for group in groups if group is not None]
 
     @property
     def sshd_pid(self) -> int | None:
@@ -398,6 +401,27 @@ class Lab:
         group.mkdir(exist_ok=True)
         (group / "cpu.shares").write_text(str(int(shares)))
         host.cgroup = group
+        for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
+            if pid:
+                with contextlib.suppress(OSError):
+                    (group / "cgroup.procs").write_text(str(pid))
+        return group
+
+    def pin_cpus(self, host: LabHost, cpus: Sequence[int]) -> Path:
+        """Keep everything the host's sshd starts (from now on) on `cpus` (cgroup v1 `cpuset`): a machine
+        with fewer cores, each at full speed, with no quota (the probe sees the cores as its own: `nproc`
+        and the scheduler's affinity follow the cpuset)."""
+        if not (CGROUP_CPUSET_ROOT / "cpuset.cpus").is_file():
+            raise LabUnavailable(f"cgroup v1 cpuset controller is not mounted at {CGROUP_CPUSET_ROOT}")
+        allowed = _cpu_list((CGROUP_CPUSET_ROOT / "cpuset.cpus").read_text())
+        if not cpus or any(cpu not in allowed for cpu in cpus):
+            raise ValueError(f"CPUs {list(cpus)} are not among this machine's {sorted(allowed)}.")
+        group = CGROUP_CPUSET_ROOT / host.netns
+        group.mkdir(exist_ok=True)
+        # A new cpuset group starts with no CPUs and no memory nodes: both must be set before it takes tasks.
+        (group / "cpuset.mems").write_text((CGROUP_CPUSET_ROOT / "cpuset.mems").read_text().strip())
+        (group / "cpuset.cpus").write_text(",".join(str(cpu) for cpu in cpus))
+        host.cpuset_cgroup = group
         for pid in [host.sshd_pid, *namespace_pids(host.netns)]:
             if pid:
                 with contextlib.suppress(OSError):
@@ -672,6 +696,16 @@ def memory_cgroup_parent() -> Path:
     return CGROUP_MEMORY_MOUNT
 
 
+def _cpu_list(text: str) -> set[int]:
+    """The CPUs of a cpuset list ("0-3,6")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def _remove_cgroup(group: Path) -> None:
     """Move the group's processes back to its parent group, then remove it."""
     procs = group / "cgroup.procs"
@@ -707,7 +741,7 @@ def cleanup_leftovers() -> list[str]:
         if not _pid_alive(int(pid)):
             _run(["ip", "link", "del", veth], check=False)
             removed.append(veth)
-    for root in (CGROUP_CPU_ROOT, memory_cgroup_parent()):
+    for root in (CGROUP_CPU_ROOT, CGROUP_CPUSET_ROOT, memory_cgroup_parent()):
         for group in root.glob(f"{PREFIX}-*-*") if root.is_dir() else []:
             if not _pid_alive(int(group.name.split("-")[1])):
                 _remove_cgroup(group)

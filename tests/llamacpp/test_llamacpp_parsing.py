@@ -66,7 +66,7 @@ def test_load_log_is_keyed_by_endpoint_and_sums_buffers_of_one_device():
     [
         ("CPU_Mapped", "CPU"),
         ("CPU_REPACK", "CPU"),
-        ("AMX", "CPU"),  # f16 weights repacked for Intel AMX: the buffer type has no CPU_ prefix
+        ("AMX", "CPU"),  # the pinned build's AMX buffer type, on CPUs with AMX: repacked weights in RAM
         ("CUDA_Host", "CPU"),  # pinned host memory of the CUDA backend
         ("CUDA0", "CUDA0"),
         ("MTL0_Mapped", "MTL0"),  # a Mac's weights on Metal, mapped from the file: the GPU's, not the CPU's

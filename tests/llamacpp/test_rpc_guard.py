@@ -217,6 +217,17 @@ def test_llama_server_reaches_each_worker_at_its_tunnel_and_the_log_is_read_back
     assert "RPC0[10.0.0.5:50052]" in rpc_guard.planned_endpoints_in(log, ends)
 
 
+def test_experts_placed_on_a_worker_are_named_by_its_tunnel_end_too():
+    # llama.cpp names an RPC buffer after the endpoint --rpc gave it: an -ot rule naming the planned
+    # endpoint would be refused ("unknown buffer type") once --rpc names the tunnel's local end.
+    rule = r"blk\.(4|5)\.ffn_(up|down|gate|gate_up)_(ch|)exps=RPC0[10.0.0.5:50052]"
+    other = r"blk\.(0)\.ffn_(up|down|gate|gate_up)_(ch|)exps=RPC0[10.0.0.6:50052]"
+    args = ["--rpc", "10.0.0.5:50052,10.0.0.6:50052", "-ot", rule, "-ot", other]
+    tunneled = rpc_guard.tunnel_rpc_args(args, {"10.0.0.5:50052": "127.0.0.1:50300"})
+    assert tunneled[3].endswith("=RPC0[127.0.0.1:50300]") and tunneled[5] == other
+    assert args[3] == rule  # the plan's own arguments are left as they were
+
+
 def test_the_firewall_rule_admits_only_the_coordinator():
     rule = rpc_guard.firewall_rule(50052, "10.0.0.2", "ramdeck-d7-old-pc")
     assert rpc_guard.iptables_argv("-I", rule, sudo=True)[:5] == ["sudo", "-n", "iptables", "-w", "-I"]

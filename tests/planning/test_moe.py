@@ -254,3 +254,37 @@ def test_a_dense_model_gets_no_override():
     result = planner.plan(make_profile(n_layer=8), gpu_desk_and_big_worker(), Settings(ctx=512))
     assert "-ot" not in result["llama_server_args"]
     assert all(p["expert_blocks"] == [] for p in result["placements"])
+
+
+def test_the_coordinators_mapped_range_covers_the_attention_between_the_experts_it_holds():
+    # llama.cpp maps the CPU's tensors as one range from the first to the end of the last: experts of
+    # blocks 1 and 2 on the CPU beside block 0 bring blocks 1 and 2's attention into the range too (its log
+    # showed 25.41 MiB where the experts alone count 24.45, tests/planning/test_moe_memory_vs_llamacpp.py).
+    profile = make_moe_profile(n_layer=3, dense_mib=10.0, expert_mib=100.0, output_mib=20.0)
+    mib = int(MIB)
+    # The file: token_embd, then per block its attention (10 MiB) and its experts (100), then the output.
+    blocks, dense, experts, at = [], [], [], 20 * mib
+    for _ in range(3):
+        dense.append([[0, at, at + 10 * mib]])
+        experts.append([[0, at + 10 * mib, at + 110 * mib]])
+        blocks.append([[0, at, at + 110 * mib]])
+        at += 110 * mib
+    profile["tensor_spans"] = {"input": [[0, 0, 20 * mib]], "other": [], "output": [[0, at, at + 20 * mib]],
+                               "blocks": blocks, "block_dense": dense, "block_experts": experts}  # fmt: skip
+    profile["input_embedding_bytes"] = 20 * mib
+    worker = device("w", "CPU", 64.0, 40.0)
+    nodes = [
+        Node("desk", "10.0.0.1", (device("desk", "CPU", 64.0, 5.0),), coordinator=True),
+        Node("w", "10.0.0.2", (worker,), rpc_port=50052, rtt_ms=0.1),
+    ]
+    problem = planner.build_problem(profile, nodes, Settings(ctx=256))
+    cpu = planner.EXPERTS_ON_CPU
+    split = planner.Split(1, [0], [2], [cpu, cpu, cpu])
+    part = planner.evaluate(problem, split).parts[0]
+    assert part.weights == (20 + 3 * 110) * mib  # token_embd to the end of block 2's experts
+    # Block 0 alone with its experts, the others' elsewhere: the range ends with block 0.
+    alone = planner.evaluate(problem, planner.Split(1, [0], [2], [cpu, 0, 0])).parts[0]
+    assert alone.weights == (20 + 110) * mib
+    # Experts of block 2 only, no block: from token_embd over blocks 0 and 1 to block 2's experts.
+    far = planner.evaluate(problem, planner.Split(0, [0], [3], [0, 0, cpu])).parts[0]
+    assert far.weights == (20 + 3 * 110) * mib
