@@ -33,9 +33,20 @@ mkdir "$work/src"
 tar -xzf "$work/$file" -C "$work/src" --strip-components=1
 tree="$work/src/llama.cpp"
 [ -f "$tree/CMakeLists.txt" ] || tree="$work/src"
+# A CPU that lists AMX but faults on its instructions (a VM whose hypervisor does not pass them through) gets
+# a build without AMX, or llama-server dies at its first answer: the console's build job does the same
+# (builds/amx.py, whose program amx-check.c is; 2 means Linux refused AMX and llama.cpp leaves it off itself).
+no_amx=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && cc -O1 -mamx-tile /tmp/demo-node/amx-check.c -o "$work/amx-check" 2>/dev/null; then
+  if sh -c '"$1" >/dev/null 2>&1' sh "$work/amx-check" 2>/dev/null; then status=0; else status=$?; fi
+  if [ "$status" -ne 0 ] && [ "$status" -ne 2 ]; then
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    echo "demo node: this CPU lists AMX but faults on it: building without AMX ($no_amx)"
+  fi
+fi
 cmake -S "$tree" -B "$work/build" -G Ninja -DBUILD_SHARED_LIBS=OFF \
   -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-  -DCMAKE_BUILD_TYPE=Release
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx"
 cmake --build "$work/build" -j "$(nproc)" --target ggml-rpc-server llama-server
 install -m 0755 "$work/build/bin/llama-server" "$work/build/bin/ggml-rpc-server" /usr/local/bin/
 rm -rf "$work"

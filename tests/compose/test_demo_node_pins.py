@@ -28,3 +28,13 @@ def test_the_demo_node_builds_with_the_consoles_cpu_flags():
     script = (DEMO_NODE_DIR / "install-llamacpp.sh").read_text()
     for flag in cmake_flags("cpu"):
         assert flag in script, f"install-llamacpp.sh lacks {flag}, which the console's own CPU build sets"
+
+
+def test_the_demo_node_leaves_amx_out_where_the_cpu_faults_on_it_as_the_build_job_does():
+    from builds.amx import AMX_CHECK_C, NO_AMX
+
+    assert (DEMO_NODE_DIR / "amx-check.c").read_text().strip() == AMX_CHECK_C.strip()
+    script = (DEMO_NODE_DIR / "install-llamacpp.sh").read_text()
+    assert f'no_amx="{NO_AMX}"' in script
+    assert '-DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx"' in script
+    assert "amx-check.c" in (DEMO_NODE_DIR / "Dockerfile").read_text()
