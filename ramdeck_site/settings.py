@@ -275,6 +275,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file (not memory) so live-server and worker processes started by tests share the test database;
     # the PID keeps concurrent test runs apart.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-{os.getpid()}.sqlite3")}
+elif DATABASES["default"].get("NAME"):
+    # Two test runs against one server (an engineer's beside CI's) must not create, truncate and drop the same
+    # test database under each other: the PID keeps them apart here too. Processes a test starts are given
+    # the test database's own name (tests/job_fixtures.py `database_url`).
+    DATABASES["default"]["TEST"] = {"NAME": f"test_{DATABASES['default']['NAME']}_{os.getpid()}"}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # ---------------------------------------------------------------------------------------------------
