@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
 import pytest
 from playwright.sync_api import expect
@@ -83,6 +84,10 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
     log_in(page, live_url, "nina-new", PASSWORD)
     expect(page.locator("#first-run")).to_contain_text("0 of 10 done")
     assert checklist_ticks(page) == set()
+
+    # This machine's node calibrates on its RPC port (50052): an rpc-server an earlier test started there may
+    # still be ending (its stop runs in a worker), and a port held then fails the calibration, not this walk.
+    wait_for(lambda: _port_free(50052), timeout=60, what="port 50052 free of earlier tests' rpc-servers")
 
     # 1. Add this machine: a Local node that may coordinate, probed at once.
     page.click("#first-run-credential-action")
@@ -212,3 +217,14 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
             DeploymentState.CONFIRMED,
         ):
             in_own_thread(stop, deployment, admin, monkeypatch)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        # As rpc-server binds (SO_REUSEADDR): only a live socket on the port keeps it from starting.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
