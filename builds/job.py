@@ -39,14 +39,13 @@ from builds.backends import (
     vulkan_instead,
 )
 from builds.models import Build, BuildSource
-from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
+from builds.tarballs import tarball_to_upload
 from builds.windows import windows_build
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import join, on_windows, read_rpc_banner
 from llamacpp.args import RPC_SERVER_BINARIES as RPC_BINARIES
 from llamacpp.logs import parse_rpc_banner, parse_server_version
-from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
 from remote.powershell import exists_script, powershell_argv
 from remote.text import printable
@@ -115,15 +114,7 @@ def _locked(found: dict[str, str], lock_path: str, argv: list[str]) -> list[str]
 
 
 async def _tarball_tree(ctx, found: dict[str, str], root: str, params: dict) -> tuple[str, str, str]:
-    if params.get("tarball") == pinned_tarball_path():
-        await ensure_pinned_tarball(ctx)
-    local = allowed_tarball(params.get("tarball") or "")
-    if local is None:
-        raise JobFailed(
-            f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
-            "the only folder builds may upload from"
-        )
-    sha = params.get("tarball_sha256") or await db(file_sha256)(local)
+    local, sha = await tarball_to_upload(ctx, params)
     src = posixpath.join(root, src_dir_name(sha))
     for tree in (posixpath.join(src, "llama.cpp"), src):
         if await _exists(ctx, posixpath.join(tree, "CMakeLists.txt")):

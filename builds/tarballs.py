@@ -9,7 +9,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from jobs.context import JobFailed
-from llamacpp.source import PINNED, FetchFailed, fetch_pinned_tarball
+from llamacpp.source import PINNED, FetchFailed, fetch_pinned_tarball, file_sha256
 
 TARBALL_SUFFIXES = (".tar.gz", ".tgz")
 
@@ -61,3 +61,17 @@ async def ensure_pinned_tarball(ctx) -> str:
 
 def _quiet(_message: str) -> None:
     """The fetch's own progress messages: the job logs its own lines instead."""
+
+
+async def tarball_to_upload(ctx, params: dict) -> tuple[str, str]:
+    """The build's tarball on the console (fetched first when it is the pinned one) and its SHA-256, or a
+    refusal when it lies outside the only folder builds may upload from. POSIX and Windows builds alike."""
+    if params.get("tarball") == pinned_tarball_path():
+        await ensure_pinned_tarball(ctx)
+    local = allowed_tarball(params.get("tarball") or "")
+    if local is None:
+        raise JobFailed(
+            f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
+            "the only folder builds may upload from"
+        )
+    return local, params.get("tarball_sha256") or await sync_to_async(file_sha256)(local)

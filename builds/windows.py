@@ -25,10 +25,9 @@ from django.conf import settings
 
 from builds.backends import cmake_flags
 from builds.models import BuildSource
-from builds.tarballs import allowed_tarball, ensure_pinned_tarball, pinned_tarball_path
+from builds.tarballs import tarball_to_upload
 from jobs.aio import db
 from jobs.context import JobFailed
-from llamacpp.source import file_sha256
 from llamacpp.versions import parse_rpc_protocol_header, rpc_target_of, src_dir_name
 from nodes.probe.parse import split_sections
 from remote.powershell import (
@@ -176,15 +175,7 @@ async def _read(ctx, path: str, nbytes: int = 1 << 20) -> str:
 
 async def _tarball_tree(ctx, root: str, params: dict) -> tuple[str, str, str]:
     """The tarball's source tree on the PC: uploaded over SFTP and unpacked once per source hash."""
-    if params.get("tarball") == pinned_tarball_path():
-        await ensure_pinned_tarball(ctx)
-    local = allowed_tarball(params.get("tarball") or "")
-    if local is None:
-        raise JobFailed(
-            f"{params.get('tarball')!r} is not a tarball in {settings.RAMDECK_TARBALL_DIR}, "
-            "the only folder builds may upload from"
-        )
-    sha = params.get("tarball_sha256") or await db(file_sha256)(local)
+    local, sha = await tarball_to_upload(ctx, params)
     src = ntpath.join(root, src_dir_name(sha))
     for tree in (ntpath.join(src, "llama.cpp"), src):
         if await _exists(ctx, ntpath.join(tree, "CMakeLists.txt")):
