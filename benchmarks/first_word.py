@@ -3,7 +3,7 @@ worker its weights, cold and warm.
 
 Runs tests/deployments/test_rpc_cache_lab.py (two lab hosts over real sshd: a coordinator and a worker whose
 ggml-rpc-server the console starts with its tensor cache; a generated model of about `--model-mib` MiB shaped
-like a real one, few wide f16 blocks whose weight tensors are 12.5 to 34 MiB; the worker's link limited to
+like a real one, few wide f16 blocks whose weight tensors are 2.5 to 34 MiB; the worker's link limited to
 `--link-mbit` with a tc token bucket) and reads the figures it prints: the bytes the worker's veth received
 during a cold deploy and a warm one (`rx_bytes` in its namespace), the llama-server step's time for each,
 the worker's weights (llama-server's RPC model buffer), and the same model loaded from local disk by one
@@ -108,7 +108,7 @@ def load_part(args) -> dict:
         link = f"{f['link_mbit']:g} Mbit/s" if f["link_mbit"] else "unlimited"
         print(
             f"round {i}: link {link}, {f['n_layer']} blocks, worker weights "
-            f"{f['weights_bytes'] / 2**20:.1f} MiB ({f['cacheable_fraction']:.1%} of them above the 10 MiB "
+            f"{f['weights_bytes'] / 2**20:.1f} MiB ({f['cacheable_fraction']:.1%} of them above the "
             f"cache threshold)\n"
             f"  cold: {f['cold_s']:.2f} s, {f['cold_bytes'] / 2**20:.1f} MiB received by the worker\n"
             f"  warm: {f['warm_s']:.2f} s, {f['warm_bytes'] / 2**20:.1f} MiB received "

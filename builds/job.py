@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from builds import rpc_threshold
 from builds.amx import NO_AMX, amx_check_argv, amx_flags, amx_verdict
 from builds.backends import (
     PREREQ_SCRIPT,
@@ -294,7 +295,8 @@ async def build_body(ctx) -> str:
         layout = Layout(root, tree, posixpath.join(tree, f"build-{backend}"), backend)
         if backend == "vulkan":
             await _check_vulkan_headers(ctx, found, tree)
-        await _compile(ctx, found, layout, flags, bool(params.get("rebuild")))
+        patched = await _lower_rpc_threshold(ctx, found, tree)
+        await _compile(ctx, found, layout, flags, bool(params.get("rebuild")) or patched)
         probed = await probe_binaries(ctx, layout.bin_dir)
         header = await _read(ctx, posixpath.join(tree, "ggml", "include", "ggml-rpc.h"))
         probed["rpc_protocol"] = probed["rpc_protocol"] or parse_rpc_protocol_header(header)
@@ -305,6 +307,16 @@ async def build_body(ctx) -> str:
     return await record_build(
         ctx, probed, BuildSource(source), backend, flags if source != "existing" else [], fields
     )
+
+
+async def _lower_rpc_threshold(ctx, found: dict[str, str], tree: str) -> bool:
+    """RAMDeck's one change to llama.cpp's source (builds/rpc_threshold.py); True when it was made just now,
+    so binaries built from the tree before it are stale."""
+    argv = _locked(found, f"{tree}.lock", rpc_threshold.script_argv(tree))
+    words = (await ctx.run(argv, timeout=120, echo=False)).stdout.split()
+    outcome = words[-1] if words else "unknown"
+    await ctx.log(rpc_threshold.outcome_message(outcome))
+    return outcome == "patched"
 
 
 async def _amx_flags(ctx) -> list[str]:

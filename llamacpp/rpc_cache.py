@@ -1,12 +1,13 @@
 """ggml-rpc-server's tensor cache (`rpc-server -c`) on a node: where it is, how big, and the one script that
 reads, trims and clears it.
 
-In the pinned llama.cpp a weight tensor larger than 10 MiB (HASH_THRESHOLD in ggml-rpc.cpp) is offered to
-the server by an FNV-1a hash of its bytes first; a server started with `-c` that has a file of that name
-loads it from disk instead of receiving it, and saves every such tensor it does receive. The files are named
-by the hash, 16 lowercase hexadecimal digits, in `<cache folder>/rpc`, where the cache folder is
-`$LLAMA_CACHE`, else `~/Library/Caches/llama.cpp` on macOS, else `${XDG_CACHE_HOME:-~/.cache}/llama.cpp`
-(fs_get_cache_directory in tools/rpc/rpc-server.cpp). Nothing in llama.cpp ever removes one.
+In RAMDeck's builds of llama.cpp a weight tensor larger than 256 KiB (HASH_THRESHOLD in ggml-rpc.cpp, 10 MiB
+upstream: builds/rpc_threshold.py lowers it) is offered to the server by an FNV-1a hash of its bytes first; a
+server started with `-c` that has a file of that name loads it from disk instead of receiving it, and saves
+every such tensor it does receive. The files are named by the hash, 16 lowercase hexadecimal digits, in
+`<cache folder>/rpc`, where the cache folder is `$LLAMA_CACHE`, else `~/Library/Caches/llama.cpp` on macOS,
+else `${XDG_CACHE_HOME:-~/.cache}/llama.cpp` (fs_get_cache_directory in tools/rpc/rpc-server.cpp). Nothing in
+llama.cpp ever removes one.
 
 Everything runs as one POSIX sh script (stock macOS has the same tools) taking its inputs as positional
 arguments, never pasted into its text: the action, the node's configured cache folder (empty: llama.cpp's
@@ -22,8 +23,9 @@ import re
 from llamacpp.args import quiet_argv
 
 GIB = 1024**3
-# Weight tensors larger than this take the cache path (HASH_THRESHOLD in ggml-rpc.cpp).
-HASH_THRESHOLD = 10 * 1024**2
+# Weight tensors larger than this take the cache path: HASH_THRESHOLD in ggml-rpc.cpp as RAMDeck's builds
+# set it (builds/rpc_threshold.py; upstream's 10 MiB left 4 to 22% of a model crossing the link at each load).
+HASH_THRESHOLD = 256 * 1024
 # A sensible default limit: the weights of a worker's share of a large model, a few times over.
 DEFAULT_LIMIT_GIB = 32
 ACTIONS = ("usage", "trim", "clear")

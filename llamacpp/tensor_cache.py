@@ -1,14 +1,15 @@
 """Filling a worker's RPC tensor cache from its own copy of the model, so its first load sends almost nothing.
 
 What ggml-rpc-server keeps (ggml/src/ggml-rpc/ggml-rpc.cpp in the pinned tree): llama-server offers each
-weight tensor larger than HASH_THRESHOLD (10 MiB, strictly larger) by an FNV-1a 64 hash of the bytes it is
-about to send (`fnv_hash`, offset basis 0xcbf29ce484222325, prime 0x100000001b3); a server started with `-c`
-that has a file named by that hash (`%016llx`: 16 lowercase hexadecimal digits) in its cache folder loads the
-file instead. llama-server sends a tensor whole (one `ggml_backend_tensor_set(cur, data, 0, n_size)`), and
-the bytes it sends are the file's bytes at the tensor's offset: with mmap (the default) `data` points into the
-mapping, without it the tensor is read into a buffer first; the CPU repacking (Q4_0 and others into
-AVX2/AMX/Arm layouts) happens only in the coordinator's own CPU buffers, never in an RPC buffer. So a cache
-entry is exactly `file[data_offset + tensor.offset : ... + n_bytes]`, named by its FNV-1a 64 hash.
+weight tensor larger than HASH_THRESHOLD (256 KiB in RAMDeck's builds, strictly larger; llamacpp/rpc_cache.py)
+by an FNV-1a 64 hash of the bytes it is about to send (`fnv_hash`, offset basis 0xcbf29ce484222325, prime
+0x100000001b3); a server started with `-c` that has a file named by that hash (`%016llx`: 16 lowercase
+hexadecimal digits) in its cache folder loads the file instead. llama-server sends a tensor whole (one
+`ggml_backend_tensor_set(cur, data, 0, n_size)`), and the bytes it sends are the file's bytes at the tensor's
+offset: with mmap (the default) `data` points into the mapping, without it the tensor is read into a buffer
+first; the CPU repacking (Q4_0 and others into AVX2/AMX/Arm layouts) happens only in the coordinator's own CPU
+buffers, never in an RPC buffer. So a cache entry is exactly `file[data_offset + tensor.offset : ... +
+n_bytes]`, named by its FNV-1a 64 hash.
 
 The console computes each cacheable tensor's FNV-1a hash once, from its own read of the model (`fnv-c`, a C
 implementation), together with the SHA-256 of the same bytes, and keeps both on the model. A worker that holds
@@ -30,9 +31,8 @@ from typing import Any
 import fnv_c
 
 from llamacpp import gguf as gguf_profile
-from llamacpp.rpc_cache import CacheError, check_folder
+from llamacpp.rpc_cache import HASH_THRESHOLD, CacheError, check_folder
 
-HASH_THRESHOLD = 10 * 1024 * 1024
 # The shape of the hashes a model keeps (ModelFile.tensor_hashes): bumped if what is hashed ever changes.
 VERSION = 1
 # A fill run takes at most this many tensors (4 arguments each) in its argv.
@@ -51,7 +51,7 @@ def fnv1a_64(data: bytes) -> str:
 
 
 def cacheable(header: gguf_profile.GGUFHeader) -> list[tuple[str, int, int]]:
-    """(name, offset in the file, size) of every tensor llama-server offers by hash: larger than 10 MiB."""
+    """(name, offset in the file, size) of every tensor llama-server offers by hash: above HASH_THRESHOLD."""
     return [
         (t.name, header.data_offset + t.offset, t.n_bytes)
         for t in header.tensors
@@ -92,7 +92,13 @@ def hash_tensors(
 
 
 def valid(hashes: dict[str, Any] | None) -> bool:
-    return bool(hashes) and hashes.get("version") == VERSION and isinstance(hashes.get("tensors"), list)
+    # Hashes taken at another threshold (upstream's 10 MiB, before builds/rpc_threshold.py) miss tensors.
+    return (
+        bool(hashes)
+        and hashes.get("version") == VERSION
+        and hashes.get("threshold") == HASH_THRESHOLD
+        and isinstance(hashes.get("tensors"), list)
+    )
 
 
 def blocks_of(placement: dict[str, Any]) -> set[int]:

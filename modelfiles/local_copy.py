@@ -96,8 +96,8 @@ async def ensure_hashes(ctx: JobContext, model: ModelFile) -> dict[str, Any]:
         todo = tensor_cache.cacheable(header)
         total = sum(n for _, _, n in todo)
         await ctx.log(
-            f"Hashing {len(todo)} tensors above the 10 MiB cache threshold ({mib(total)} MiB of "
-            f"{model.name}), read from {node.name}: once per model."
+            f"Hashing {len(todo)} tensors above the {tensor_cache.HASH_THRESHOLD // 1024} KiB cache "
+            f"threshold ({mib(total)} MiB of {model.name}), read from {node.name}: once per model."
         )
         tensors, done, last = [], 0, time.monotonic()
         for name, offset, n in todo:

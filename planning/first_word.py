@@ -20,9 +20,9 @@ starting when stage s-1 of j and stage s of j-1 are done. The output layer runs 
 
 **Loading**, cold: every byte a worker holds crosses its link (one worker after another: llama.cpp loads the
 tensors in order), and the coordinator reads its own share from its disk. Warm: ggml-rpc-server's cache
-(`-c`) holds every tensor above HASH_THRESHOLD (10 MiB, ggml-rpc.cpp; llamacpp/rpc_cache.py): such a tensor
-costs one round trip for its hash and a read from the worker's own disk, and only the smaller ones cross the
-link. Both add llama-server's own start (`LOAD_FIXED_S`).
+(`-c`) holds every tensor above HASH_THRESHOLD (256 KiB in RAMDeck's builds; llamacpp/rpc_cache.py): such a
+tensor costs one round trip for its hash and a read from the worker's own disk, and only the smaller ones
+cross the link. Both add llama-server's own start (`LOAD_FIXED_S`).
 
 Each device's prompt throughput and each worker's link throughput come from calibration (calibration/job.py)
 where it measured them; otherwise the defaults below, and the figure says so (`sources`).

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from builds import rpc_threshold
 from builds.amx import amx_check_argv, amx_flags, amx_verdict
 from builds.backends import PREREQ_SCRIPT, missing_prerequisites, parse_prerequisites
 from builds.job import cache_has_flags, cmake_flags
@@ -123,6 +124,10 @@ def _find(bin_dir: Path, flavour: Flavour) -> LlamaCpp | None:
         return None
     if not cache_has_flags(cache.read_text(errors="replace"), _flags(flavour)):
         return None
+    # Built before RAMDeck's change to the source (builds/rpc_threshold.py) was made: stale.
+    source = _source_dir() / rpc_threshold.RPC_SOURCE
+    if rpc_threshold.PATCHED_LINE not in source.read_text() or rpc.stat().st_mtime < source.stat().st_mtime:
+        return None
     return LlamaCpp(rpc, server if flavour.with_llama_server else None)
 
 
@@ -208,6 +213,10 @@ def _build(src: Path, flavour: Flavour) -> None:
     if not shutil.which("cmake") or not shutil.which("ninja"):
         raise LlamaCppUnavailable("cmake and ninja are needed to build llama.cpp")
     _check_prerequisites(flavour)
+    if rpc_threshold.patch_tree(src) == "unknown":
+        raise LlamaCppUnavailable(
+            f"{src / rpc_threshold.RPC_SOURCE} has no HASH_THRESHOLD line RAMDeck knows"
+        )
     env = {**os.environ, **(vulkan_env() if flavour is VULKAN else {})}
     build = src / f"build-{flavour.backend}"
     flags = _flags(flavour)

@@ -33,6 +33,12 @@ mkdir "$work/src"
 tar -xzf "$work/$file" -C "$work/src" --strip-components=1
 tree="$work/src/llama.cpp"
 [ -f "$tree/CMakeLists.txt" ] || tree="$work/src"
+# RAMDeck's one change to the source, as the console's build job makes it (builds/rpc_threshold.py, whose
+# SED_EXPR this is; tests/compose/test_demo_node_pins.py keeps them equal): weight tensors above 256 KiB,
+# not 10 MiB, take rpc-server's cache, so a warm load sends almost nothing.
+rpc="$tree/ggml/src/ggml-rpc/ggml-rpc.cpp"
+sed 's/^const size_t HASH_THRESHOLD = 10 \* 1024 \* 1024;/const size_t HASH_THRESHOLD = 256 * 1024;/' "$rpc" > "$rpc.ramdeck"
+cat "$rpc.ramdeck" > "$rpc" && rm -f "$rpc.ramdeck"
 # A CPU that lists AMX but faults on its instructions (a VM whose hypervisor does not pass them through) gets
 # a build without AMX, or llama-server dies at its first answer: the console's build job does the same
 # (builds/amx.py, whose program amx-check.c is; 2 means Linux refused AMX and llama.cpp leaves it off itself).

@@ -38,3 +38,11 @@ def test_the_demo_node_leaves_amx_out_where_the_cpu_faults_on_it_as_the_build_jo
     assert f'no_amx="{NO_AMX}"' in script
     assert '-DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx"' in script
     assert "amx-check.c" in (DEMO_NODE_DIR / "Dockerfile").read_text()
+
+
+def test_the_demo_node_lowers_the_rpc_cache_threshold_as_the_build_job_does():
+    from builds.rpc_threshold import RPC_SOURCE, SED_EXPR
+
+    script = (DEMO_NODE_DIR / "install-llamacpp.sh").read_text()
+    assert f"sed '{SED_EXPR}' \"$rpc\"" in script
+    assert f'rpc="$tree/{RPC_SOURCE}"' in script

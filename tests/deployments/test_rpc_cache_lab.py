@@ -3,8 +3,9 @@
 Two lab hosts over real sshd: a coordinator and a worker whose rpc-server the console starts with its tensor
 cache (`-c`, in the worker's own cache folder). The model is generated in the shape of a real one: few, wide
 blocks (n_embd 2560, grouped-query attention with 4 KV heads, n_ff 6912, f16) whose attention and
-feed-forward matrices are 12.5 to 34 MiB, above the pinned build's 10 MiB HASH_THRESHOLD; only the K and V
-projections (2.5 MiB) and the norms stay under it. The console deploys it twice, each time a fresh
+feed-forward matrices are 2.5 to 34 MiB: above the 256 KiB HASH_THRESHOLD of RAMDeck's builds (upstream's
+10 MiB left the 2.5 MiB K and V projections out, 3.8% of the weights; builds/rpc_threshold.py), so only the
+norms stay under it. The console deploys it twice, each time a fresh
 deployment of the same plan on a cold then a warm cache, and the worker's veth counts what it received
 (`rx_bytes` in its namespace) from the start of each deploy until its measure step starts (the load is over
 then; the measure step's own samples send activations back and forth, counted apart as `*_deploy_bytes`).
@@ -61,11 +62,10 @@ pytestmark = [
 ]
 
 # One block of the generated model: q and o 12.5 MiB, k and v 2.5 MiB, three 33.75 MiB feed-forward
-# matrices, two norms: about 131 MiB, of which the k and v projections and the norms (3.8%) are under the
-# 10 MiB threshold and cross the link at every load.
+# matrices, two norms: about 131 MiB, of which only the norms (20 KiB) are under the threshold and cross the
+# link at every load.
 SHAPE = {"n_embd": 2560, "n_head": 20, "n_head_kv": 4, "n_ff": 6912}
 BLOCK_MIB = 131
-HASH_THRESHOLD = 10 * MIB
 
 
 def _env_float(name: str, default: float) -> float:
@@ -260,20 +260,19 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     figures["local_copy_fraction"] = round(figures["local_copy_bytes"] / weights, 4)
     figures["uncacheable_bytes"] = weights - cached
     print("\nFIRST-WORD " + json.dumps(figures))
-    # Cold: every weight crossed the link, and the cache kept each tensor above the threshold.
+    # Cold: every weight crossed the link, and the cache kept each tensor above the threshold: all but the
+    # norms.
     assert figures["cold_bytes"] >= weights
-    assert 0.9 * weights < cached <= weights
-    # Warm: the cache is not written again, and what crosses until the measure step is the part under the
-    # threshold, plus the load's own traffic (SSH, a hash for each cached tensor): far less than the weights.
+    assert 0.999 * weights < cached <= weights
+    # Warm: the cache is not written again, and what crosses until the measure step is the norms, plus the
+    # load's own traffic (SSH, a hash for each cached tensor): under 5% of the weights (issue 20's target).
     assert figures["cache_after_warm"] == cached
-    assert figures["warm_bytes"] < (weights - cached) + 0.06 * weights
-    assert figures["warm_bytes"] < 0.1 * figures["cold_bytes"]
+    assert figures["warm_bytes"] < 0.05 * weights, figures
     # Local copy: the cache was empty and filled from the worker's own copy before its rpc-server started,
     # with exactly the files the cold load made (the same names, so the same FNV-1a hashes rpc-server
     # computes); the link then carries the part under the threshold and the deploy's own traffic only.
     assert figures["cache_after_local_copy"] == cached, figures["fill_log"]
-    assert figures["local_copy_bytes"] < (weights - cached) + 0.05 * weights, figures
-    assert figures["local_copy_bytes"] < 0.1 * figures["cold_bytes"]
+    assert figures["local_copy_bytes"] < 0.05 * weights, figures
     assert any("RPC cache filled" in line for line in figures["fill_log"]), figures["fill_log"]
 
 

@@ -97,7 +97,7 @@ def test_a_copy_resumes_from_its_partial_file_and_is_checked_on_the_worker(
     page = operator_client.get(worker.get_absolute_url()).content.decode()
     assert str(dest) in page and "deployments fill the RPC cache from it" in page
     total = len(model.tensor_hashes["tensors"])
-    assert f"tiny: 2 of {total} tensors above the 10 MiB threshold" in page
+    assert f"tiny: 2 of {total} cacheable tensors" in page
 
 
 @pytest.mark.lab
