@@ -45,13 +45,17 @@ TEST = (
 
 
 def local_copy_line(f: dict) -> str:
-    """The load with the worker holding its own copy (its cache emptied, then filled from the copy before its
-    rpc-server started): `local_copy_s` is the fill plus the llama-server step."""
+    """The loads with the worker holding its own copy: right after the copy job, whose last step filled the
+    worker's cache with the whole model from it (`local_copy_s`: the deploy's fill step, which finds every
+    tensor there, plus llama-server's load), and from an emptied cache, filled by the deploy's own step
+    (`refill_s`: that fill plus the load)."""
     return (
-        f"  local copy: {f['local_copy_s']:.2f} s (the worker's cache filled from its copy in "
-        f"{f['fill_s']:.2f} s of it), {f['local_copy_bytes'] / 2**20:.1f} MiB received "
-        f"({f['local_copy_fraction']:.2%} of its weights; {f['uncacheable_bytes'] / 2**20:.1f} MiB of them "
-        f"are under the threshold); the copy itself took {f['copy_s']:.1f} s once"
+        f"  local copy: {f['local_copy_s']:.2f} s ({f['local_copy_filling_s']:.2f} s of checking the cache), "
+        f"{f['local_copy_bytes'] / 2**20:.1f} MiB received ({f['local_copy_fraction']:.2%} of its weights); "
+        f"the copy job took {f['copy_s']:.1f} s once, {f['copy_fill_s']:.1f} s of it filling the cache\n"
+        f"  local copy, cache emptied, filled by the deploy: {f['refill_s']:.2f} s "
+        f"({f['refill_filling_s']:.2f} s of filling), {f['refill_bytes'] / 2**20:.1f} MiB "
+        f"received ({f['refill_fraction']:.2%})"
     )
 
 
@@ -113,7 +117,9 @@ def load_part(args) -> dict:
             f"  cold: {f['cold_s']:.2f} s, {f['cold_bytes'] / 2**20:.1f} MiB received by the worker\n"
             f"  warm: {f['warm_s']:.2f} s, {f['warm_bytes'] / 2**20:.1f} MiB received "
             f"({f['warm_fraction']:.2%} of its weights; target under 5%)\n"
-            f"  local disk, one machine: {f['local_disk_s']:.2f} s"
+            f"  local disk, one machine: {f['local_disk_s']:.2f} s\n"
+            f"  (the llama-server steps, SSH and placement check included: cold {f['cold_step_s']:.2f} s, "
+            f"warm {f['warm_step_s']:.2f} s)"
         )
         print(local_copy_line(f))
 
@@ -129,6 +135,9 @@ def load_part(args) -> dict:
         "local_copy_bytes": int(median("local_copy_bytes")),
         "weights_bytes": int(median("weights_bytes")),
         "local_disk_s": median("local_disk_s"),
+        "refill_s": median("refill_s"),
+        "refill_bytes": int(median("refill_bytes")),
+        "copy_s": median("copy_s"),
     }
 
 

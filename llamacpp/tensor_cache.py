@@ -170,10 +170,11 @@ while [ $# -ge 4 ]; do
   f=$dir/$name
   if [ -f "$f" ] && [ ! -L "$f" ] && [ "$(size "$f")" = "$len" ]; then echo "have $name"; continue; fi
   tmp=$dir/.fill-$name.$$
-  tail -c +$((off + 1)) -- "$src" 2>/dev/null | head -c "$len" > "$tmp"
+  # Hashed as it is written (tee), so the piece is read once.
+  have=$(tail -c +$((off + 1)) -- "$src" 2>/dev/null | head -c "$len" | tee -- "$tmp" | sum)
+  have=${have%% *}
   got=$(size "$tmp")
   if [ "$got" != "$len" ]; then rm -f -- "$tmp"; echo "bad $name cut $got of $len bytes"; continue; fi
-  have=$(sum < "$tmp" | awk '{print $1}')
   if [ "$have" != "$want" ]; then rm -f -- "$tmp"; echo "bad $name checksum differs"; continue; fi
   mv -f -- "$tmp" "$f" && printf 'filled %s %s\n' "$name" "$len"
 done

@@ -8,8 +8,11 @@ disk before its rpc-server starts, so a first load sends the worker almost nothi
   continues from the part's size; the whole file's SHA-256 is checked on the destination before the part
   takes its name, and the copy is registered (`ModelCopy`). A file already at the path whose size and
   SHA-256 are the model's is registered without sending anything.
-- `fill_before_start` (the rpc_server step): the cacheable tensors of the worker's blocks cut out of its copy
-  into its cache folder, each checked by SHA-256 on the worker, before the server starts.
+- `fill_after_copy` (the end of the copy job): every cacheable tensor of the model cut out of the copy into
+  the node's cache folder, each checked by SHA-256 on the node, when the whole model fits in its cache limit:
+  the first deployment then loads as a warm one, the fill off its path.
+- `fill_before_start` (the rpc_server step): the cacheable tensors of the worker's blocks that are not in its
+  cache (trimmed, cleared, or too large to fill whole) filled the same way before the server starts.
 
 Split models (several shards) are not copied yet: the job refuses them, saying so.
 """
@@ -235,9 +238,10 @@ async def model_copy_body(ctx: JobContext) -> str:
         if state != "missing":
             raise JobFailed(f"{dest} exists on {ctx.node.name} and is not {model.name}: choose another path.")
         await _copy(ctx, model, dest, size, sha)
-    await db(_register)(ctx.job, model, dest, size, sha)
+    copy = await db(_register)(ctx.job, model, dest, size, sha)
     await ensure_hashes(ctx, model)
-    return f"{model.name} is on {ctx.node.name} at {dest}: deployments fill its RPC cache from it."
+    await fill_after_copy(ctx, model, copy)
+    return f"{model.name} is on {ctx.node.name} at {dest}: its RPC cache is filled from it."
 
 
 async def _copy(ctx: JobContext, model: ModelFile, dest: str, size: int, sha: str) -> None:
@@ -310,8 +314,9 @@ def copy_on(model: ModelFile, node: Node) -> ModelCopy | None:
 
 async def fill_before_start(ctx: JobContext, deployment) -> None:
     """When the worker holds a registered copy of the deployment's model: its cache filled from the copy with
-    the cacheable tensors of the blocks the plan gives it. Never stops the deployment: what is not filled
-    is sent over the network as always, and the log says why."""
+    the cacheable tensors of the blocks the plan gives it (those the copy job filled are there already, and
+    are only counted). Never stops the deployment: what is not filled is sent over the network as always, and
+    the log says why."""
     model = await db(lambda: deployment.model_file)()
     copy = await db(copy_on)(model, ctx.node)
     if copy is None:
@@ -321,6 +326,37 @@ async def fill_before_start(ctx: JobContext, deployment) -> None:
         for p in (deployment.plan or {}).get("placements", [])
         if p.get("node") == ctx.node.name and p.get("endpoint")
     ]
+
+    def planned(hashes: dict[str, Any]) -> list[dict[str, Any]]:
+        return tensor_cache.tensors_for(hashes, placements)
+
+    await _fill_from_copy(ctx, model, copy, planned, f"the blocks planned on {ctx.node.name}")
+
+
+async def fill_after_copy(ctx: JobContext, model: ModelFile, copy: ModelCopy) -> None:
+    """Right after a copy is registered, in the copy's own job: the node's cache filled with every cacheable
+    tensor of the model, so a deployment that places any of its blocks there finds them cached and its first
+    load is as quick as a warm one (the fill, a few seconds per GiB, is off the deploy's path). Only when the
+    whole model fits in the node's cache limit beside what the cache holds: otherwise each deployment fills
+    the tensors of its own blocks before its rpc-server starts."""
+    if not ctx.node.rpc_cache_limit_gib:
+        return
+    try:
+        state = await cache.run_script(ctx, ctx.node, "usage")
+    except JobFailed as exc:
+        await ctx.log(f"WARNING: {exc}; the RPC cache is filled at each deployment instead")
+        return
+    room = cache.limit_bytes(ctx.node) - int(state["bytes"] or 0)
+
+    def everything(hashes: dict[str, Any]) -> list[dict[str, Any]]:
+        return [e for e in hashes["tensors"] if isinstance(e, dict)]
+
+    await _fill_from_copy(ctx, model, copy, everything, "the whole model", room=room)
+
+
+async def _fill_from_copy(ctx: JobContext, model: ModelFile, copy: ModelCopy, choose, what: str, room=None):
+    """The tensors `choose(hashes)` picks cut out of the node's copy into its RPC cache (FILL_SCRIPT), each
+    checked by SHA-256 on the node; one log line of what was filled. Never raises for the node's reasons."""
     try:
         [size] = await file_sizes(ctx.transport, [copy.path])
         if size != copy.size_bytes:
@@ -330,23 +366,27 @@ async def fill_before_start(ctx: JobContext, deployment) -> None:
             )
             return
         hashes = await ensure_hashes(ctx, model)
-        wanted = tensor_cache.tensors_for(hashes, placements)
+        wanted = choose(hashes)
         if not wanted:
-            await ctx.log(
-                f"No tensor of {ctx.node.name}'s blocks is above the cache threshold: nothing to fill."
-            )
+            await ctx.log(f"No tensor of {what} is above the cache threshold: nothing to fill.")
             return
         total = sum(e["size"] for e in wanted)
-        free = (ctx.node.rpc_cache_state or {}).get("free_bytes")  # read by the trim just before
+        free = (ctx.node.rpc_cache_state or {}).get("free_bytes")  # read by the trim or usage just before
         if free is not None and total > free:
             await ctx.log(
                 f"WARNING: {ctx.node.name} has {mib(free)} MiB free on the cache's disk, the fill needs up "
                 f"to {mib(total)} MiB: the RPC cache is not filled from {copy.path}."
             )
             return
+        if room is not None and total > room:
+            await ctx.log(
+                f"The RPC cache's limit on {ctx.node.name} leaves {mib(max(room, 0))} MiB, {what} needs "
+                f"{mib(total)} MiB: each deployment fills the tensors of its own blocks instead."
+            )
+            return
         await ctx.log(
-            f"Filling the RPC cache from {copy.path}: {len(wanted)} tensors ({mib(total)} MiB) of the "
-            f"blocks planned on {ctx.node.name}, each checked by SHA-256 on the node."
+            f"Filling the RPC cache from {copy.path}: {len(wanted)} tensors ({mib(total)} MiB) of {what}, "
+            "each checked by SHA-256 on the node."
         )
         began = time.monotonic()
         found: dict[str, Any] = {"have": [], "filled": [], "bad": []}

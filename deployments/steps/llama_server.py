@@ -25,6 +25,9 @@ from llamacpp import rpc_guard
 from llamacpp.args import llama_server_launch_argv, node_cpu_threads
 from remote.bounded_http import AnswerTooLarge, fetch
 
+HEALTH_POLL_S = 0.1
+LOG_POLL_S = 0.5
+
 
 def health_timeout_s(model_bytes: int) -> float:
     """Loading reads every weight once (and sends RPC devices theirs): allow a minute plus ~30 s per GiB."""
@@ -33,28 +36,37 @@ def health_timeout_s(model_bytes: int) -> float:
 
 
 async def follow_until_healthy(ctx, pid: int, log_path: str, url: str, *, timeout: float) -> None:
-    """Copy llama-server's log into the job log as it grows and wait for GET /health = 200."""
+    """Copy llama-server's log into the job log as it grows and wait for GET /health = 200.
+
+    /health is asked every HEALTH_POLL_S, since the load time is measured by it (a warm load of a few seconds
+    was measured half a second late with the log's pace); the log and the process, each an SSH round trip,
+    are read every LOG_POLL_S."""
     shown = 0
-    deadline = asyncio.get_running_loop().time() + timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    next_log = loop.time()
     async with httpx.AsyncClient(timeout=5.0) as client:
         while True:
-            result = await ctx.transport.run(["tail", "-n", f"+{shown + 1}", log_path], timeout=30)
-            fresh = [line.text for line in result.lines if line.stream == "out"]
-            shown += len(fresh)
-            for text in fresh:
-                await ctx.log(f"[llama-server] {without_key(text)}")
+            if loop.time() >= next_log:
+                result = await ctx.transport.run(["tail", "-n", f"+{shown + 1}", log_path], timeout=30)
+                fresh = [line.text for line in result.lines if line.stream == "out"]
+                shown += len(fresh)
+                for text in fresh:
+                    await ctx.log(f"[llama-server] {without_key(text)}")
             with contextlib.suppress(httpx.HTTPError, AnswerTooLarge):
                 status, _ = await fetch(client, "GET", f"{url}/health", what="/health answer")
                 if status == 200:
                     return
-            if not await ctx.transport.pid_alive(pid):
-                tail = "\n".join(await tail_lines(ctx, log_path))
-                raise JobFailed(f"llama-server (PID {pid}) exited while loading. Last log lines:\n{tail}")
-            if asyncio.get_running_loop().time() >= deadline:
+            if loop.time() >= next_log:
+                if not await ctx.transport.pid_alive(pid):
+                    tail = "\n".join(await tail_lines(ctx, log_path))
+                    raise JobFailed(f"llama-server (PID {pid}) exited while loading. Last log lines:\n{tail}")
+                next_log = loop.time() + LOG_POLL_S
+            if loop.time() >= deadline:
                 raise JobFailed(f"llama-server did not become healthy within {timeout:.0f} s")
             if ctx.cancelled():
                 raise JobFailed("cancelled while llama-server was loading")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(HEALTH_POLL_S)
 
 
 def local_ends(ctx, deployment) -> dict[str, str]:
@@ -113,8 +125,9 @@ async def llama_server_body(ctx) -> str:
         ctx.job.params.get("health_timeout") or health_timeout_s(deployment.model_file.size_bytes)
     )
     await follow_until_healthy(ctx, pid, log_path, url, timeout=timeout)
-    # The load as the household feels it, from the start to the health answer (to within the polling's
-    # half second): the measure step sets it beside the plan's prediction (planning/first_word.py).
+    # The load as the household feels it, from the start to the health answer (to within HEALTH_POLL_S, and
+    # the SSH round trip that starts it): the measure step sets it beside the plan's prediction
+    # (planning/first_word.py).
     load_s = round(asyncio.get_running_loop().time() - started, 2)
     await db(deployment.add_process)(f"llama-server@{ctx.node.name}", {**info, "load_s": load_s})
     await db(deployment.count_load)()

@@ -5,13 +5,14 @@ cache (`-c`, in the worker's own cache folder). The model is generated in the sh
 blocks (n_embd 2560, grouped-query attention with 4 KV heads, n_ff 6912, f16) whose attention and
 feed-forward matrices are 2.5 to 34 MiB: above the 256 KiB HASH_THRESHOLD of RAMDeck's builds (upstream's
 10 MiB left the 2.5 MiB K and V projections out, 3.8% of the weights; builds/rpc_threshold.py), so only the
-norms stay under it. The console deploys it twice, each time a fresh
-deployment of the same plan on a cold then a warm cache, and the worker's veth counts what it received
-(`rx_bytes` in its namespace) from the start of each deploy until its measure step starts (the load is over
-then; the measure step's own samples send activations back and forth, counted apart as `*_deploy_bytes`).
-A third deploy loads from the worker's own copy of the model (see below). The load time is the llama-server
-step (the model read and the worker's weights sent). `local_disk_s` is the same model loaded by one
-llama-server from its local disk, all on its CPU.
+norms stay under it. The console deploys it twice, each time a fresh deployment of the same plan on a cold
+then a warm cache, and the worker's veth counts what it received (`rx_bytes` in its namespace) from the start
+of each deploy until its measure step starts (the load is over then; the measure step's own samples send
+activations back and forth, counted apart as `*_deploy_bytes`). A third deploy loads from the worker's own
+copy of the model (see below). A load's time runs from llama-server's start to its health answer (the deploy
+step's own `load_s`: the model read and the worker's weights sent; the step's whole time is kept beside as
+`*_step_s`). `local_disk_s` is the same model loaded by one llama-server from its local disk, all on its CPU,
+timed the same way.
 
 The figures for benchmarks/first_word.py come out on a line `FIRST-WORD {...}`; the link is limited with a
 token bucket to RAMDECK_FIRST_WORD_LINK_MBIT (default 100; 0: no limit) and the model has about
@@ -104,7 +105,8 @@ def _step_s(deployment: Deployment, name: str) -> float:
 
 
 def _load_s(deployment: Deployment) -> float:
-    return _step_s(deployment, "llama-server")
+    """The load as the deploy step times it (issue 20's): from llama-server's start to its health answer."""
+    return next(i["load_s"] for i in deployment.processes.values() if i["role"] == "llama-server")
 
 
 def _worker_model_bytes(deployment: Deployment) -> int:
@@ -195,11 +197,19 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     figures: dict = {"link_mbit": link_mbit or None, "model_bytes": profile["size_bytes"]}
     figures["n_layer"] = n_layer
     names: dict[str, list[str]] = {}
-    for run in ("cold", "warm", "local_copy"):
+    for run in ("cold", "warm", "local_copy", "refill"):
         if run == "local_copy":
-            # The worker gets its own copy of the model (the console's copy job, over SFTP), and its cache is
-            # emptied: the first load from the copy must send almost nothing all the same.
-            figures["copy_s"] = _copy_to_worker(cluster, model, settings)
+            # The worker's cache is emptied, then it gets its own copy of the model (the console's copy job,
+            # over SFTP), whose last step fills the cache with the whole model from the copy: the first load
+            # must send almost nothing, and fill nothing more.
+            for entry in cache.glob("*"):
+                entry.unlink()
+            figures["copy_s"], figures["copy_fill_s"] = _copy_to_worker(cluster, model, settings)
+            names["copied"] = sorted(_cache_files(cache))
+            figures["cache_after_copy"] = sum(_cache_files(cache).values())
+        if run == "refill":
+            # The cache emptied again (cleared, trimmed, or a model too large to fill whole at the copy): the
+            # deploy's own rpc-server step fills the tensors of the worker's blocks from its copy.
             for entry in cache.glob("*"):
                 entry.unlink()
         deployment = Deployment.objects.create(
@@ -224,6 +234,7 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         assert deployment.state == DeploymentState.RUNNING, (deployment.failed_step, deployment.state_reason)
         figures[f"{run}_bytes"] = received
         figures[f"{run}_s"] = round(_load_s(deployment), 3)
+        figures[f"{run}_step_s"] = round(_step_s(deployment, "llama-server"), 3)
         figures[f"{run}_rpc_server_s"] = round(_step_s(deployment, "rpc-server"), 3)
         figures["weights_bytes"] = _worker_model_bytes(deployment)
         figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
@@ -231,22 +242,25 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         # The measure step's first token and load against the plan's (issue 20), for the record.
         figures[f"{run}_first_word"] = (deployment.verification or {}).get("first_word")
         # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server
-        # started: empty before the cold run, the cold run's entries before the warm one; before the
-        # local-copy run empty, then the entries filled from the copy counted in.
+        # started, and counted what its fill wrote: empty before the cold run, the cold run's entries before
+        # the warm one, the whole model's after the copy, and empty before the last run, then its fill.
         worker = cluster.workers[0]
         worker.refresh_from_db()
-        expected = 0 if run == "cold" else figures["cache_after_cold"]
+        expected = {"cold": 0, "local_copy": figures.get("cache_after_copy")}.get(
+            run, figures["cache_after_cold"]
+        )
         assert worker.rpc_cache_state["bytes"] == expected, worker.rpc_cache_state
-        if run == "local_copy":
-            figures["fill_log"] = _fill_lines(deployment)
+        if run.startswith("local_copy"):
+            figures[f"{run}_fill_log"] = _fill_lines(deployment)
             # The fill is part of this load: its time (the fill step's own log line) is counted in.
-            filled = [line for line in figures["fill_log"] if "RPC cache filled in" in line]
-            assert filled, figures["fill_log"]
-            figures["fill_s"] = float(filled[0].split("RPC cache filled in ")[1].split(" s")[0])
-            figures["local_copy_s"] = round(figures["local_copy_s"] + figures["fill_s"], 3)
-            # Every file the cold load made was written by the fill, under the same name.
-            assert f"{len(names['cold'])} tensors written" in filled[0], (filled[0], len(names["cold"]))
-            assert names["local_copy"] == names["cold"]
+            filled = [line for line in figures[f"{run}_fill_log"] if "RPC cache filled in" in line]
+            assert filled, figures[f"{run}_fill_log"]
+            figures[f"{run}_filling_s"] = float(filled[0].split("RPC cache filled in ")[1].split(" s")[0])
+            figures[f"{run}_s"] = round(figures[f"{run}_s"] + figures[f"{run}_filling_s"], 3)
+            # After the copy every tensor of the worker's blocks was there; else the fill wrote each file the
+            # cold load made, under the same name (so the same FNV-1a hash rpc-server computes).
+            written = 0 if run == "local_copy" else len(names["cold"])
+            assert f" {written} tensors written" in filled[0], (filled[0], len(names["cold"]))
         assert worker.rpc_cache_state["dir"] == str(cache)
         deployment = cluster.stop(deployment, monkeypatch)
         assert deployment.state == DeploymentState.STOPPED
@@ -258,6 +272,7 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     figures["cacheable_fraction"] = round(cached / weights, 4)
     figures["warm_fraction"] = round(figures["warm_bytes"] / weights, 4)
     figures["local_copy_fraction"] = round(figures["local_copy_bytes"] / weights, 4)
+    figures["refill_fraction"] = round(figures["refill_bytes"] / weights, 4)
     figures["uncacheable_bytes"] = weights - cached
     print("\nFIRST-WORD " + json.dumps(figures))
     # Cold: every weight crossed the link, and the cache kept each tensor above the threshold: all but the
@@ -268,12 +283,13 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     # load's own traffic (SSH, a hash for each cached tensor): under 5% of the weights (issue 20's target).
     assert figures["cache_after_warm"] == cached
     assert figures["warm_bytes"] < 0.05 * weights, figures
-    # Local copy: the cache was empty and filled from the worker's own copy before its rpc-server started,
-    # with exactly the files the cold load made (the same names, so the same FNV-1a hashes rpc-server
-    # computes); the link then carries the part under the threshold and the deploy's own traffic only.
-    assert figures["cache_after_local_copy"] == cached, figures["fill_log"]
+    # Local copy: the copy job filled the whole model (the cold load's files among them, under the same
+    # names), and the load sent almost nothing and wrote nothing.
+    assert set(names["cold"]) < set(names["copied"]) and names["local_copy"] == names["copied"]
     assert figures["local_copy_bytes"] < 0.05 * weights, figures
-    assert any("RPC cache filled" in line for line in figures["fill_log"]), figures["fill_log"]
+    # Filled at the deploy from an empty cache: exactly the cold load's files, and almost nothing sent.
+    assert names["refill"] == names["cold"]
+    assert figures["refill_bytes"] < 0.05 * weights, figures
 
 
 def _count_until_measure(monkeypatch, host) -> dict:
@@ -295,9 +311,10 @@ def _fill_lines(deployment: Deployment) -> list[str]:
     return [line for line in log_text(job).splitlines() if "RPC cache fill" in line or "Filling" in line]
 
 
-def _copy_to_worker(cluster, model: ModelFile, settings) -> float:
+def _copy_to_worker(cluster, model: ModelFile, settings) -> tuple[float, float]:
     """The model copied to the worker by the console's `model_copy` job (from the coordinator over SFTP,
-    through the console), registered for the worker, its tensors hashed."""
+    through the console), registered for the worker, its tensors hashed, its cache filled from the copy: the
+    job's time, and its fill's."""
     settings.RAMDECK_NODE_MODEL_DIR = str(cluster.tmp_path / "worker-models")
     worker = cluster.workers[0]
     job = local_copy.start_copy(model, worker, local_copy.default_destination(model), cluster.operator)
@@ -307,4 +324,7 @@ def _copy_to_worker(cluster, model: ModelFile, settings) -> float:
     assert copy.sha256 == file_sha256(Path(model.path)) and copy.path != model.path
     model.refresh_from_db()
     assert tensor_cache.valid(model.tensor_hashes)
-    return round((job.finished_at - job.started_at).total_seconds(), 3)
+    filled = [line for line in log_text(job).splitlines() if "RPC cache filled in" in line]
+    assert filled, log_text(job)
+    fill_s = float(filled[0].split("RPC cache filled in ")[1].split(" s")[0])
+    return round((job.finished_at - job.started_at).total_seconds(), 3), fill_s

@@ -20,6 +20,7 @@ from llamacpp import tensor_cache
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles import local_copy
 from modelfiles.models import ModelCopy, ModelFile
+from nodes import cache
 from remote.local import LocalTransport
 from tests.deploy_fixtures import StepContext, lab_node, log_text, run
 from tests.factories import NodeFactory
@@ -84,6 +85,11 @@ def test_a_copy_resumes_from_its_partial_file_and_is_checked_on_the_worker(
     model.refresh_from_db()
     assert model.sha256 == _sha(path)  # computed on the model's own node, kept
     assert tensor_cache.valid(model.tensor_hashes) and len(model.tensor_hashes["tensors"]) >= 12
+    # The job ends by filling the worker's RPC cache with the whole model from the copy it just checked.
+    worker.refresh_from_db()
+    filled = sorted(p.name for p in (Path(worker.llama_cache_dir) / "rpc").iterdir())
+    assert filled == sorted(e["fnv"] for e in model.tensor_hashes["tensors"]), log
+    assert "its RPC cache is filled from it" in job.result
     assert AuditEvent.objects.filter(action="model.copy").count() == 1
     assert AuditEvent.objects.filter(action="model.copy.registered").count() == 1
 
@@ -231,3 +237,56 @@ def test_the_fill_step_writes_the_workers_tensors_from_its_copy_and_counts_them(
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
     asyncio.run(local_copy.fill_before_start(ctx, deployment))
     assert not list(rpc.iterdir()) and any("MiB free on the cache's disk" in line for line in ctx.lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_registered_copy_fills_the_whole_model_into_the_cache_when_it_fits_the_limit(
+    local_node, tmp_path, small_threshold
+):
+    """The copy job's last step: every cacheable tensor of the model into the node's cache, so the first
+    deployment loads as a warm one; then a deployment's own fill finds them there and writes nothing."""
+    local_node.llama_cache_dir = str(tmp_path / "cache")
+    local_node.rpc_cache_limit_gib = 1
+    local_node.save()
+    model, copy, deployment = _fill_deployment(local_node, tmp_path, small_threshold)
+    registered = ModelCopy.objects.get(model=model, node=local_node)
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_after_copy(ctx, model, registered))
+    every = model.tensor_hashes["tensors"]
+    rpc = tmp_path / "cache" / "rpc"
+    assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in every), ctx.lines
+    assert any(
+        f"{len(every)} tensors written" in line and "the whole model" not in line for line in ctx.lines
+    )
+    assert any("of the whole model" in line for line in ctx.lines), ctx.lines
+    for entry in every:
+        data = Path(model.path).read_bytes()[entry["offset"] : entry["offset"] + entry["size"]]
+        assert (rpc / entry["fnv"]).read_bytes() == data
+    local_node.refresh_from_db()
+    assert local_node.rpc_cache_state["bytes"] == sum(e["size"] for e in every)
+
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    planned = [e for e in every if e["name"].split(".")[1] in ("1", "2")]
+    assert any(f"0 tensors written (0.0 MiB), {len(planned)} there already" in line for line in ctx.lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_copy_larger_than_the_cache_limit_leaves_the_fill_to_each_deployment(
+    local_node, tmp_path, small_threshold, monkeypatch
+):
+    local_node.llama_cache_dir = str(tmp_path / "cache")
+    local_node.rpc_cache_limit_gib = 1
+    local_node.save()
+    monkeypatch.setattr(cache, "limit_bytes", lambda node: 64 * 1024)  # less than the model's tensors
+    model, _copy_path, _deployment = _fill_deployment(local_node, tmp_path, small_threshold)
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
+    assert not list((tmp_path / "cache" / "rpc").glob("*")), ctx.lines
+    assert any("each deployment fills the tensors of its own blocks instead" in line for line in ctx.lines)
+
+    # A node whose cache is turned off (limit 0) is not filled at all, nor read.
+    local_node.rpc_cache_limit_gib = 0
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
+    assert ctx.lines == []
