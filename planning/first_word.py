@@ -55,6 +55,9 @@ LOAD_FIXED_S = 1.0
 # The plan page offers the split that is best for long prompts only when it is at least this much faster to
 # the first token than the plan's.
 BETTER_BY = 0.10
+# A split best for long prompts is the plan itself when it decodes within this of the fastest split (and
+# reaches the first token BETTER_BY sooner): planning/planner.py `_first_word_tie`.
+DECODE_TIE = 0.03
 
 
 def _per_layer(value: Any, n: int) -> list[int]:

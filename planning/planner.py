@@ -73,6 +73,7 @@ from planning.costs import (
 from planning.experts import places_experts, search_experts
 from planning.first_word import (
     BETTER_BY,
+    DECODE_TIE,
     first_word,
     predict_ttft,
     prompt_problem,
@@ -536,6 +537,29 @@ def _prompt_option(problem: Problem, split: Split) -> dict[str, Any] | None:
     }
 
 
+# What a plan optimises (see `plan`).
+OBJECTIVES = ("decode", "fastest", "prompt")
+
+
+def _first_word_tie(problem: Problem, split: Split, seconds: float) -> Split:
+    """The split best for long prompts instead of the fastest to decode, when the two decode alike (within
+    DECODE_TIE, and no slower than llama.cpp's default split) and it reaches the first token at least
+    BETTER_BY sooner: a household feels the wait for a first word before it feels a few percent of decode.
+    Otherwise `split` itself."""
+    other = search_prompt(problem)
+    if other is None or _same(other, split):
+        return split
+    theirs = evaluate(problem, other)
+    if not theirs.fits or theirs.seconds_per_token > seconds * (1 + DECODE_TIE):
+        return split
+    default = evaluate(problem, baseline_split(problem))
+    if default.fits and theirs.seconds_per_token > default.seconds_per_token:
+        return split
+    if predict_ttft(problem, other) > predict_ttft(problem, split) * (1 - BETTER_BY):
+        return split
+    return other
+
+
 def plan(
     profile: dict[str, Any],
     nodes: Sequence[Node],
@@ -547,14 +571,16 @@ def plan(
 ) -> dict[str, Any]:
     """The plan: a JSON-able dict (keys documented in issue 4; extra keys for the preview page).
 
-    `objective`: "decode" (the fastest single-stream decode) or "prompt" (the shortest time to the first
-    token of a PROMPT_TOKENS prompt, planning/first_word.py).
+    `objective`: "decode" (the fastest single-stream decode, or a split that decodes within DECODE_TIE of it
+    and reaches the first token of a long prompt much sooner: `_first_word_tie`), "fastest" (the fastest
+    decode, whatever its first token) or "prompt" (the shortest time to the first token of a PROMPT_TOKENS
+    prompt, planning/first_word.py).
 
     With `split`, the plan of that split, placed by hand (planning/manual.py), instead of the search's: the
     same placements, arguments and baseline, `placed_by_hand` set and the search's own prediction beside it
     (`planner_tokens_per_s`). `problem`: the one built already for these inputs, to save building it again."""
-    if objective not in ("decode", "prompt"):
-        raise ClusterError(f"Unknown objective {objective!r} (use decode or prompt).")
+    if objective not in OBJECTIVES:
+        raise ClusterError(f"Unknown objective {objective!r} (use {', '.join(OBJECTIVES)}).")
     settings = settings or Settings()
     problem = problem or build_problem(profile, nodes, settings)
     by_hand = split is not None
@@ -564,6 +590,9 @@ def plan(
         split = searched
         if objective == "prompt" and split is not None:
             split = search_prompt(problem) or split
+            seconds = evaluate(problem, split).seconds_per_token
+        elif objective == "decode" and split is not None:
+            split = _first_word_tie(problem, split, seconds)
             seconds = evaluate(problem, split).seconds_per_token
     else:
         planner_seconds = seconds
@@ -647,7 +676,7 @@ def plan(
         pipeline_parallel=pipeline_parallel(split),
         speed_model=speed_model(problem, split),
         first_word=first_word(problem, split),
-        prompt_option=_prompt_option(problem, split) if objective == "decode" and not by_hand else None,
+        prompt_option=_prompt_option(problem, split) if objective != "prompt" and not by_hand else None,
         decode_option=(
             None
             if by_hand or decode_split is None or _same(split, decode_split)

@@ -28,6 +28,7 @@ from modelfiles.models import ModelFile
 from nodes.models import Node
 from nodes.pool import planner_nodes, pool_nodes, stale_calibration_warnings, tunnel_warnings
 from planning import planner
+from planning.first_word import DECODE_TIE
 from ramdeck_site.roles import OPERATOR, VIEWER, can_administer, may_use, role_required
 
 # Confirm's `then` for "Deploy this split": confirm the split by hand the page checked, and deploy it.
@@ -84,9 +85,11 @@ def plan_inputs(model: ModelFile, form: PlanForm) -> tuple[list[Node], str]:
 
 
 def _objective(data) -> str:
-    """What the plan optimises: "prompt" (the first token of a long prompt) when the request asks for it,
-    else "decode" (single-stream decode speed, the default)."""
-    return "prompt" if (data or {}).get("objective") == "prompt" else "decode"
+    """What the plan optimises (planning/planner.py OBJECTIVES): "prompt" (the first token of a long prompt)
+    or "fastest" (decode speed alone) when the request asks for it, else "decode" (single-stream decode
+    speed, a split that decodes alike and answers a long prompt much sooner preferred)."""
+    asked = (data or {}).get("objective")
+    return asked if asked in planner.OBJECTIVES else "decode"
 
 
 def _compute_plan(model: ModelFile, form: PlanForm, objective: str = "decode") -> tuple[dict | None, str]:
@@ -123,12 +126,15 @@ def _confirm_fields(form: PlanForm, objective: str = "decode") -> list[tuple[str
 
 
 def _objective_links(request, objective: str) -> dict[str, str]:
-    """The page's own address with the other objective: the plan for long prompts, or back to decode."""
+    """The page's own address with each objective: the plan for long prompts, for decode speed alone, or
+    back to the default."""
     query = request.GET.copy()
     query.pop("objective", None)
-    decode = f"{request.path}?{query.urlencode()}"
-    query["objective"] = "prompt"
-    return {"prompt": f"{request.path}?{query.urlencode()}", "decode": decode}
+    links = {"decode": f"{request.path}?{query.urlencode()}"}
+    for other in ("prompt", "fastest"):
+        query["objective"] = other
+        links[other] = f"{request.path}?{query.urlencode()}"
+    return links
 
 
 def _stale_reasons(form: PlanForm) -> list[str]:
@@ -190,6 +196,7 @@ def _preview_context(request, model: ModelFile, form: PlanForm, manual_data=None
         "plan_fields": _confirm_fields(form) if plan is not None and not form.errors else [],
         "objective": objective,
         "objective_links": _objective_links(request, objective),
+        "decode_tie": DECODE_TIE,
         "confirmable": confirmable,
         "deploy_refusal": _deploy_refusal(request.user, plan) if confirmable else "",
         "confirm_token": _confirm_token(request.GET) or uuid.uuid4().hex,

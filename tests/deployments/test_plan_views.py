@@ -16,6 +16,7 @@ from modelfiles.fit import pool_fit
 from modelfiles.models import ModelFile
 from nodes.models import Device, DeviceKind
 from nodes.pool import pool_nodes
+from planning import planner
 from tests.factories import DeviceFactory, NodeFactory
 
 MIB = 1024 * 1024
@@ -401,3 +402,24 @@ def test_no_prompt_option_when_the_decode_split_is_also_best_for_prompts(model, 
     _calibrated(pool, desk_gflops=1, pc_gflops=1000)
     page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), {"ctx": 1024}).content.decode()
     assert 'id="prompt-option"' not in page and 'id="prompt-objective"' not in page
+
+
+def test_a_split_chosen_for_its_first_word_says_so_and_the_fastest_decode_is_one_click_away(
+    model, pool, operator_client, monkeypatch
+):
+    # Decode speeds this far apart count as alike here, so the split best for long prompts is the plan.
+    monkeypatch.setattr(planner, "DECODE_TIE", 10.0)
+    _calibrated(pool, desk_gflops=2000, pc_gflops=0.5)
+    url = reverse("deployments:plan", args=[model.pk])
+    page = operator_client.get(url, {"ctx": 1024}).content.decode()
+    assert 'id="first-word-tie"' in page and "Chosen for its first word" in page, page
+    assert 'id="prompt-option"' not in page
+    link = re.search(r'id="choose-fastest" href="([^"]+)"', page)[1].replace("&amp;", "&")
+    assert "objective=fastest" in link
+    fastest = operator_client.get(link).content.decode()
+    assert 'id="prompt-option"' in fastest  # the split for long prompts is offered again, as before
+    assert '<input type="hidden" name="objective" value="fastest">' in fastest
+    data = {"ctx": 1024, "parallel": 1, "cache_type": "f16", "clamp": 0.7, "objective": "fastest"}
+    operator_client.post(reverse("deployments:confirm", args=[model.pk]), data)
+    deployment = Deployment.objects.get()
+    assert deployment.plan["objective"] == "fastest" and deployment.plan["prompt_option"] is not None

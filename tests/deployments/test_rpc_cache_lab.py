@@ -250,7 +250,7 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
             run, figures["cache_after_cold"]
         )
         assert worker.rpc_cache_state["bytes"] == expected, worker.rpc_cache_state
-        if run.startswith("local_copy"):
+        if run in ("local_copy", "refill"):
             figures[f"{run}_fill_log"] = _fill_lines(deployment)
             # The fill is part of this load: its time (the fill step's own log line) is counted in.
             filled = [line for line in figures[f"{run}_fill_log"] if "RPC cache filled in" in line]

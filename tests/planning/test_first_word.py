@@ -144,3 +144,35 @@ def test_two_workers_in_a_pipeline_are_offered_for_long_prompts_when_decode_keep
     option = result["prompt_option"]
     assert [p["node"] for p in option["placements"] if p["layers"]] == ["b", "c"]
     assert option["first_word"]["ttft_s"] < result["first_word"]["ttft_s"] * 0.9
+
+
+def _twin_workers(**link) -> list:
+    """Two equal workers (4 ms a block) and a coordinator too slow to be worth a block."""
+    workers = [_node(name, bandwidth=5.0, **link) for name in ("b", "c")]
+    return cluster_from_dict({"nodes": [_node("a", coordinator=True, gflops=5.0, bandwidth=1.0), *workers]})
+
+
+def test_a_split_that_decodes_alike_and_answers_a_long_prompt_much_sooner_is_the_plan():
+    # An extra hop costs 1% of a 60 ms token: under DECODE_TIE. Both workers overlap a long prompt's
+    # ubatches, so its first token comes far sooner.
+    nodes = _twin_workers(rtt_ms=0.05, hop_ms=0.01)
+    fastest = plan(_profile(8), nodes, Settings(ctx=4096), objective="fastest")
+    assert [p["node"] for p in fastest["placements"] if p["layers"]] == ["b"]
+    result = plan(_profile(8), nodes, Settings(ctx=4096))
+    assert [p["node"] for p in result["placements"] if p["layers"]] == ["b", "c"]
+    assert result["prompt_option"] is None
+    tie = result["decode_option"]
+    assert tie["predicted_tokens_per_s"] == fastest["predicted_tokens_per_s"]
+    assert result["predicted_tokens_per_s"] >= fastest["predicted_tokens_per_s"] * (1 - 0.03)
+    assert result["first_word"]["ttft_s"] < fastest["first_word"]["ttft_s"] * 0.9
+    assert result["predicted_tokens_per_s"] >= result["baseline"]["predicted_tokens_per_s"]
+    # The fastest decode alone offers the long-prompt split as before.
+    assert fastest["prompt_option"]["placements"] == result["placements"]
+
+
+def test_a_split_that_decodes_noticeably_slower_stays_an_option():
+    # Round trips of 1 ms: the extra hop costs 5% of a token, past DECODE_TIE.
+    nodes = _twin_workers(rtt_ms=1.0, hop_ms=0.5)
+    result = plan(_profile(8), nodes, Settings(ctx=4096))
+    assert [p["node"] for p in result["placements"] if p["layers"]] == ["b"]
+    assert result["prompt_option"] is not None and result.get("decode_option") is None
