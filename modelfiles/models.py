@@ -54,6 +54,11 @@ class ModelFile(models.Model):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def is_split(self) -> bool:
+        """Whether the model is split into several files (shards), which a copy does not handle yet."""
+        return len(self.shard_paths or [self.path]) > 1
+
     def save(self, *args, **kwargs):
         if self._state.adding and self.created_by_id:
             # A model on the console's own host (registered by path or downloaded) needs an admin.
