@@ -217,7 +217,7 @@ class ModelCopyForm(forms.Form):
                 f"{node.name} runs Windows, whose rpc-server runs without the RPC cache for now: "
                 "a copy would not help."
             )
-        if len(model.shard_paths or [model.path]) > 1:
+        if model.is_split:
             raise forms.ValidationError(
                 f"{model.name} is a split model: copying split models is not supported yet."
             )

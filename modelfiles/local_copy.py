@@ -88,7 +88,7 @@ async def ensure_hashes(ctx: JobContext, model: ModelFile) -> dict[str, Any]:
     """The model's tensor hashes: those on record, else read from its node once (logged) and saved."""
     if tensor_cache.valid(model.tensor_hashes):
         return model.tensor_hashes
-    if len(model.shard_paths or [model.path]) > 1:
+    if model.is_split:
         raise JobFailed(f"{model.name} is a split model ({len(model.shard_paths)} files): not supported yet.")
     node = await db(lambda: model.node)()
     async with await open_transport_for(node) as transport:
@@ -178,6 +178,16 @@ def pays(model: ModelFile, node: Node) -> dict[str, Any]:
     return {"streamed_bytes": streamed, "copy_bytes": size, "starts": starts}
 
 
+def offer(model: ModelFile, node: Node) -> dict[str, Any] | None:
+    """A copy of `model` to `node` as the node page and the model page offer it, with what it pays against
+    streaming; None where the job would refuse it: a split model, a Windows node (its rpc-server runs
+    without the RPC cache), the model's own node. Whether the node holds a copy already is the caller's
+    query."""
+    if model.is_split or node.platform == "windows" or model.node_id == node.pk:
+        return None
+    return {"model": model, "node": node, **pays(model, node)}
+
+
 def start_copy(model: ModelFile, node: Node, path: str, user) -> Job:
     """Queue a `model_copy` job onto `node` (enqueued when the transaction commits)."""
     job = Job.objects.create(
@@ -224,7 +234,7 @@ async def model_copy_body(ctx: JobContext) -> str:
         raise JobFailed("The model no longer exists.")
     if ctx.node.platform == "windows":
         raise JobFailed(f"{ctx.node.name} runs Windows, whose rpc-server runs without the RPC cache for now.")
-    if len(model.shard_paths or [model.path]) > 1:
+    if model.is_split:
         raise JobFailed(f"{model.name} is a split model: copying split models is not supported yet.")
     if model.node_id == ctx.node.pk:
         raise JobFailed(f"{model.name} lives on {ctx.node.name} already.")

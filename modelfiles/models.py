@@ -8,6 +8,7 @@ import re
 
 from django.conf import settings
 from django.db import models
+from django.urls import reverse
 from django.utils import timezone
 
 from jobs.models import refuse_local_node
@@ -53,6 +54,14 @@ class ModelFile(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def get_absolute_url(self) -> str:
+        return reverse("modelfiles:detail", args=[self.pk])
+
+    @property
+    def is_split(self) -> bool:
+        """Whether the model is split into several files (shards), which a copy does not handle yet."""
+        return len(self.shard_paths or [self.path]) > 1
 
     def save(self, *args, **kwargs):
         if self._state.adding and self.created_by_id:

@@ -1,4 +1,5 @@
-"""The model registry's pages: the list with what fits the pool, registering a file, starting a download."""
+"""The model registry's pages: the list with what fits the pool, a model's own page (its file, its copies on
+other nodes, the copy offered), registering a file, starting a download."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 from asgiref.sync import sync_to_async
 from django.contrib import messages
 from django.db import transaction
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from audit import history
@@ -22,7 +24,7 @@ from modelfiles.register import read_model_profile
 from nodes.models import Node
 from nodes.pool import pool_nodes
 from nodes.transports import transport_for
-from ramdeck_site.roles import OPERATOR, VIEWER, role_required
+from ramdeck_site.roles import OPERATOR, VIEWER, may_use, role_required
 from remote.base import TransportError
 
 # A register request waits at most this long for a remote node (connect, header reads, sizes).
@@ -81,6 +83,27 @@ def _models_page(request, *, form=None, download_form=None, real_form=None, stat
 @role_required(VIEWER)
 def model_list(request):
     return _models_page(request)
+
+
+@role_required(VIEWER)
+def model_detail(request, pk: int):
+    """A model's page: its file, its copies on other nodes (made and under way), and for operators the copy
+    to each node that can take one, with what it pays against streaming (as on the node page)."""
+    model = get_object_or_404(ModelFile.objects.select_related("node").prefetch_related("deployments"), pk=pk)
+    offers = []
+    if may_use(request.user, "modelfiles:copy") and not model.is_split:
+        # The nodes the copy form accepts from this user (enabled; the console's own host for admins only)
+        # that hold no copy of the model yet.
+        nodes = ModelCopyForm(user=request.user).fields["node"].queryset.exclude(model_copies__model=model)
+        offers = [o for node in nodes if (o := local_copy.offer(model, node)) is not None]
+    copying = Job.objects.active().filter(kind=local_copy.KIND, params__model=model.pk).select_related("node")
+    context = {
+        "model": model,
+        "copies": model.copies.select_related("node"),
+        "copying": copying,
+        "offers": offers,
+    }
+    return render(request, "modelfiles/model_detail.html", context)
 
 
 @require_POST
@@ -182,17 +205,27 @@ def model_try_real(request):
 def model_copy(request):
     """Copy a model's file to a node once, in the background (a `model_copy` job: progress in its log, a
     stopped copy resumed), so deployments fill that node's RPC cache from its own disk. Offered on the node
-    page; audited."""
+    page and on the model's page; audited."""
     _refuse_local(request, "Model copies")
     form = ModelCopyForm(request.POST, user=request.user)
     if not form.is_valid():
         errors = "; ".join(" ".join(e) for e in form.errors.values())
         messages.error(request, f"The model was not copied: {errors}")
-        node = form.cleaned_data.get("node")
-        return redirect(node) if node is not None else redirect("modelfiles:list")
+        return redirect(_copy_form_page(request, form))
     model, node, path = form.cleaned_data["model"], form.cleaned_data["node"], form.cleaned_data["path"]
     with transaction.atomic():
         job = local_copy.start_copy(model, node, path, request.user)
         history.record(request, "model.copy", model, changes={"node": node.name, "path": path, "job": job.pk})
     messages.success(request, f"Copying {model.name} to {node.name}.")
     return redirect(job.get_absolute_url())
+
+
+def _copy_form_page(request, form: ModelCopyForm) -> str:
+    """Where a refused copy shows its error: the page the form was on (`next`), the posted model's page or
+    the posted node's. `next` is compared with those two addresses, never followed as given, so a crafted
+    form cannot send anyone to another site or page. Without it, the node's page, else the models list."""
+    model, node = form.cleaned_data.get("model"), form.cleaned_data.get("node")
+    pages = [p.get_absolute_url() for p in (node, model) if p is not None]
+    if request.POST.get("next") in pages:
+        return request.POST["next"]
+    return node.get_absolute_url() if node is not None else reverse("modelfiles:list")

@@ -213,6 +213,7 @@ def household_pages(data: dict) -> dict[str, str]:
         "run_command": reverse("run_command"),
         "jobs:detail": reverse("jobs:detail", args=[data["job"].pk]),
         "modelfiles:list": reverse("modelfiles:list"),
+        "modelfiles:detail": reverse("modelfiles:detail", args=[data["model"].pk]),
         "deployments:plan": reverse("deployments:plan", args=[data["model"].pk]),
         "deployments:list": reverse("deployments:list"),
         "deployments:detail": reverse("deployments:detail", args=[deployment.pk]),

@@ -38,10 +38,8 @@ def copy_offers(node) -> list[dict]:
     copy of the whole file."""
     if node.platform == "windows":
         return []
-    have = set(ModelCopy.objects.filter(node=node).values_list("model_id", flat=True))
-    rows = []
-    for model in ModelFile.objects.exclude(node=node).select_related("node").prefetch_related("deployments"):
-        if model.pk in have or len(model.shard_paths or [model.path]) > 1:
-            continue
-        rows.append({"model": model, **local_copy.pays(model, node)})
-    return rows
+    models = ModelFile.objects.exclude(node=node).exclude(copies__node=node)
+    offers = (
+        local_copy.offer(m, node) for m in models.select_related("node").prefetch_related("deployments")
+    )
+    return [o for o in offers if o is not None]

@@ -179,6 +179,106 @@ def test_the_copy_form_refuses_bad_paths_split_models_and_the_models_own_node(op
     assert "Copy a model here" in page and "Copy to old-pc" in page and "a copy sends" in page
 
 
+def _model_with_nodes_around() -> tuple[ModelFile, dict]:
+    """A 3 GB model on desk whose one plan gave old-pc a third of it; attic holds a copy already, win runs
+    Windows, off is disabled."""
+    from deployments.models import Deployment
+
+    nodes = {name: NodeFactory(name=name) for name in ("desk", "old-pc", "attic", "win", "off")}
+    nodes["win"].platform_hint = "windows"
+    nodes["off"].enabled = False
+    for node in (nodes["win"], nodes["off"]):
+        node.save()
+    model = ModelFile.objects.create(
+        name="m", node=nodes["desk"], path="/models/m.gguf", size_bytes=3 * 10**9, profile={}
+    )
+    ModelCopy.objects.create(
+        model=model, node=nodes["attic"], path="/srv/copies/m.gguf", size_bytes=3 * 10**9, sha256="0" * 64
+    )
+    placement = {"node": "old-pc", "endpoint": "10.0.0.2:50052", "weights_bytes": 10**9}
+    Deployment.objects.create(
+        name="d", model_file=model, coordinator=nodes["desk"], plan={"placements": [placement]}, port=8080
+    )
+    return model, nodes
+
+
+@pytest.mark.django_db
+def test_the_model_page_offers_an_operator_a_copy_to_each_node_that_can_take_one(operator_client):
+    model, _ = _model_with_nodes_around()
+    page = html.unescape(operator_client.get(reverse("modelfiles:detail", args=[model.pk])).content.decode())
+    assert "Copy to a node" in page and "Copy to old-pc" in page
+    # The figure the node page shows, from the same function: old-pc was sent a third of the file.
+    assert "a copy sends 2.8 GiB once, worth it after 3 cold starts" in page, page
+    # Not the model's own node, a node holding a copy, a Windows node nor a disabled one.
+    for name in ("desk", "attic", "win", "off"):
+        assert f"Copy to {name}" not in page, name
+    assert f'name="next" value="{model.get_absolute_url()}"' in page
+    # The copies made are listed, with where they are and when they were checked.
+    copies = page.split('id="model-copies"')[1].split('id="copy-model"')[0]
+    assert "attic" in copies and "/srv/copies/m.gguf" in copies and "SHA-256 checked there" in copies
+    # The models list leads to the page.
+    assert model.get_absolute_url() in operator_client.get(reverse("modelfiles:list")).content.decode()
+
+
+@pytest.mark.django_db
+def test_a_viewer_sees_a_models_copies_but_no_copy_form(viewer_client):
+    model, _ = _model_with_nodes_around()
+    page = viewer_client.get(reverse("modelfiles:detail", args=[model.pk])).content.decode()
+    assert "/srv/copies/m.gguf" in page
+    assert "Copy to a node" not in page and reverse("modelfiles:copy") not in page
+
+
+@pytest.mark.django_db
+def test_a_split_models_page_says_copying_it_is_not_supported_yet(operator_client):
+    source, _ = NodeFactory(name="desk"), NodeFactory(name="old-pc")
+    split = ModelFile.objects.create(
+        name="big", node=source, path="/models/big-00001-of-00002.gguf", shard_paths=["a", "b"], profile={}
+    )
+    page = operator_client.get(reverse("modelfiles:detail", args=[split.pk])).content.decode()
+    assert "big is split into 2 files: copying split models is not supported yet." in page
+    assert reverse("modelfiles:copy") not in page and "Copy to old-pc" not in page
+
+
+@pytest.mark.django_db
+def test_a_copy_refused_on_the_model_page_comes_back_there_with_its_error(operator_client):
+    model, nodes = _model_with_nodes_around()
+    model_page, node_page = model.get_absolute_url(), nodes["old-pc"].get_absolute_url()
+    url = reverse("modelfiles:copy")
+    post = {"model": model.pk, "node": nodes["old-pc"].pk, "path": "relative/m.gguf"}
+    response = operator_client.post(url, {**post, "next": model_page})
+    assert (response.status_code, response["Location"]) == (302, model_page)
+    page = html.unescape(operator_client.get(model_page).content.decode())
+    assert "The model was not copied: The destination must be an absolute path" in page
+    # The node page's form (no `next`) still goes back to the node page, and a `next` naming any page but
+    # the model's or the node's is not followed.
+    for elsewhere in (
+        "",
+        node_page,
+        "https://evil.example/",
+        "//evil.example/",
+        reverse("audit"),
+        "/models/99/",
+    ):
+        response = operator_client.post(url, {**post, "next": elsewhere})
+        assert (response.status_code, response["Location"]) == (302, node_page), elsewhere
+    assert not Job.objects.filter(kind="model_copy").exists()
+
+
+@pytest.mark.django_db
+def test_a_copy_posted_from_the_model_page_starts_its_job_and_the_page_shows_it(operator_client):
+    model, nodes = _model_with_nodes_around()
+    response = operator_client.post(
+        reverse("modelfiles:copy"),
+        {"model": model.pk, "node": nodes["old-pc"].pk, "path": "", "next": model.get_absolute_url()},
+    )
+    job = Job.objects.get(kind="model_copy", node=nodes["old-pc"])
+    assert (response.status_code, response["Location"]) == (302, job.get_absolute_url())
+    assert job.params == {"model": model.pk, "path": local_copy.default_destination(model)}
+    assert AuditEvent.objects.filter(action="model.copy").count() == 1
+    copies = operator_client.get(model.get_absolute_url()).content.decode().split('id="model-copies"')[1]
+    assert f'href="{job.get_absolute_url()}">copy queued</a>' in copies.split('id="copy-model"')[0]
+
+
 def _fill_deployment(worker, tmp_path, small):
     """A deployment whose plan gives `worker` blocks 1-2 of a generated model, the worker holding a copy."""
     from deployments.models import Deployment

@@ -44,7 +44,7 @@ def _pk_of(key: str, data: dict) -> int:
         return data["credential"].pk
     if key.startswith("jobs:"):
         return data["job"].pk
-    if key in ("deployments:plan", "deployments:confirm", "deployments:manual"):
+    if key in ("modelfiles:detail", "deployments:plan", "deployments:confirm", "deployments:manual"):
         return data["model"].pk
     if key == "deployments:stale_reap":
         return data["stale"].pk

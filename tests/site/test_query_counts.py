@@ -88,6 +88,8 @@ PAGES = {
     "jobs:detail": lambda first: reverse("jobs:detail", args=[first["jobs"][0].pk]),
     "audit": lambda first: reverse("audit"),
     "modelfiles:list": lambda first: reverse("modelfiles:list"),
+    # Every enabled node offered a copy, with what it pays by the model's deployments.
+    "modelfiles:detail": lambda first: reverse("modelfiles:detail", args=[first["model"].pk]),
     # The planner's pool: every enabled node with its devices.
     "deployments:plan": lambda first: reverse("deployments:plan", args=[first["model"].pk]),
     "deployments:list": lambda first: reverse("deployments:list"),

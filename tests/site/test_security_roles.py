@@ -92,6 +92,7 @@ RULES: dict[str, dict[str, object]] = {
     "jobs:cancel": _rule(LOGIN, 403, 302, 302),
     # Models, plans, deployments, builds, stale processes.
     "modelfiles:list": _rule(LOGIN, 200, 200, 200),
+    "modelfiles:detail": _rule(LOGIN, 200, 200, 200),  # the model's file, its copies; operators copy it
     "modelfiles:register": _rule(LOGIN, 403, 400, 400),
     "modelfiles:download": _rule(LOGIN, 403, 400, 400),
     "modelfiles:try_real": _rule(LOGIN, 403, 400, 400),
