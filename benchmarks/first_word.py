@@ -59,6 +59,36 @@ def local_copy_line(f: dict) -> str:
     )
 
 
+def prediction_lines(f: dict) -> str:
+    """Each deploy's load as the measure step set it beside the plan's prediction (cold or warm, by what the
+    console knows of the worker: a load before, or a registered copy), on the link as calibration measured it."""
+    link = f["link_measured"]
+    lines = [
+        f"  predicted against measured (the link calibrated at {link['mbs']:.1f} MB/s, {link['rtt_ms']:.2f} ms):"
+    ]
+    for run in ("cold", "warm", "local_copy", "refill"):
+        first = f.get(f"{run}_first_word") or {}
+        if first.get("load_predicted_s") is None:
+            lines.append(f"    {run}: no prediction")
+            continue
+        lines.append(
+            f"    {run}: load {first['load_s']:.2f} s ({first['load_kind']}) against {first['load_predicted_s']:.2f} s "
+            f"({first['load_error']:+.0%}); first token after {first['prompt_tokens']} tokens "
+            f"{first['ttft_s']:.2f} s against {first['ttft_predicted_s']:.2f} s ({first['ttft_error']:+.0%})"
+        )
+    return "\n".join(lines)
+
+
+def _load_errors(rounds: list[dict]) -> dict:
+    """The median load prediction error of each kind of deploy over the rounds."""
+    out = {}
+    for run in ("cold", "warm", "local_copy"):
+        errors = [(r.get(f"{run}_first_word") or {}).get("load_error") for r in rounds]
+        errors = [e for e in errors if e is not None]
+        out[f"{run}_pred_err"] = round(statistics.median(errors), 3) if errors else None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-mbit", type=float, default=100.0, help="0: no rate limit")
@@ -122,6 +152,7 @@ def load_part(args) -> dict:
             f"warm {f['warm_step_s']:.2f} s)"
         )
         print(local_copy_line(f))
+        print(prediction_lines(f))
 
     def median(key: str):
         return round(statistics.median(r[key] for r in rounds), 3)
@@ -138,6 +169,7 @@ def load_part(args) -> dict:
         "refill_s": median("refill_s"),
         "refill_bytes": int(median("refill_bytes")),
         "copy_s": median("copy_s"),
+        **_load_errors(rounds),
     }
 
 

@@ -10,7 +10,7 @@ from django.utils.dateparse import parse_datetime
 
 from deployments import live
 from deployments.models.claims import ClaimConflict, ResourceClaim
-from modelfiles.models import ModelFile
+from modelfiles.models import ModelCopy, ModelFile
 from nodes.models import Node
 from planning import first_word
 from planning.speed_check import SPEED_ERROR_LIMIT, miss_causes
@@ -391,10 +391,14 @@ class Deployment(models.Model):
     def load_kind(self) -> str:
         """ "warm" when this load's workers received this model before (this deployment loaded it already,
         or another one of the same model on the same workers did: their RPC caches hold its large tensors),
+        or each holds a registered copy of it (its cache is filled from the copy, modelfiles/local_copy.py),
         else "cold". A cache cleared since is not seen."""
         if self.loads > 1:
             return "warm"
         workers = self.workers()
+        copies = set(ModelCopy.objects.filter(model_id=self.model_file_id).values_list("node__name", flat=True))
+        if workers and workers <= copies:
+            return "warm"
         others = Deployment.objects.filter(model_file_id=self.model_file_id, loads__gt=0).exclude(pk=self.pk)
         return "warm" if workers and any(workers <= other.workers() for other in others) else "cold"
 

@@ -21,6 +21,7 @@ RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 512).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.utils import timezone
 
 from deployments.models import Deployment, DeploymentState
 from deployments.steps import checks
@@ -36,6 +38,7 @@ from jobs.models import JobState
 from llamacpp import tensor_cache
 from llamacpp.gguf import profile_path
 from llamacpp.logs import parse_load_log
+from llamacpp.rpc_wire import LinkError, measure_link
 from llamacpp.source import file_sha256
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles import local_copy
@@ -183,18 +186,23 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
             free_bytes=mib * MIB,
             bandwidth_gbs=gbs,
         )
+    worker_host = cluster.hosts[1]
+    if link_mbit:
+        cluster.lab.limit_link(worker_host, link_mbit)
+    # The worker's link as calibration measures it (its round trip and a 16 MiB transfer into an rpc-server),
+    # so the plan's load predictions price this link, as they would a calibrated household's.
+    link = _calibrate_link(cluster, worker_host)
     plan = planner.plan(
         profile, planner_nodes_of(cluster.coordinator, cluster.workers), planner.Settings(ctx=512)
     )
     assert plan["fits"] and any(p["endpoint"] and p["layers"] for p in plan["placements"]), plan
-    worker_host = cluster.hosts[1]
-    if link_mbit:
-        cluster.lab.limit_link(worker_host, link_mbit)
     cache = Path(cluster.workers[0].llama_cache_dir) / "rpc"
     assert not _cache_files(cache)
     rpc_port = cluster.workers[0].rpc_port
     rpc_counter(worker_host, rpc_port)
     figures: dict = {"link_mbit": link_mbit or None, "model_bytes": profile["size_bytes"]}
+    figures["link_measured"] = {"rtt_ms": link.rtt_ms, "mbs": link.throughput_mbs}
+    figures["load_predicted"] = plan["first_word"]["load"]
     figures["n_layer"] = n_layer
     names: dict[str, list[str]] = {}
     for run in ("cold", "warm", "local_copy", "refill"):
@@ -290,6 +298,32 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     # Filled at the deploy from an empty cache: exactly the cold load's files, and almost nothing sent.
     assert names["refill"] == names["cold"]
     assert figures["refill_bytes"] < 0.05 * weights, figures
+
+
+def _calibrate_link(cluster, host):
+    """The worker's link measured as the calibrate job measures it (llamacpp/rpc_wire.py measure_link against
+    an rpc-server on the worker), recorded on the node as calibration records it."""
+    binaries = require_llamacpp()
+    port = LLAMA_PORT + 9
+    argv = [str(binaries.rpc_server), "-H", host.address, "-p", str(port)]
+    proc = start_in(host, argv, cluster.tmp_path / "link-rpc.log")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                link = asyncio.run(measure_link(host.address, port))
+                break
+            except LinkError:
+                assert proc.poll() is None, (cluster.tmp_path / "link-rpc.log").read_text()[-2000:]
+                assert time.monotonic() < deadline, "the link's rpc-server did not answer within 30 s"
+                time.sleep(0.2)
+    finally:
+        stop_proc(proc)
+    worker = cluster.workers[0]
+    worker.link_rtt_ms, worker.link_throughput_mbs = link.rtt_ms, link.throughput_mbs
+    worker.calibrated_at = timezone.now()
+    worker.save(update_fields=["link_rtt_ms", "link_throughput_mbs", "calibrated_at"])
+    return link
 
 
 def _count_until_measure(monkeypatch, host) -> dict:

@@ -457,3 +457,21 @@ def test_a_load_is_warm_once_its_workers_received_the_model_through_a_deployment
         name="alone", model_file=deployment.model_file, coordinator=deployment.coordinator, plan={}
     )
     assert alone.load_kind() == "cold"
+
+
+@pytest.mark.django_db
+def test_a_first_load_is_warm_when_each_worker_holds_a_registered_copy_of_the_model():
+    from modelfiles.models import ModelCopy
+
+    deployment = _deployment(measured=None)
+    plan = {**deployment.plan, "placements": [{**p, "endpoint": "10.0.0.2:50052"} if p["node"] == "pc" else p
+                                              for p in deployment.plan["placements"]]}  # fmt: skip
+    Deployment.objects.filter(pk=deployment.pk).update(plan=plan)
+    deployment.refresh_from_db()
+    assert deployment.load_kind() == "cold"
+    pc = deployment.model_file.node.__class__.objects.get(name="pc")
+    ModelCopy.objects.create(
+        model=deployment.model_file, node=pc, path="/m/copy.gguf", size_bytes=1, sha256="0" * 64
+    )
+    # Its cache was filled from the copy (by the copy job, or before its rpc-server starts): priced warm.
+    assert deployment.load_kind() == "warm"
