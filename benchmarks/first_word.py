@@ -60,8 +60,9 @@ def local_copy_line(f: dict) -> str:
 
 
 def prediction_lines(f: dict) -> str:
-    """Each deploy's load as the measure step set it beside the plan's prediction (cold or warm, by what the
-    console knows of the worker: a load before, or a registered copy), on the link as calibration measured it."""
+    """Each deploy's load as the measure step set it beside the plan's prediction (cold or warm, by what
+    the console knows of the worker: a load before, or a registered copy), on the link calibration
+    measured."""
     link = f["link_measured"]
     lines = [
         f"  predicted against measured (the link calibrated at {link['mbs']:.1f} MB/s, {link['rtt_ms']:.2f} ms):"
@@ -72,7 +73,8 @@ def prediction_lines(f: dict) -> str:
             lines.append(f"    {run}: no prediction")
             continue
         lines.append(
-            f"    {run}: load {first['load_s']:.2f} s ({first['load_kind']}) against {first['load_predicted_s']:.2f} s "
+            f"    {run}: load {first['load_s']:.2f} s ({first['load_kind']}) against "
+            f"{first['load_predicted_s']:.2f} s "
             f"({first['load_error']:+.0%}); first token after {first['prompt_tokens']} tokens "
             f"{first['ttft_s']:.2f} s against {first['ttft_predicted_s']:.2f} s ({first['ttft_error']:+.0%})"
         )
