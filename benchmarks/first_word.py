@@ -65,7 +65,8 @@ def prediction_lines(f: dict) -> str:
     measured."""
     link = f["link_measured"]
     lines = [
-        f"  predicted against measured (the link calibrated at {link['mbs']:.1f} MB/s, {link['rtt_ms']:.2f} ms):"
+        f"  predicted against measured (the link calibrated at {link['mbs']:.1f} MB/s, "
+        f"{link['rtt_ms']:.2f} ms):"
     ]
     for run in ("cold", "warm", "local_copy", "refill"):
         first = f.get(f"{run}_first_word") or {}

@@ -396,7 +396,8 @@ class Deployment(models.Model):
         if self.loads > 1:
             return "warm"
         workers = self.workers()
-        copies = set(ModelCopy.objects.filter(model_id=self.model_file_id).values_list("node__name", flat=True))
+        copies = ModelCopy.objects.filter(model_id=self.model_file_id).values_list("node__name", flat=True)
+        copies = set(copies)
         if workers and workers <= copies:
             return "warm"
         others = Deployment.objects.filter(model_file_id=self.model_file_id, loads__gt=0).exclude(pk=self.pk)
