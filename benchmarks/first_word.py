@@ -75,9 +75,7 @@ def prediction_lines(f: dict) -> str:
             continue
         lines.append(
             f"    {run}: load {first['load_s']:.2f} s ({first['load_kind']}) against "
-            f"{first['load_predicted_s']:.2f} s "
-            f"({first['load_error']:+.0%}); first token after {first['prompt_tokens']} tokens "
-            f"{first['ttft_s']:.2f} s against {first['ttft_predicted_s']:.2f} s ({first['ttft_error']:+.0%})"
+            f"{first['load_predicted_s']:.2f} s ({first['load_error']:+.0%})"
         )
     return "\n".join(lines)
 

@@ -22,7 +22,8 @@ starting when stage s-1 of j and stage s of j-1 are done. The output layer runs 
 tensors in order), and the coordinator reads its own share from its disk. Warm: ggml-rpc-server's cache
 (`-c`) holds every tensor above HASH_THRESHOLD (256 KiB in RAMDeck's builds; llamacpp/rpc_cache.py): such a
 tensor costs one round trip for its hash and a read from the worker's own disk, and only the smaller ones
-cross the link. Both add llama-server's own start (`LOAD_FIXED_S`).
+cross the link. Both add llama-server's own start (`LOAD_FIXED_S`) and its hashing of every tensor it
+offers by hash (`HASH_MBS`).
 
 Each device's prompt throughput and each worker's link throughput come from calibration (calibration/job.py)
 where it measured them; otherwise the defaults below, and the figure says so (`sources`).
@@ -49,8 +50,13 @@ DEFAULT_LINK_MBS = 110.0
 # A disk's sequential read, MB/s: the coordinator's share of the file, a worker's cache entries.
 DEFAULT_DISK_MBS = 500.0
 # llama-server's own start: the process, its HTTP server, reading the GGUF's header, reserving the compute
-# buffers, warming up.
-LOAD_FIXED_S = 1.0
+# buffers, warming up (0.14 to 0.40 s for a 528 MiB model loaded from local disk on the lab's machine,
+# benchmarks/first_word.py `local_disk_s`).
+LOAD_FIXED_S = 0.3
+# llama-server hashes every tensor it offers a worker's cache (FNV-1a, one byte at a time, before each is
+# offered, cold or warm): 0.65 s of a warm load's 0.71 s of llama-server's CPU for 395 MiB on the lab's
+# machine (perf), about 600 to 800 MB/s.
+HASH_MBS = 700.0
 
 # The plan page offers the split that is best for long prompts only when it is at least this much faster to
 # the first token than the plan's.
@@ -220,14 +226,22 @@ def predict_load(problem: Problem, split: Split) -> dict[str, Any]:
         else:
             node["small"] += figures[0]
             node["large"] += figures[1]
-    disk = DEFAULT_DISK_MBS * 1e6
+    disk, hashing = DEFAULT_DISK_MBS * 1e6, HASH_MBS * 1e6
     base = LOAD_FIXED_S + local / disk
-    cold = base + sum(n["bytes"] / n["link"] for n in per_node.values())
+    # What the cache path costs whether it hits or not: llama-server hashes each such tensor first.
+    hashed = sum(n["bytes"] - n["small"] for n in per_node.values()) / hashing if warm_known else 0.0
+    cold = base + hashed + sum(n["bytes"] / n["link"] for n in per_node.values())
     warm = None
     if warm_known:
-        warm = base + sum(
-            n["small"] / n["link"] + n["large"] * n["rtt"] + (n["bytes"] - n["small"]) / disk
-            for n in per_node.values()
+        # Warm: the small tensors over the link, a round trip per cached one, which the worker reads from its
+        # disk into its buffer.
+        warm = (
+            base
+            + hashed
+            + sum(
+                n["small"] / n["link"] + n["large"] * n["rtt"] + (n["bytes"] - n["small"]) / disk
+                for n in per_node.values()
+            )
         )
     return {
         "cold_s": round(cold, 3),

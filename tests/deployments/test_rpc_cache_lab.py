@@ -44,13 +44,13 @@ from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles import local_copy
 from modelfiles.models import ModelCopy, ModelFile
 from nodes.models import Device, DeviceKind
+from nodes.pool import planner_nodes
 from planning import planner
 from tests.deploy_fixtures import (
     LLAMA_PORT,
     MIB,
     Cluster,
     log_text,
-    planner_nodes_of,
     start_in,
     stop_proc,
 )
@@ -192,8 +192,9 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
     # The worker's link as calibration measures it (its round trip and a 16 MiB transfer into an rpc-server),
     # so the plan's load predictions price this link, as they would a calibrated household's.
     link = _calibrate_link(cluster, worker_host)
+    # The console's own view of the nodes (nodes/pool.py), the calibrated link with it.
     plan = planner.plan(
-        profile, planner_nodes_of(cluster.coordinator, cluster.workers), planner.Settings(ctx=512)
+        profile, planner_nodes(cluster.workers, cluster.coordinator), planner.Settings(ctx=512)
     )
     assert plan["fits"] and any(p["endpoint"] and p["layers"] for p in plan["placements"]), plan
     cache = Path(cluster.workers[0].llama_cache_dir) / "rpc"
