@@ -9,7 +9,8 @@ between the two, in seconds per token. A measurement decodes a fixed length from
 mean context its tokens read is the prompt and half the decoded tokens.
 
 The node's load while it decoded is read from Linux's /proc (`cpu_use`): the CPU time of the whole machine
-and of llama-server over the samples, so what other programs used is what is left. A miss then names the
+and of llama-server over the samples, so what other programs used is what is left; each Linux worker's the
+same way, its rpc-server's time as its own (`workers_cpu_use`). A miss then names the
 cause it can see: the machine was busy, the prediction was priced at a context the run did not fill, or the
 figures the plan rests on (never calibrated, stale, a slower link); only when none shows is it the node the
 prediction leaned on most.
@@ -119,6 +120,18 @@ def miss_causes(
                 f"of its {use['cpus']} CPUs{load}; measure again when it is quiet (the figures may be right)",
             }
         )
+    for worker, use in sorted((check.get("workers_cpu_use") or {}).items()):
+        if error < 0 and (use.get("others_cpus") or 0) >= BUSY_CPUS:
+            load = f", load average {use['load1']:g}" if use.get("load1") is not None else ""
+            causes.append(
+                {
+                    "node": worker,
+                    "kind": "load",
+                    "reason": "it was busy while it was measured: other programs used "
+                    f"{use['others_cpus']:.1f} of its {use['cpus']} CPUs{load} beside its rpc-server; "
+                    "measure again when it is quiet",
+                }
+            )
     filled, cells = check.get("filled"), check.get("kv_cells")
     if error > 0 and not check.get("at_filled_context") and filled is not None and cells:
         causes.append(

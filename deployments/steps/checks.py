@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 
@@ -12,11 +13,13 @@ from django.conf import settings
 from deployments.endpoint import endpoint_url
 from deployments.steps.common import load_deployment
 from deployments.steps.llama_server import llama_process
-from jobs.aio import db
+from jobs.aio import db, open_transport_for
 from jobs.context import JobFailed
 from llamacpp import rpc_guard
 from llamacpp.logs import parse_context_log
+from nodes.models import Node
 from planning import first_word, placement, speed_check
+from remote.base import TransportError
 from remote.bounded_http import AnswerTooLarge, fetch
 
 MEASURE_PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
@@ -177,13 +180,53 @@ async def measure_first_token(client, url: str, key: str, n_tokens: int) -> tupl
     return (n if isinstance(n, int) and n > 0 else n_tokens), seconds
 
 
+def _proc_paths(pid: int) -> list[str]:
+    return ["/proc/loadavg", "/proc/stat", f"/proc/{int(pid)}/stat"]
+
+
 async def _read_proc(ctx, pid: int | None) -> dict:
     """The node's load and CPU time, and llama-server's, from Linux's /proc ({} elsewhere)."""
     if ctx.node.platform != "linux" or not pid:
         return {}
-    paths = ["/proc/loadavg", "/proc/stat", f"/proc/{int(pid)}/stat"]
-    result = await ctx.transport.run(["cat", *paths], timeout=30)
+    result = await ctx.transport.run(["cat", *_proc_paths(pid)], timeout=30)
     return speed_check.parse_proc(result.stdout) if result.ok else {}
+
+
+def _worker_pids(deployment) -> dict[str, int]:
+    """Each worker's rpc-server PID by node name, as the rpc_server steps recorded them (the coordinator's
+    own load is read apart)."""
+    coordinator = deployment.coordinator.name
+    return {
+        info["node"]: int(info["pid"])
+        for info in (deployment.processes or {}).values()
+        if info.get("role") == "rpc-server" and info.get("pid") and info.get("node") != coordinator
+    }
+
+
+async def _open_workers(stack: contextlib.AsyncExitStack, deployment) -> dict[str, tuple]:
+    """An SSH connection to each Linux worker of the deployment, with its rpc-server's PID: their load is
+    read over the same samples as the coordinator's (a busy worker is a cause a miss can name). A worker
+    that cannot be reached is left out; the measurement goes on."""
+    pids = await db(_worker_pids)(deployment)
+    nodes = await db(lambda: {n.name: n for n in Node.objects.filter(name__in=list(pids))})()
+    out = {}
+    for name, pid in pids.items():
+        node = nodes.get(name)
+        if node is None or node.platform != "linux":
+            continue
+        with contextlib.suppress(TransportError, OSError):
+            out[name] = (await stack.enter_async_context(await open_transport_for(node)), pid)
+    return out
+
+
+async def _read_workers(workers: dict[str, tuple]) -> dict[str, dict]:
+    readings = {}
+    for name, (transport, pid) in workers.items():
+        with contextlib.suppress(TransportError, OSError):
+            result = await transport.run(["cat", *_proc_paths(pid)], timeout=30)
+            if result.ok:
+                readings[name] = speed_check.parse_proc(result.stdout)
+    return readings
 
 
 async def measure_body(ctx) -> str:
@@ -194,11 +237,14 @@ async def measure_body(ctx) -> str:
         (p.get("pid") for p in (deployment.processes or {}).values() if p.get("role") == "llama-server"), None
     )
     samples = []
-    async with httpx.AsyncClient(timeout=600.0) as client:
+    async with httpx.AsyncClient(timeout=600.0) as client, contextlib.AsyncExitStack() as stack:
+        workers = await _open_workers(stack, deployment)
         before = await _read_proc(ctx, pid)
+        workers_before = await _read_workers(workers)
         for _ in range(MEASURE_SAMPLES):
             samples.append(await _completion(client, url, key))
         after = await _read_proc(ctx, pid)
+        workers_after = await _read_workers(workers)
         try:
             n_prompt, ttft_samples = await measure_first_token(client, url, key, prompt_length(deployment))
         except JobFailed as exc:
@@ -219,6 +265,12 @@ async def measure_body(ctx) -> str:
         "predicted_full": plan.get("predicted_tokens_per_s"),
         "at_filled_context": at_filled,
         "cpu_use": speed_check.cpu_use(before, after),
+        # Each Linux worker's, its rpc-server's CPU time as "own".
+        "workers_cpu_use": {
+            name: use
+            for name in workers_after
+            if (use := speed_check.cpu_use(workers_before.get(name, {}), workers_after[name]))
+        },
     }
     figures = plan.get("first_word") or {}
     ttft = statistics.median(ttft_samples) if ttft_samples else None

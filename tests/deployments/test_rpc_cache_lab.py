@@ -248,6 +248,9 @@ def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair
         figures["weights_bytes"] = _worker_model_bytes(deployment)
         figures[f"cache_after_{run}"] = sum(_cache_files(cache).values())
         names[run] = sorted(_cache_files(cache))
+        # The measure step read the worker's load over its samples too, its rpc-server's CPU time apart.
+        worker_use = (deployment.verification or {})["speed"]["workers_cpu_use"][cluster.workers[0].name]
+        assert worker_use["own_cpus"] > 0 and worker_use["cpus"] >= 1, worker_use
         # The measure step's first token and load against the plan's (issue 20), for the record.
         figures[f"{run}_first_word"] = (deployment.verification or {}).get("first_word")
         # The rpc_server step read (and trimmed to the limit, here far above it) the cache before the server

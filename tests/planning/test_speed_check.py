@@ -111,3 +111,15 @@ def test_the_figures_are_named_before_a_slow_link_and_nothing_within_the_limit()
     assert [c["kind"] for c in miss_causes(check, coordinator="d", figures=[], links=LINKS)] == ["link"]
     assert miss_causes({"error": -0.2, "cpu_use": BUSY}, coordinator="d", figures=FIGURES, links=LINKS) == []
     assert miss_causes({"error": None}, coordinator="d", figures=FIGURES, links=LINKS) == []
+
+
+def test_a_busy_worker_is_named_beside_a_quiet_coordinator():
+    quiet = {**BUSY, "others_cpus": 0.1}
+    check = {"error": -0.6, "cpu_use": quiet, "workers_cpu_use": {"pc": BUSY, "laptop": quiet}}
+    causes = miss_causes(check, coordinator="desk", figures=FIGURES, links=[])
+    assert [(c["node"], c["kind"]) for c in causes] == [("pc", "load"), ("pc", "calibration")]
+    assert (
+        "other programs used 1.2 of its 2 CPUs, load average 2.1 beside its rpc-server" in causes[0]["reason"]
+    )
+    # A faster run is never blamed on a worker's load either.
+    assert miss_causes({**check, "error": 0.6}, coordinator="desk", figures=[], links=[]) == []
