@@ -6,21 +6,27 @@ upstream: builds/rpc_threshold.py lowers it) is offered to the server by an FNV-
 server started with `-c` that has a file of that name loads it from disk instead of receiving it, and saves
 every such tensor it does receive. The files are named by the hash, 16 lowercase hexadecimal digits, in
 `<cache folder>/rpc`, where the cache folder is `$LLAMA_CACHE`, else `~/Library/Caches/llama.cpp` on macOS,
-else `${XDG_CACHE_HOME:-~/.cache}/llama.cpp` (fs_get_cache_directory in tools/rpc/rpc-server.cpp). Nothing in
-llama.cpp ever removes one.
+else `${XDG_CACHE_HOME:-~/.cache}/llama.cpp`, and on Windows `%LOCALAPPDATA%\\llama.cpp`
+(fs_get_cache_directory in tools/rpc/rpc-server.cpp, a copy of common/common.cpp's; the server takes its `rpc`
+subfolder when started with `-c`). Nothing in llama.cpp ever removes one.
 
-Everything runs as one POSIX sh script (stock macOS has the same tools) taking its inputs as positional
-arguments, never pasted into its text: the action, the node's configured cache folder (empty: llama.cpp's
-default, resolved on the node from the same variables the server reads), and the size limit. Only regular
-files whose name is a cache entry's are counted or removed; anything else in the folder is left alone.
+Everything runs as one script: POSIX sh on Linux and macOS (stock macOS has the same tools), taking its
+inputs as positional arguments, never pasted into its text; PowerShell on Windows (`POWERSHELL_SCRIPT`),
+whose inputs are single-quoted literals (remote/powershell.py `ps_quote`) or a whole number. The inputs: the
+action, the node's configured cache folder (empty: llama.cpp's default, resolved on the node from the same
+variables the server reads), and the size limit. Both print the same lines (`parse` reads either). Only
+regular files whose name is a cache entry's are counted or removed; anything else in the folder is left
+alone.
 """
 
 from __future__ import annotations
 
+import ntpath
 import posixpath
 import re
 
 from llamacpp.args import quiet_argv
+from remote.powershell import powershell_argv, ps_quote
 
 GIB = 1024**3
 # Weight tensors larger than this take the cache path: HASH_THRESHOLD in ggml-rpc.cpp as RAMDeck's builds
@@ -82,38 +88,115 @@ printf 'free_kib %s\\n' "$(df -Pk "$probe" | awk 'NR==2 {{print $4}}')"
 """
 
 
+# The same on Windows, in Windows PowerShell 5.1. The three inputs stand first as `$action`, `$base` and
+# `$limit` (`powershell_script`). Paths are joined as strings ([IO.Path]::Combine, as llama.cpp's
+# std::filesystem `/` does), so a folder on a drive that is not there reads as empty, not as an error, and a
+# LLAMA_CACHE on a network share (\\server\share) is taken as the server takes it. Free disk is the Free of
+# the FileSystem drive whose root is the folder's (Get-PSDrive; absent for a folder on a network share).
+POWERSHELL_SCRIPT = """
+if (-not $base) { $base = $env:LLAMA_CACHE }
+if (-not $base -and $env:LOCALAPPDATA) { $base = [IO.Path]::Combine($env:LOCALAPPDATA, 'llama.cpp') }
+if ($base -notmatch '^([A-Za-z]:[\\\\/]|\\\\\\\\)') { [Console]::Error.WriteLine('error the cache folder is not an absolute path'); exit 2 }
+$dir = [IO.Path]::Combine($base, 'rpc')
+'dir ' + $dir
+$entries = @(Get-ChildItem -LiteralPath $dir -File -ErrorAction SilentlyContinue | Where-Object { $_.Name -cmatch '^[0-9a-f]{16}$' -and -not $_.Attributes.HasFlag([IO.FileAttributes]::ReparsePoint) } | Sort-Object LastWriteTimeUtc)
+$total = [long]0
+$count = 0
+foreach ($f in $entries) { $total += $f.Length; $count += 1; 'entry ' + $f.Name }
+if ($action -eq 'clear' -or ($action -eq 'trim' -and $total -gt $limit)) { foreach ($f in $entries) { if ($action -eq 'trim' -and $total -le $limit) { break }; Remove-Item -LiteralPath $f.FullName -Force -ErrorAction SilentlyContinue; if (-not (Test-Path -LiteralPath $f.FullName)) { $total -= $f.Length; $count -= 1; 'removed ' + $f.Name + ' ' + $f.Length } } }
+'entries ' + $count
+'bytes ' + $total
+$root = [IO.Path]::GetPathRoot($dir)
+$drive = Get-PSDrive -PSProvider FileSystem | Where-Object { $_.Root -eq $root }
+if ($drive) { 'free_kib ' + [long][Math]::Floor($drive.Free / 1024) }
+"""  # noqa: E501
+# (Get-ChildItem lists by name; Sort-Object LastWriteTimeUtc puts the oldest first, as `ls -tr` does. A file
+# that Remove-Item could not remove, one rpc-server holds open, is neither counted as removed nor freed.)
+
+
 class CacheError(ValueError):
     """A cache folder or limit the script must not be given."""
 
 
-def check_folder(folder: str) -> str:
-    """A configured cache folder: empty (llama.cpp's default) or an absolute path of printable characters."""
+_WINDOWS_FOLDER = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def is_windows_folder(folder: str) -> bool:
+    """A path on a drive (C:\\x): a Windows node's folder. llama.cpp's cache needs no network share."""
+    return bool(_WINDOWS_FOLDER.match(folder))
+
+
+def check_folder(folder: str, *, windows: bool = False) -> str:
+    """A configured cache folder: empty (llama.cpp's default) or an absolute path of printable characters;
+    on a Windows node (`windows`) one on a drive, C:\\x, written with backslashes."""
     if not folder:
         return ""
-    if not folder.startswith("/"):
-        raise CacheError("The cache folder must be an absolute path (starting with /).")
     if any(ord(c) < 32 or ord(c) == 127 for c in folder):
         raise CacheError("The cache folder contains a control character.")
+    if windows:
+        if not is_windows_folder(folder):
+            raise CacheError(
+                "The cache folder of a Windows node must be an absolute path on a drive (such as "
+                "C:\\llama-cache)."
+            )
+        return ntpath.normpath(folder)
+    if not folder.startswith("/"):
+        raise CacheError("The cache folder must be an absolute path (starting with /).")
     return posixpath.normpath(folder)
 
 
-def script_argv(action: str, folder: str = "", limit_bytes: int = 0) -> list[str]:
-    """The argv that runs SCRIPT on a node for `action` (one of ACTIONS)."""
+def check_any_folder(folder: str) -> str:
+    """A folder for a node whose platform the form does not know yet: POSIX (/x) or Windows (C:\\x)."""
+    if is_windows_folder(folder):
+        return check_folder(folder, windows=True)
+    try:
+        return check_folder(folder)
+    except CacheError as exc:
+        if not folder.startswith("/"):
+            raise CacheError(
+                "The cache folder must be an absolute path (starting with /, or with a drive such as C:\\ "
+                "on Windows)."
+            ) from exc
+        raise
+
+
+def _checked(action: str, limit_bytes: int) -> int:
     if action not in ACTIONS:
         raise CacheError(f"Unknown cache action {action!r}.")
     limit = int(limit_bytes)
     if limit < 0:
         raise CacheError("The cache limit cannot be negative.")
+    return limit
+
+
+def powershell_script(action: str, folder: str = "", limit_bytes: int = 0) -> str:
+    """POWERSHELL_SCRIPT with its three inputs set first: two single-quoted (verbatim) literals and an int,
+    so no folder name can become PowerShell source."""
+    limit = _checked(action, limit_bytes)
+    inputs = f"$action = {ps_quote(action)}\n$base = {ps_quote(check_folder(folder, windows=True))}"
+    return f"{inputs}\n$limit = [long]{limit}{POWERSHELL_SCRIPT}"
+
+
+def script_argv(action: str, folder: str = "", limit_bytes: int = 0, *, windows: bool = False) -> list[str]:
+    """The argv that runs the cache script on a node for `action` (one of ACTIONS): SCRIPT through sh, or
+    on a Windows node (`windows`) POWERSHELL_SCRIPT through powershell."""
+    if windows:
+        return powershell_argv(powershell_script(action, folder, limit_bytes))
+    limit = _checked(action, limit_bytes)
     return ["sh", "-c", SCRIPT, "ramdeck-rpc-cache", action, check_folder(folder), str(limit)]
 
 
-def server_argv(rpc_server_path: str, args: list[str], folder: str = "") -> list[str]:
+def server_argv(
+    rpc_server_path: str, args: list[str], folder: str = "", *, windows: bool = False
+) -> list[str]:
     """ggml-rpc-server with its cache on: `-c`, and LLAMA_CACHE set through `env` when the node names a
-    folder of its own (the server has no option for it)."""
+    folder of its own (the server has no option for it). On Windows there is no `env` program: the
+    detached start sets the variable in the PowerShell that starts the server (remote/powershell.py
+    `start_detached_script` reads the same `env NAME=value` words)."""
     argv = [rpc_server_path, *args]
     if "-c" not in argv and "--cache" not in argv:
         argv.append("-c")
-    folder = check_folder(folder)
+    folder = check_folder(folder, windows=windows)
     return ["env", f"LLAMA_CACHE={folder}", *argv] if folder else argv
 
 
@@ -121,14 +204,13 @@ CACHE_FLAGS = ("-c", "--cache")
 
 
 def start_argv(
-    rpc_server_path: str, args: list[str], *, limit_gib: int, folder: str = "", posix: bool = True
+    rpc_server_path: str, args: list[str], *, limit_gib: int, folder: str = "", windows: bool = False
 ):
     """rpc-server's command line for a deployment: with its cache (`server_argv`) when the node keeps one (a
-    limit above 0, on a POSIX node, whose cache the console can trim); without `-c` otherwise, so a node whose
-    limit is 0, or one whose cache nobody could trim or clear, keeps nothing."""
+    limit above 0); without `-c` otherwise, so a node whose limit is 0 keeps nothing."""
     args = [arg for arg in args if arg not in CACHE_FLAGS]
-    if limit_gib and posix:
-        return server_argv(rpc_server_path, args, folder)
+    if limit_gib:
+        return server_argv(rpc_server_path, args, folder, windows=windows)
     return [rpc_server_path, *args]
 
 
@@ -138,14 +220,14 @@ def launch_argv(
     *,
     limit_gib: int,
     folder: str = "",
-    posix: bool = True,
     platform: str = "linux",
 ) -> list[str]:
     """The whole command line the rpc_server step starts: `start_argv` through `env` with the quiet
     environment (llamacpp/args.py `quiet_argv`: its threads sleep while they wait). The deployment page shows
     the same (deployments/views/plan.py `command_lines`)."""
     return quiet_argv(
-        start_argv(rpc_server_path, args, limit_gib=limit_gib, folder=folder, posix=posix), platform
+        start_argv(rpc_server_path, args, limit_gib=limit_gib, folder=folder, windows=platform == "windows"),
+        platform,
     )
 
 

@@ -214,8 +214,8 @@ class ModelCopyForm(forms.Form):
             raise forms.ValidationError(f"{model.name} lives on {node.name} already.")
         if node.platform == "windows":
             raise forms.ValidationError(
-                f"{node.name} runs Windows, whose rpc-server runs without the RPC cache for now: "
-                "a copy would not help."
+                f"{node.name} runs Windows, where copying a model (and filling its RPC cache from the "
+                "copy) is not built yet."
             )
         if model.is_split:
             raise forms.ValidationError(

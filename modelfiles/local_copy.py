@@ -180,8 +180,8 @@ def pays(model: ModelFile, node: Node) -> dict[str, Any]:
 
 def offer(model: ModelFile, node: Node) -> dict[str, Any] | None:
     """A copy of `model` to `node` as the node page and the model page offer it, with what it pays against
-    streaming; None where the job would refuse it: a split model, a Windows node (its rpc-server runs
-    without the RPC cache), the model's own node. Whether the node holds a copy already is the caller's
+    streaming; None where the job would refuse it: a split model, a Windows node (no copy, nor a fill of
+    its RPC cache from one, yet), the model's own node. Whether the node holds a copy already is the caller's
     query."""
     if model.is_split or node.platform == "windows" or model.node_id == node.pk:
         return None
@@ -233,7 +233,7 @@ async def model_copy_body(ctx: JobContext) -> str:
     if model is None:
         raise JobFailed("The model no longer exists.")
     if ctx.node.platform == "windows":
-        raise JobFailed(f"{ctx.node.name} runs Windows, whose rpc-server runs without the RPC cache for now.")
+        raise JobFailed(f"{ctx.node.name} runs Windows, where copying a model is not built yet.")
     if model.is_split:
         raise JobFailed(f"{model.name} is a split model: copying split models is not supported yet.")
     if model.node_id == ctx.node.pk:

@@ -1,8 +1,9 @@
 """A node's ggml-rpc-server tensor cache, as the console manages it: read its size and free disk, trim it to
 the node's limit (oldest entries first, before a deployment starts an rpc-server there), clear it.
 
-Every look goes through llamacpp.rpc_cache's one script over the node's transport; what it found is saved
-on the node (`rpc_cache_state`) for its page. The `rpc_cache` job kind runs "usage" and "clear"."""
+Every look goes through llamacpp.rpc_cache's one script over the node's transport (sh, or PowerShell on a
+Windows node: both print the same lines); what it found is saved on the node (`rpc_cache_state`) for its
+page. The `rpc_cache` job kind runs "usage" and "clear"."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from django.utils import timezone
 from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.models import Job
+from jobs.on_node import on_windows
 from llamacpp import rpc_cache
 from nodes.models import Node
+from remote.powershell import NotForWindows
 from remote.text import printable
 
 KIND = "rpc_cache"
@@ -27,8 +30,6 @@ def users_of(node: Node) -> list[str]:
 
 def refusal(node: Node) -> str:
     """Why the cache of `node` may not be cleared now, or "" when it may."""
-    if node.platform == "windows":
-        return f"{node.name} runs Windows, whose rpc-server runs without the RPC cache for now."
     users = users_of(node)
     if not users:
         return ""
@@ -65,7 +66,11 @@ def save_state(node: Node, found: dict) -> None:
 
 async def run_script(ctx, node: Node, action: str, limit: int = 0) -> dict:
     """Run the cache script for `action` on the node, log what it did in one or two lines, save the state."""
-    argv = rpc_cache.script_argv(action, node.llama_cache_dir, limit)
+    # The transport's shell, found when it connected, says which script the node runs.
+    try:
+        argv = rpc_cache.script_argv(action, node.llama_cache_dir, limit, windows=on_windows(ctx))
+    except (rpc_cache.CacheError, NotForWindows) as exc:  # a folder of the other platform's form
+        raise JobFailed(f"the RPC cache of {node.name}: {exc}") from exc
     result = await ctx.transport.run(argv, timeout=300)
     if not result.ok:
         err = "\n".join(line.text for line in result.lines if line.stream == "err")

@@ -8,6 +8,7 @@ import asyncssh
 from django import forms
 from django.conf import settings
 
+from llamacpp.rpc_cache import CacheError, check_folder
 from llamacpp.rpc_guard import is_ipv6, parse_ipv4
 from nodes.models import Credential, CredentialKind, Node, Transport
 
@@ -57,6 +58,9 @@ class NodeForm(forms.ModelForm):
             "credential": "The key or password that account logs in with (saved under Credentials).",
             "rpc_port": "The port its ggml-rpc-server listens on when it lends memory to another node.",
             "platform_hint": "Its operating system; Detect asks the computer itself.",
+            "llama_cache_dir": "Absolute path given to ggml-rpc-server as LLAMA_CACHE (its entries go in its "
+            "rpc folder). Empty: llama.cpp's default, ~/.cache/llama.cpp (~/Library/Caches/llama.cpp on "
+            "macOS, %LOCALAPPDATA%\\llama.cpp on Windows).",
             "notes": "Anything worth remembering about this machine; only people see it.",
             "enabled": "Untick to leave this machine out of new plans without deleting it.",
         }
@@ -102,8 +106,23 @@ class NodeForm(forms.ModelForm):
     def clean_address(self):
         return self.cleaned_data["address"].strip()
 
+    def _clean_cache_folder(self, cleaned) -> None:
+        """The cache folder in the form of the node's own platform (C:\\x on Windows, /x elsewhere), where
+        the probe found it or the operator named it."""
+        folder = cleaned.get("llama_cache_dir") or ""
+        found = (self.instance.facts or {}).get("platform")
+        hint = cleaned.get("platform_hint")
+        platform = found if found in ("linux", "macos", "windows") else hint
+        if not folder or platform not in ("linux", "macos", "windows"):
+            return
+        try:
+            check_folder(folder, windows=platform == "windows")
+        except CacheError as exc:
+            self.add_error("llama_cache_dir", str(exc))
+
     def clean(self):
         cleaned = self._clean_ssh(super().clean())
+        self._clean_cache_folder(cleaned)
         value = (cleaned.get("rpc_bind_address") or "").strip()
         if not value:
             return cleaned

@@ -36,10 +36,11 @@ def validate_host(value: str) -> None:
 
 
 def validate_cache_folder(value: str) -> None:
-    """A node's llama.cpp cache folder: empty, or an absolute path without control characters."""
-    from llamacpp.rpc_cache import CacheError, check_folder
+    """A node's llama.cpp cache folder: empty, or an absolute path without control characters, POSIX or on
+    a Windows drive (the form checks it against the node's platform where it knows it)."""
+    from llamacpp.rpc_cache import CacheError, check_any_folder
 
     try:
-        check_folder(value)
+        check_any_folder(value)
     except CacheError as exc:
         raise ValidationError(str(exc)) from exc

@@ -203,13 +203,36 @@ CREATE_RETURN_VALUES = {
 START_ERROR = "error:"
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def split_env(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """`env NAME=value ... program args` as POSIX argv carry an environment (llamacpp/rpc_cache.py's
+    LLAMA_CACHE): the (name, value) pairs and the program's own argv. Windows has no `env` program; the
+    start sets them in the PowerShell that starts the program, whose environment Start-Process passes on."""
+    words = [str(a) for a in argv]
+    if not words or words[0] != "env":
+        return [], words
+    pairs = []
+    index = 1
+    while index < len(words) and "=" in words[index]:
+        name, _, value = words[index].partition("=")
+        if not _ENV_NAME.fullmatch(name):
+            raise NotForWindows(f"{name[:80]!r} is not an environment variable's name; not run.")
+        pairs.append((name, value))
+        index += 1
+    return pairs, words[index:]
+
+
 def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:
     """Start argv[0] with its output to `log_path` (stderr to `log_path`.err: Start-Process takes two
     different files) and write its PID to `pid_file(log_path)`, or, when Start-Process refuses (no such
     file, access denied, a bad working folder), `error: <its message>`: nobody sees the output of the
     PowerShell that runs this (`launch_script`), so the file is the one place to say why. Run by
-    `launch_script`, outside the SSH session."""
-    program, *args = [str(a) for a in argv]
+    `launch_script`, outside the SSH session. An `env NAME=value` prefix (`split_env`) sets those variables
+    first."""
+    pairs, words = split_env(argv)
+    program, *args = words
     parts = [
         "try { Start-Process",
         f"-FilePath {ps_quote(program)}",
@@ -222,7 +245,8 @@ def start_detached_script(argv: Sequence[str], *, log_path: str, cwd: str | None
         f"catch {{ {ps_quote(START_ERROR + ' ')} + $_.Exception.Message |",
         f"Out-File -LiteralPath {ps_quote(pid_file(log_path))} -Encoding ascii }}",
     ]
-    return " ".join(parts)
+    settings = [f"$env:{name} = {ps_quote(value)}" for name, value in pairs]
+    return "\n".join([*settings, " ".join(parts)])
 
 
 def launch_script(argv: Sequence[str], *, log_path: str, cwd: str | None = None) -> str:

@@ -516,14 +516,15 @@ class SSHTransport:
         """remote/powershell.py's launch_script, then the PID from the file its Start-Process writes; a start
         that fails says why (WMI's return value, Start-Process's error, or the program's log files)."""
         script = powershell.launch_script(argv, log_path=log_path, cwd=cwd)
+        program = powershell.split_env(argv)[1][0]  # its name in a message, not `env`
         result = await self._helper(powershell.powershell_argv(script))
         answer = result.stdout.strip().splitlines()[-1:] if result.ok else []
         if answer != ["0"]:
             said = answer[0] if answer else ""
             if not said:
                 tail = "; ".join(line.text for line in result.lines[-3:]) or f"exit {result.exit_status}"
-                raise TransportError(f"Starting {argv[0]!r} on {self.target.host} failed: {tail}")
-            raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, answer=said))
+                raise TransportError(f"Starting {program!r} on {self.target.host} failed: {tail}")
+            raise TransportError(powershell.start_failure(program, self.target.host, answer=said))
         read_pid = powershell.powershell_argv(powershell.tail_script([powershell.pid_file(log_path)], 20))
         deadline = asyncio.get_running_loop().time() + 15
         while asyncio.get_running_loop().time() < deadline:
@@ -531,12 +532,12 @@ class SSHTransport:
             if text.isdigit():
                 return int(text)
             if text.startswith(powershell.START_ERROR):
-                raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, pid_text=text))
+                raise TransportError(powershell.start_failure(program, self.target.host, pid_text=text))
             await asyncio.sleep(0.2)
         tails = powershell.tail_script([log_path, log_path + ".err"], 10)
         logs = await self._helper(powershell.powershell_argv(tails))
         lines = "\n".join(line.text for line in logs.lines if line.stream == "out")
-        raise TransportError(powershell.start_failure(str(argv[0]), self.target.host, logs=lines))
+        raise TransportError(powershell.start_failure(program, self.target.host, logs=lines))
 
     async def kill(self, pid: int, *, grace: float = 5.0) -> bool:
         if self.shell == "windows":

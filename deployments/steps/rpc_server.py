@@ -31,21 +31,21 @@ async def rpc_server_body(ctx) -> str:
     # Named per deployment and node: nodes may share a home folder (NFS), and history stays readable.
     log_path = join(ctx, directory, f"d{deployment.pk}-{ctx.node.name}-rpc-server-{port}.log")
     # Weights the server has seen before are read from its disk, not sent again (llamacpp/rpc_cache.py); the
-    # cache is trimmed to the node's limit first, oldest entries first. A limit of 0 keeps no cache, and a
-    # Windows node's rpc-server runs without one for now (the scripts that size and trim it are POSIX sh).
-    posix = not on_windows(ctx)
-    if ctx.node.rpc_cache_limit_gib and posix:
+    # cache is trimmed to the node's limit first, oldest entries first (by PowerShell on Windows). A limit of
+    # 0 keeps no cache.
+    if ctx.node.rpc_cache_limit_gib:
         await cache.trim_before_start(ctx, ctx.node)
         # A worker holding its own copy of the model gets the weights of its blocks from its disk, not the
-        # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py).
-        await local_copy.fill_before_start(ctx, deployment)
+        # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py; a
+        # Windows node takes no copy yet, so it has none to fill from).
+        if not on_windows(ctx):
+            await local_copy.fill_before_start(ctx, deployment)
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
     argv = rpc_cache.launch_argv(
         build.rpc_server_path,
         params["args"],
         limit_gib=ctx.node.rpc_cache_limit_gib,
         folder=ctx.node.llama_cache_dir,
-        posix=posix,
         platform=ctx.node.platform,
     )
     if params.get("exposed"):

@@ -82,7 +82,6 @@ def _rpc_command_lines(plan: dict, deployment: Deployment | None) -> list[dict]:
             args,
             limit_gib=node.rpc_cache_limit_gib if node is not None else 0,
             folder=node.llama_cache_dir if node is not None else "",
-            posix=node is None or node.platform != "windows",
             platform=node.platform if node is not None else "linux",
         )
         out.append({"node": name, "command": shell_join(argv)})

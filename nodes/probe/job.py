@@ -132,10 +132,9 @@ async def probe(ctx: JobContext) -> str:
     for line in summary_lines(report, build.llama_server_path if build else ""):
         await ctx.log(line)
     devices = await db(apply_probe_report)(node, report)
-    if report.platform != "windows":
-        # The RPC cache's size and the free disk, for the node page; a probe does not fail for want of them.
-        with contextlib.suppress(JobFailed, TransportError):
-            await cache.run_script(ctx, node, "usage")
+    # The RPC cache's size and the free disk, for the node page; a probe does not fail for want of them.
+    with contextlib.suppress(JobFailed, TransportError):
+        await cache.run_script(ctx, node, "usage")
     if (ctx.job.params or {}).get("register_detected"):
         job = ctx.job
         build_job = await db(lambda: start_detected_install_build(node, user=job.created_by))()

@@ -17,9 +17,6 @@ from ramdeck_site.roles import OPERATOR, role_required
 
 def _start(request, node, action: str, audit_action: str, doing: str):
     refuse_local_node(request.user, node, "RPC cache jobs", request=request)
-    if node.platform == "windows":
-        messages.error(request, cache.refusal(node))
-        return redirect(node)
     with transaction.atomic():
         if Job.objects.active().filter(node=node, kind=cache.KIND).exists():
             messages.info(request, f"An RPC cache job on {node.name} is already queued or running.")

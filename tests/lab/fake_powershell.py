@@ -15,7 +15,15 @@ understands:
   namespace's real listening sockets); `Get-Process -Id`, `Stop-Process -Id` and `Start-Process` (real
   processes: a Windows path C:\\x maps to <root>/C/x); the run folder under $env:USERPROFILE (New-Item),
   a log's last lines (Get-Content -Tail), one TCP connection (New-Object System.Net.Sockets.TcpClient);
-  and `& 'program' 'args'`.
+  and `& 'program' 'args'`;
+- the RPC cache script (llamacpp/rpc_cache.py POWERSHELL_SCRIPT): variables set from literals and from
+  $env:, [IO.Path]::Combine and ::GetPathRoot, `-notmatch` (case-insensitive, as PowerShell's is),
+  Get-ChildItem -LiteralPath -File (regular files; a missing folder lists nothing under -ErrorAction
+  SilentlyContinue) filtered by name with `-cmatch` (case-sensitive) and by the ReparsePoint attribute (a
+  symbolic link has it), Sort-Object LastWriteTimeUtc, Remove-Item and Test-Path on each file, and
+  Get-PSDrive's FileSystem drives (one per drive folder of the fake PC, its Free the folder's file system's
+  free bytes), each statement of the one form the script has; and `$env:NAME = '...'`, which sets a
+  variable of the process's environment that what Start-Process starts then inherits.
 Strings are read by PowerShell's own rules for single-quoted (verbatim) literals, and the arguments of a
 native program by the Microsoft C runtime's (CommandLineToArgvW), after Windows PowerShell 5.1's way of
 building the command line (an argument with whitespace wrapped in double quotes, nothing escaped).
@@ -27,6 +35,7 @@ Anything else stops with PowerShell's own error ("The term 'x' is not recognized
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -48,7 +57,7 @@ CMDLETS = {
     "Get-CimInstance", "Select-Object", "ConvertTo-Json", "Get-Command", "Get-NetTCPConnection",
     "Get-Process", "Stop-Process", "Start-Process", "Start-Sleep", "Write-Output", "echo", "exit", "if",
     "powershell", "Get-Content", "New-Item", "New-Object", "Remove-Item", "Invoke-CimMethod", "Out-File",
-    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try", "Move-Item",
+    "Test-Path", "New-NetFirewallRule", "Remove-NetFirewallRule", "try", "Move-Item", "foreach",
 }  # fmt: skip
 
 
@@ -198,6 +207,9 @@ class Host:
         self.out = sys.stdout
         self.exit_status = 0
         self.in_job: list[int] = []
+        # The script's variables ($name → value), for the statements that set and read them.
+        self.vars: dict[str, object] = {}
+        self.set_env: set[str] = set()
 
     def save(self) -> None:
         (self.root / "state.json").write_text(json.dumps(self.state))
@@ -518,8 +530,8 @@ class Host:
         self.save()
 
     def _env(self, m, values):
-        """$env:NAME: the PC's environment variables as the state holds them (an unset one prints nothing)."""
-        value = {"USERPROFILE": self.state["userprofile"], **self.state.get("env", {})}.get(m["name"])
+        """$env:NAME printed (an unset one prints nothing)."""
+        value = self.env_value(m["name"])
         if value:
             self.print(value)
 
@@ -560,6 +572,122 @@ class Host:
 
     def _exit(self, m, values):
         return int(m["code"])
+
+    # -- variables and the RPC cache script ---------------------------------------------------------------
+
+    def env_value(self, name: str) -> str | None:
+        """$env:NAME: what the script set, else the PC's variables as the state holds them (Windows always
+        sets USERPROFILE and LOCALAPPDATA; an unset one is $null)."""
+        if name in self.set_env:
+            return os.environ.get(name) or None
+        defaults = {
+            "USERPROFILE": self.state["userprofile"],
+            "LOCALAPPDATA": self.state["userprofile"] + "\\AppData\\Local",
+        }
+        return {**defaults, **self.state.get("env", {})}.get(name) or None
+
+    def _set_env(self, m, values):
+        """$env:NAME = '...': the process's environment, which Start-Process passes on to what it starts."""
+        os.environ[m["name"]] = values[0]
+        self.set_env.add(m["name"])
+
+    def _set_literal(self, m, values):
+        self.vars[m["var"]] = values[0]
+
+    def _set_number(self, m, values):
+        self.vars[m["var"]] = int(m["n"])
+
+    def _default_from_env(self, m, values):
+        if not self.vars.get(m["var"]):
+            self.vars[m["var"]] = self.env_value(m["name"])
+
+    def _default_combined(self, m, values):
+        if not self.vars.get(m["var"]) and self.env_value(m["name"]):
+            self.vars[m["var"]] = path_combine(self.env_value(m["name"]), values[0])
+
+    def _refuse_unless_match(self, m, values):
+        """`-notmatch` is case-insensitive; $null matches as an empty string."""
+        if not re.search(values[0], str(self.vars.get(m["var"]) or ""), re.IGNORECASE):
+            sys.stderr.write(values[1] + "\n")
+            return int(m["code"])
+        return None
+
+    def _combine(self, m, values):
+        self.vars[m["var"]] = path_combine(str(self.vars.get(m["a"]) or ""), values[0])
+
+    def _concat(self, m, values):
+        """'text' + $var: a $null adds nothing; a number is added as its digits."""
+        value = self.vars.get(m["var"])
+        self.print(values[0] + ("" if value is None else str(value)))
+
+    def _list_files(self, m, values):
+        """Get-ChildItem -LiteralPath <folder> -File: the folder's files (a symbolic link to a file is listed
+        too, with the ReparsePoint attribute), then Where-Object and Sort-Object as the statement says."""
+        rows = []
+        folder = self.vars.get(m["var"])
+        local = self.local_path(str(folder)) if folder else None
+        if local is not None and local.is_dir():
+            for path in local.iterdir():
+                if not path.is_file():
+                    continue
+                rows.append(
+                    {
+                        "Name": path.name,
+                        "FullName": path_combine(str(folder), path.name),
+                        "Length": path.stat().st_size,
+                        "LastWriteTimeUtc": path.lstat().st_mtime,
+                        "ReparsePoint": path.is_symlink(),
+                    }
+                )
+        picked = [r for r in rows if re.search(values[0], r["Name"]) and not r["ReparsePoint"]]
+        self.vars[m["out"]] = sorted(picked, key=lambda r: r["LastWriteTimeUtc"])
+
+    def _count_entries(self, m, values):
+        for f in self.vars[m["list"]]:
+            self.vars["total"] += f["Length"]
+            self.vars["count"] += 1
+            self.print(values[0] + f["Name"])
+
+    def _trim_or_clear(self, m, values):
+        """The clear/trim statement: oldest first, until the total is within the limit (trim) or all are
+        gone (clear); a file Remove-Item left in place is neither counted nor printed. `-eq` compares
+        strings case-insensitively."""
+        clear, trim, trim_again, removed, space = values
+        v = self.vars
+        action = str(v["action"]).lower()
+        if not (action == clear.lower() or (action == trim.lower() and v["total"] > v["limit"])):
+            return
+        for f in v[m["list"]]:
+            if action == trim_again.lower() and v["total"] <= v["limit"]:
+                break
+            local = self.local_path(f["FullName"])
+            with contextlib.suppress(OSError):
+                local.unlink()
+            if not local.exists():
+                v["total"] -= f["Length"]
+                v["count"] -= 1
+                self.print(f"{removed}{f['Name']}{space}{f['Length']}")
+
+    def _path_root(self, m, values):
+        self.vars[m["var"]] = path_root(str(self.vars.get(m["a"]) or ""))
+
+    def _drives(self, m, values):
+        """Get-PSDrive -PSProvider FileSystem: a drive per letter folder of the PC (C:\\ ...), whose Free
+        is its file system's free bytes (Win32_LogicalDisk's FreeSpace); Where-Object Root -eq (strings
+        compare case-insensitively)."""
+        found = None
+        for folder in sorted(self.root.iterdir()):
+            if re.fullmatch(r"[A-Z]", folder.name) and folder.is_dir():
+                root = f"{folder.name}:\\"
+                if root.lower() == str(self.vars.get(m["root"]) or "").lower():
+                    stats = os.statvfs(folder)
+                    found = {"Root": root, "Free": stats.f_bavail * stats.f_frsize}
+        self.vars[m["var"]] = found
+
+    def _print_free_kib(self, m, values):
+        drive = self.vars.get(m["var"])
+        if drive:
+            self.print(f"{values[0]}{drive['Free'] // 1024}")
 
     FORMS = [
         (r"\[Console\]::Error\.WriteLine \( § \+ \$PID \)", _marker),
@@ -655,9 +783,73 @@ class Host:
         (r"New-Item -ItemType Directory -Force -Path § \| Out-Null", _new_dir),
         (r"Move-Item -LiteralPath § -Destination § -Force", _move),
         (r"Remove-Item -LiteralPath § -Recurse -Force -ErrorAction SilentlyContinue", _remove_tree),
+        (r"\$env:(?P<name>\w+) = §", _set_env),
+        (r"\$(?P<var>\w+) = §", _set_literal),
+        (r"\$(?P<var>\w+) = (?:\[long\])?(?P<n>\d+)", _set_number),
+        (r"if \( -not \$(?P<var>\w+) \) \{ \$(?P=var) = \$env:(?P<name>\w+) \}", _default_from_env),
+        (
+            r"if \( -not \$(?P<var>\w+) -and \$env:(?P<name>\w+) \) "
+            r"\{ \$(?P=var) = \[IO\.Path\]::Combine \( \$env:(?P=name), § \) \}",
+            _default_combined,
+        ),
+        (
+            r"if \( \$(?P<var>\w+) -notmatch § \) \{ \[Console\]::Error\.WriteLine \( § \) ; "
+            r"exit (?P<code>\d+) \}",
+            _refuse_unless_match,
+        ),
+        (r"\$(?P<var>\w+) = \[IO\.Path\]::Combine \( \$(?P<a>\w+), § \)", _combine),
+        (r"§ \+ \$(?P<var>\w+)", _concat),
+        (
+            r"\$(?P<out>\w+) = @ \( Get-ChildItem -LiteralPath \$(?P<var>\w+) -File -ErrorAction "
+            r"SilentlyContinue \| Where-Object \{ \$_\.Name -cmatch § -and -not "
+            r"\$_\.Attributes\.HasFlag \( \[IO\.FileAttributes\]::ReparsePoint \) \} \| "
+            r"Sort-Object LastWriteTimeUtc \)",
+            _list_files,
+        ),
+        (
+            r"foreach \( \$f in \$(?P<list>\w+) \) \{ \$total \+= \$f\.Length ; \$count \+= 1 ; "
+            r"§ \+ \$f\.Name \}",
+            _count_entries,
+        ),
+        (
+            r"if \( \$action -eq § -or \( \$action -eq § -and \$total -gt \$limit \) \) "
+            r"\{ foreach \( \$f in \$(?P<list>\w+) \) \{ if \( \$action -eq § -and \$total -le \$limit \) "
+            r"\{ break \} ; Remove-Item -LiteralPath \$f\.FullName -Force -ErrorAction SilentlyContinue ; "
+            r"if \( -not \( Test-Path -LiteralPath \$f\.FullName \) \) \{ \$total -= \$f\.Length ; "
+            r"\$count -= 1 ; § \+ \$f\.Name \+ § \+ \$f\.Length \} \} \}",
+            _trim_or_clear,
+        ),
+        (r"\$(?P<var>\w+) = \[IO\.Path\]::GetPathRoot \( \$(?P<a>\w+) \)", _path_root),
+        (
+            r"\$(?P<var>\w+) = Get-PSDrive -PSProvider FileSystem \| "
+            r"Where-Object \{ \$_\.Root -eq \$(?P<root>\w+) \}",
+            _drives,
+        ),
+        (
+            r"if \( \$(?P<var>\w+) \) \{ § \+ \[long\]\[Math\]::Floor \( \$(?P=var)\.Free / 1024 \) \}",
+            _print_free_kib,
+        ),
         (r"exit \$LASTEXITCODE", _exit_last),
         (r"exit (?P<code>\d+)", _exit),
     ]
+
+
+def path_combine(first: str, second: str) -> str:
+    """[IO.Path]::Combine on Windows: `second` when it is rooted, else the two joined by one backslash."""
+    if re.match(r"[A-Za-z]:|[\\/]", second):
+        return second
+    if not first or first.endswith(("\\", "/", ":")):
+        return first + second
+    return f"{first}\\{second}"
+
+
+def path_root(path: str) -> str:
+    """[IO.Path]::GetPathRoot on Windows: C:\\ for a path on a drive, \\\\server\\share for one on a share."""
+    if m := re.match(r"[A-Za-z]:[\\/]?", path):
+        return m[0].replace("/", "\\")
+    if m := re.match(r"[\\/]{2}[^\\/]+[\\/][^\\/]+", path):
+        return m[0]
+    return "\\" if path[:1] in ("\\", "/") else ""
 
 
 def _alive(pid: int) -> bool:

@@ -287,7 +287,9 @@ def test_the_rpc_server_step_and_the_reap_job_run_on_a_windows_node(lab, lab_hos
     one connection (TcpClient) made it write them out; then the reap job ends it by PID."""
     drive = windows_like(lab, lab_host)
     drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
-    node = lab_node(lab, lab_host)
+    # rpc-server.exe is the lab's Linux build, to which the PC's cache folder (C:\...) is a relative path on
+    # this machine: these servers run without the cache (tests/lab/test_windows_cache_lab.py has it).
+    node = lab_node(lab, lab_host, rpc_cache_limit_gib=0)
     assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
     node.refresh_from_db()
     Build.objects.create(
@@ -396,7 +398,9 @@ def test_direct_mode_opens_the_windows_firewall_to_the_coordinator_only_and_the_
     saying why."""
     drive = windows_like(lab, lab_host)
     drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
-    node = lab_node(lab, lab_host)
+    # rpc-server.exe is the lab's Linux build, to which the PC's cache folder (C:\...) is a relative path on
+    # this machine: these servers run without the cache (tests/lab/test_windows_cache_lab.py has it).
+    node = lab_node(lab, lab_host, rpc_cache_limit_gib=0)
     assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
     Build.objects.create(
         node=node,
@@ -587,7 +591,9 @@ def test_the_windows_firewall_rule_refuses_a_machine_that_is_not_the_coordinator
     route_between([pc_host, outsider])
     drive = windows_like(lab, pc_host)
     drive.install("C:\\llama\\rpc-server.exe", rpc_server_binary())
-    node = lab_node(lab, pc_host)
+    # rpc-server.exe is the lab's Linux build, to which the PC's cache folder (C:\...) is a relative path on
+    # this machine: these servers run without the cache (tests/lab/test_windows_cache_lab.py has it).
+    node = lab_node(lab, pc_host, rpc_cache_limit_gib=0)
     assert run(Job.objects.create(kind="probe", node=node)).state == JobState.SUCCEEDED
     Build.objects.create(
         node=node,

@@ -211,3 +211,22 @@ def test_a_windows_path_reaches_sftp_in_its_absolute_form():
     assert powershell.sftp_path("C:\\Users\\ana\\x.tar.gz") == "/C:/Users/ana/x.tar.gz"
     assert powershell.sftp_path("D:/data/m.gguf") == "/D:/data/m.gguf"
     assert powershell.sftp_path("/C:/already") == "/C:/already"
+
+
+@given(value=HOSTILE.filter(lambda v: "\x00" not in v))
+@settings(max_examples=100, deadline=None, derandomize=True)
+def test_an_env_prefix_becomes_the_starting_powershells_own_variable(value):
+    """`env LLAMA_CACHE=<value> program args` (llamacpp/rpc_cache.py server_argv): Windows has no env
+    program, so the detached start sets $env:LLAMA_CACHE to the value, one literal, before Start-Process."""
+    argv = ["env", f"LLAMA_CACHE={value}", "C:\\llama\\rpc-server.exe", "-c"]
+    assert powershell.split_env(argv) == ([("LLAMA_CACHE", value)], argv[2:])
+    script = powershell.start_detached_script(argv, log_path="C:\\Users\\x\\rpc.log")
+    first, *rest = statements(tokenize(script))
+    assert first == ["$env:LLAMA_CACHE", "=", Str(value)]
+    assert [t for t in rest[0] if isinstance(t, Str)][:2] == ["C:\\llama\\rpc-server.exe", "-c"]
+
+
+def test_an_env_prefix_with_a_name_that_is_no_variables_is_refused():
+    with pytest.raises(NotForWindows, match="environment variable"):
+        powershell.split_env(["env", "A;B=1", "x.exe"])
+    assert powershell.split_env(["x.exe", "A=1"]) == ([], ["x.exe", "A=1"])
