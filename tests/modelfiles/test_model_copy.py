@@ -209,6 +209,23 @@ def test_a_split_model_is_copied_shard_by_shard_resumed_checked_and_fills_the_ca
     assert "Copied" not in log_text(again) and "Computing" not in log_text(again)
     assert log_text(again).count("(size and SHA-256 checked)") == 3
 
+    # Elsewhere, a part of the third shard that is not its bytes: the first two are placed, the third fails
+    # its SHA-256 and its part is removed; a new copy then sends only that one.
+    ModelCopy.objects.all().delete()
+    other = tmp_path / "elsewhere" / shards[0].name
+    other.parent.mkdir()
+    Path(f"{other.with_name(shards[2].name)}.part").write_bytes(b"\0" * shards[2].stat().st_size)
+    failed = run(_copy(operator_client, model, worker, str(other)))
+    assert failed.state == JobState.FAILED and "The SHA-256 of shard 3 of 3 is" in failed.result, log_text(
+        failed
+    )
+    assert sorted(p.name for p in other.parent.iterdir()) == [shards[0].name, shards[1].name]
+    assert not ModelCopy.objects.exists()
+    redone = run(_copy(operator_client, model, worker, str(other)))
+    assert redone.state == JobState.SUCCEEDED, log_text(redone)
+    assert "(1 of 3 shards)" in log_text(redone)
+    assert other.with_name(shards[2].name).read_bytes() == shards[2].read_bytes()
+
 
 @pytest.mark.django_db
 def test_a_viewer_cannot_copy_a_model(viewer_client):
