@@ -16,7 +16,8 @@ implementation), together with the SHA-256 of the same bytes, and keeps both on 
 a copy of the file then cuts those ranges out of it with FILL_SCRIPT, a POSIX sh script (GNU and BSD `tail -c`
 and `head -c`, so macOS too), and checks each piece's SHA-256 on the worker before it takes its cache name: a
 copy that differs from the model (edited, truncated, another quantisation under the same name) fills nothing
-wrong, whatever the file is called.
+wrong, whatever the file is called. A split model's tensors each lie in one shard: the worker's copy has the
+same shards, and the script runs once per shard, cutting from that shard's copy (`fill_argvs_shards`).
 
 Plain Python, no Django.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,6 +36,10 @@ from llamacpp import gguf as gguf_profile
 from llamacpp.rpc_cache import HASH_THRESHOLD, CacheError, check_folder
 
 # The shape of the hashes a model keeps (ModelFile.tensor_hashes): bumped if what is hashed ever changes.
+# Each entry names the shard whose file holds the tensor ("shard", 0 for a single-file model) and its offset
+# in that file. Records written before split models were hashed have no "shard": they were all of
+# single-file models, where shard 0 is right, so they stay valid (no model's tensors are read again) and
+# `valid` refuses only such a record for a split model.
 VERSION = 1
 # A fill run takes at most this many tensors (4 arguments each) in its argv.
 BATCH = 128
@@ -51,12 +57,30 @@ def fnv1a_64(data: bytes) -> str:
 
 
 def cacheable(header: gguf_profile.GGUFHeader) -> list[tuple[str, int, int]]:
-    """(name, offset in the file, size) of every tensor llama-server offers by hash: above HASH_THRESHOLD."""
+    """(name, offset in the file, size) of every tensor llama-server offers by hash: above HASH_THRESHOLD.
+    For a split model, `header` is one shard's and the offsets are in that shard's file."""
     return [
         (t.name, header.data_offset + t.offset, t.n_bytes)
         for t in header.tensors
         if t.n_bytes > HASH_THRESHOLD
     ]
+
+
+def entry(name: str, shard: int, offset: int, data: bytes) -> dict[str, Any]:
+    """One tensor's record: where its bytes lie (shard index, offset in that shard's file, size) and their
+    FNV-1a hash (its cache name) and SHA-256 (what the fill checks on the worker)."""
+    return {
+        "name": name,
+        "shard": shard,
+        "offset": offset,
+        "size": len(data),
+        "fnv": fnv1a_64(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def record(tensors: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"version": VERSION, "threshold": HASH_THRESHOLD, "tensors": tensors}
 
 
 def hash_tensors(
@@ -65,40 +89,47 @@ def hash_tensors(
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """The hashes a model keeps: {"version", "threshold", "tensors": [{"name", "offset", "size", "fnv",
-    "sha256"}]}, reading each cacheable tensor once through `read_range(offset, size)` (whole: one tensor is
-    in memory at a time). `progress(done_bytes, total_bytes)` after each tensor."""
-    todo = cacheable(header)
-    total = sum(size for _, _, size in todo)
+    """The hashes a single-file model keeps: {"version", "threshold", "tensors": [{"name", "shard",
+    "offset", "size", "fnv", "sha256"}]}, reading each cacheable tensor once through `read_range(offset,
+    size)` (whole: one tensor is in memory at a time). `progress(done_bytes, total_bytes)` after each
+    tensor."""
+    return hash_shards([(read_range, header)], progress=progress)
+
+
+def hash_shards(
+    shards: list[tuple[ReadRange, gguf_profile.GGUFHeader]],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """The same for a model in several files: one (read_range, header) per shard, in order; each entry's
+    "shard" is its index in `shards` and its offset is in that shard's file."""
+    todo = [(index, *t) for index, (_, header) in enumerate(shards) for t in cacheable(header)]
+    total = sum(size for *_, size in todo)
     done = 0
     tensors = []
-    for name, offset, size in todo:
-        data = read_range(offset, size)
+    for index, name, offset, size in todo:
+        data = shards[index][0](offset, size)
         if len(data) != size:
             raise gguf_profile.GGUFError(f"Tensor {name!r} is cut short: {len(data)} of {size} bytes read.")
-        tensors.append(
-            {
-                "name": name,
-                "offset": offset,
-                "size": size,
-                "fnv": fnv1a_64(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        )
+        tensors.append(entry(name, index, offset, data))
         done += size
         if progress:
             progress(done, total)
-    return {"version": VERSION, "threshold": HASH_THRESHOLD, "tensors": tensors}
+    return record(tensors)
 
 
-def valid(hashes: dict[str, Any] | None) -> bool:
+def valid(hashes: dict[str, Any] | None, *, shards: int = 1) -> bool:
+    """Whether `hashes` can be used as they are for a model in `shards` files."""
     # Hashes taken at another threshold (upstream's 10 MiB, before builds/rpc_threshold.py) miss tensors.
-    return (
+    if not (
         bool(hashes)
         and hashes.get("version") == VERSION
         and hashes.get("threshold") == HASH_THRESHOLD
         and isinstance(hashes.get("tensors"), list)
-    )
+    ):
+        return False
+    # A split model's entries must each say their shard (see VERSION).
+    return shards <= 1 or all(isinstance(e, dict) and "shard" in e for e in hashes["tensors"])
 
 
 def blocks_of(placement: dict[str, Any]) -> set[int]:
@@ -198,6 +229,24 @@ def fill_argvs(folder: str, source: str, entries: list[dict[str, Any]]) -> list[
         ["sh", "-c", FILL_SCRIPT, "ramdeck-fill", folder, source, *args[i : i + step]]
         for i in range(0, len(args), step)
     ] or [["sh", "-c", FILL_SCRIPT, "ramdeck-fill", folder, source]]
+
+
+def fill_argvs_shards(folder: str, sources: list[str], entries: list[dict[str, Any]]) -> list[list[str]]:
+    """The argvs that fill the cache from a worker's copy of a model in one or more files: each tensor cut
+    out of the copy of its own shard (`sources[entry["shard"]]`), so the script runs once per shard that
+    holds a wanted tensor (and per BATCH tensors)."""
+    by_shard: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for item in entries:
+        shard = item.get("shard", 0)
+        if type(shard) is not int or not 0 <= shard < len(sources):
+            raise CacheError(
+                f"Tensor {item.get('name')!r} lies in shard {shard!r}, but the copy has "
+                f"{len(sources)} file(s)."
+            )
+        by_shard[shard].append(item)
+    return [
+        argv for shard in sorted(by_shard) for argv in fill_argvs(folder, sources[shard], by_shard[shard])
+    ]
 
 
 def parse_fill(stdout: str) -> dict[str, Any]:

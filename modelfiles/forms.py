@@ -188,8 +188,9 @@ class ModelCopyForm(forms.Form):
     path = forms.CharField(
         max_length=1000,
         required=False,
-        help_text="Where the copy goes on that node (empty: the nodes' model folder, the file's own name). "
-        "A whole copy already there is registered without sending anything.",
+        help_text="Where the copy goes on that node (empty: the nodes' model folder, the file's own name; "
+        "for a split model, its first shard's, the others beside it). A whole copy already there is "
+        "registered without sending anything.",
     )
 
     def __init__(self, *args, user=None, **kwargs):
@@ -217,11 +218,11 @@ class ModelCopyForm(forms.Form):
                 f"{node.name} runs Windows, where copying a model (and filling its RPC cache from the "
                 "copy) is not built yet."
             )
-        if model.is_split:
-            raise forms.ValidationError(
-                f"{model.name} is a split model: copying split models is not supported yet."
-            )
         if Job.objects.active().filter(kind=local_copy.KIND, node=node).exists():
             raise forms.ValidationError(f"A model copy to {node.name} is already queued or running.")
         data["path"] = data.get("path") or local_copy.default_destination(model)
+        try:
+            local_copy.copy_paths(model, data["path"])  # A split model's shards keep llama.cpp's names.
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
         return data

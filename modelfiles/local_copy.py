@@ -2,28 +2,29 @@
 disk before its rpc-server starts, so a first load sends the worker almost nothing (llamacpp/tensor_cache.py).
 
 - `ensure_hashes`: the FNV-1a hash and SHA-256 of every tensor above the cache's threshold, read once from the
-  model's own node (its file read in ranges over SFTP, or from the console's disk) and kept on the model.
-- The `model_copy` job (its node is the destination): the model's file streamed from its node through the
-  console into `<path>.part` on the destination over SFTP, its progress in the job log. A copy that stopped
-  continues from the part's size; the whole file's SHA-256 is checked on the destination before the part
-  takes its name, and the copy is registered (`ModelCopy`). A file already at the path whose size and
-  SHA-256 are the model's is registered without sending anything.
+  model's own node (its file read in ranges over SFTP, or from the console's disk) and kept on the model;
+  for a split model, each entry says which shard holds the tensor and its offset in that shard's file.
+- The `model_copy` job (its node is the destination): each of the model's files streamed from its node
+  through the console into `<path>.part` on the destination over SFTP, its progress (over the whole model) in
+  the job log. A split model's shards go beside the first under llama.cpp's shard names
+  (`NAME-0000k-of-0000N.gguf`, how llama-server finds them). A copy that stopped continues from the part's
+  size; each file's SHA-256 (computed on the model's node once and kept) is checked on the destination
+  before the part takes its name, and the copy is registered (`ModelCopy`, the first file's path). A file
+  already at its path whose size and SHA-256 are right is kept without sending anything.
 - `fill_after_copy` (the end of the copy job): every cacheable tensor of the model cut out of the copy into
   the node's cache folder, each checked by SHA-256 on the node, when the whole model fits in its cache limit:
   the first deployment then loads as a warm one, the fill off its path.
 - `fill_before_start` (the rpc_server step): the cacheable tensors of the worker's blocks that are not in its
   cache (trimmed, cleared, or too large to fill whole) filled the same way before the server starts.
-
-Split models (several shards) are not copied yet: the job refuses them, saying so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import posixpath
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -74,45 +75,38 @@ async def _header(transport, path: str, file_size: int) -> gguf_profile.GGUFHead
             size = min(max(size * 4, exc.needed), HEAD_MAX_READ)
 
 
-def _entry(name: str, offset: int, data: bytes) -> dict[str, Any]:
-    return {
-        "name": name,
-        "offset": offset,
-        "size": len(data),
-        "fnv": tensor_cache.fnv1a_64(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
-
-
 async def ensure_hashes(ctx: JobContext, model: ModelFile) -> dict[str, Any]:
-    """The model's tensor hashes: those on record, else read from its node once (logged) and saved."""
-    if tensor_cache.valid(model.tensor_hashes):
+    """The model's tensor hashes: those on record, else read from its node once (logged) and saved. A split
+    model's tensors are read from the shard that holds each."""
+    paths = model.files
+    if tensor_cache.valid(model.tensor_hashes, shards=len(paths)):
         return model.tensor_hashes
-    if model.is_split:
-        raise JobFailed(f"{model.name} is a split model ({len(model.shard_paths)} files): not supported yet.")
     node = await db(lambda: model.node)()
     async with await open_transport_for(node) as transport:
-        [size] = await file_sizes(transport, [model.path])
-        if not isinstance(size, int):
-            raise JobFailed(f"{model.path} on {node.name} cannot be read ({size}).")
-        header = await _header(transport, model.path, size)
-        todo = tensor_cache.cacheable(header)
-        total = sum(n for _, _, n in todo)
+        sizes = await file_sizes(transport, paths)
+        headers = []
+        for path, size in zip(paths, sizes, strict=True):
+            if not isinstance(size, int):
+                raise JobFailed(f"{path} on {node.name} cannot be read ({size}).")
+            headers.append(await _header(transport, path, size))
+        todo = [(i, *t) for i, header in enumerate(headers) for t in tensor_cache.cacheable(header)]
+        total = sum(n for *_, n in todo)
+        where = f" in {len(paths)} shards" if len(paths) > 1 else ""
         await ctx.log(
             f"Hashing {len(todo)} tensors above the {tensor_cache.HASH_THRESHOLD // 1024} KiB cache "
-            f"threshold ({mib(total)} MiB of {model.name}), read from {node.name}: once per model."
+            f"threshold ({mib(total)} MiB of {model.name}{where}), read from {node.name}: once per model."
         )
         tensors, done, last = [], 0, time.monotonic()
-        for name, offset, n in todo:
-            data = await transport.read_range(model.path, offset, n)
+        for shard, name, offset, n in todo:
+            data = await transport.read_range(paths[shard], offset, n)
             if len(data) != n:
-                raise JobFailed(f"{model.path} on {node.name} ends inside tensor {name}.")
-            tensors.append(await asyncio.to_thread(_entry, name, offset, data))
+                raise JobFailed(f"{paths[shard]} on {node.name} ends inside tensor {name}.")
+            tensors.append(await asyncio.to_thread(tensor_cache.entry, name, shard, offset, data))
             done += n
             if time.monotonic() - last >= PROGRESS_EVERY_S:
                 await ctx.log(f"Hashed {mib(done)} of {mib(total)} MiB")
                 last = time.monotonic()
-    hashes = {"version": tensor_cache.VERSION, "threshold": tensor_cache.HASH_THRESHOLD, "tensors": tensors}
+    hashes = tensor_cache.record(tensors)
     model.tensor_hashes = hashes
     await db(model.save)(update_fields=["tensor_hashes"])
     await ctx.log(f"Hashed {len(tensors)} tensors of {model.name}.")
@@ -139,6 +133,33 @@ async def ensure_sha256(ctx: JobContext, model: ModelFile) -> str:
     return sha
 
 
+async def ensure_shard_sha256(ctx: JobContext, model: ModelFile) -> list[str]:
+    """The SHA-256 of each of the model's files, in order: a single file's is `ensure_sha256`'s; a split
+    model's shards are each computed on its own node once, and kept as each is done (a job stopped halfway
+    through a large model does not compute the finished ones again)."""
+    if not model.is_split:
+        return [await ensure_sha256(ctx, model)]
+    paths = model.files
+    shas = list(model.shard_sha256 or [])[: len(paths)]
+    if len(shas) == len(paths):
+        return shas
+    if not shas and model.sha256:
+        shas = [model.sha256]  # The first file's, checked by its download.
+    node = await db(lambda: model.node)()
+    await ctx.log(
+        f"Computing the SHA-256 of the {len(paths)} shards of {model.name} on {node.name} (once per model)."
+    )
+    async with await open_transport_for(node) as transport:
+        for path in paths[len(shas) :]:
+            sha = await _sha256_on(transport, path)
+            if not sha:
+                raise JobFailed(f"Could not compute the SHA-256 of {path} on {node.name}.")
+            shas.append(sha)
+            model.shard_sha256, model.sha256 = list(shas), shas[0]
+            await db(model.save)(update_fields=["shard_sha256", "sha256"])
+    return shas
+
+
 # --------------------------------------------------------------------------------------------------
 # The copy job
 # --------------------------------------------------------------------------------------------------
@@ -161,6 +182,22 @@ def check_destination(path: str) -> str:
     return posixpath.normpath(path)
 
 
+def copy_paths(model: ModelFile, first: str) -> list[str]:
+    """Where each of the model's files lies in a copy whose first file is at `first`: a split model's other
+    shards beside it under llama.cpp's shard names (`NAME-0000k-of-0000N.gguf`), which is how llama-server
+    finds them from the first. Raises ValueError when `first` is not named as the first of that many."""
+    if not model.is_split:
+        return [first]
+    count = len(model.shard_paths)
+    try:
+        return gguf_profile.shard_paths(first, count)
+    except gguf_profile.MissingShard:
+        raise ValueError(
+            f"{model.name} is split into {count} files: the destination must name its first shard, "
+            f"NAME-00001-of-{count:05d}.gguf, so that llama.cpp finds the others beside it."
+        ) from None
+
+
 def pays(model: ModelFile, node: Node) -> dict[str, Any]:
     """What a copy costs against streaming: the bytes a cold start sends `node` for the plans it held blocks
     in (the largest share seen), and the copy's one transfer of the whole file. `starts` is how many cold
@@ -180,10 +217,9 @@ def pays(model: ModelFile, node: Node) -> dict[str, Any]:
 
 def offer(model: ModelFile, node: Node) -> dict[str, Any] | None:
     """A copy of `model` to `node` as the node page and the model page offer it, with what it pays against
-    streaming; None where the job would refuse it: a split model, a Windows node (no copy, nor a fill of
-    its RPC cache from one, yet), the model's own node. Whether the node holds a copy already is the caller's
-    query."""
-    if model.is_split or node.platform == "windows" or model.node_id == node.pk:
+    streaming; None where the job would refuse it: a Windows node (no copy, nor a fill of its RPC cache from
+    one, yet), the model's own node. Whether the node holds a copy already is the caller's query."""
+    if node.platform == "windows" or model.node_id == node.pk:
         return None
     return {"model": model, "node": node, **pays(model, node)}
 
@@ -226,91 +262,174 @@ def _register(job: Job, model: ModelFile, path: str, size: int, sha: str) -> Mod
     return copy
 
 
+@dataclass(frozen=True)
+class _File:
+    """One of the model's files as the copy moves it: from `source` on the model's node to `dest`."""
+
+    source: str
+    dest: str
+    size: int
+    sha256: str
+    # How the log names it: "the copy" for a single-file model, "shard 2 of 3" for a split one.
+    label: str
+
+
+async def _files(ctx: JobContext, model: ModelFile, dest: str) -> list[_File]:
+    """Each of the model's files with its destination (the first at `dest`), size and SHA-256."""
+    try:
+        dests = copy_paths(model, dest)
+    except ValueError as exc:
+        raise JobFailed(str(exc)) from None
+    shas = await ensure_shard_sha256(ctx, model)
+    if not model.is_split:
+        return [_File(model.path, dest, int(model.size_bytes), shas[0], "the copy")]
+    async with await open_transport_for(model.node) as source:
+        sizes = await file_sizes(source, model.files)
+    if not all(isinstance(n, int) for n in sizes) or sum(sizes) != model.size_bytes:
+        raise JobFailed(
+            f"The shards of {model.name} on {model.node.name} are not the files registered "
+            f"({', '.join(map(str, sizes))}; {model.size_bytes} bytes in all were): register the model again."
+        )
+    count = len(dests)
+    return [
+        _File(source, path, size, sha, f"shard {i} of {count}")
+        for i, (source, path, size, sha) in enumerate(zip(model.files, dests, sizes, shas, strict=True), 1)
+    ]
+
+
 async def model_copy_body(ctx: JobContext) -> str:
-    """Params {"model": pk, "path": destination on the job's node}."""
+    """Params {"model": pk, "path": destination on the job's node (a split model's first shard)}."""
     params = ctx.job.params
     model = await db(lambda: ModelFile.objects.select_related("node").filter(pk=params["model"]).first())()
     if model is None:
         raise JobFailed("The model no longer exists.")
     if ctx.node.platform == "windows":
         raise JobFailed(f"{ctx.node.name} runs Windows, where copying a model is not built yet.")
-    if model.is_split:
-        raise JobFailed(f"{model.name} is a split model: copying split models is not supported yet.")
     if model.node_id == ctx.node.pk:
         raise JobFailed(f"{model.name} lives on {ctx.node.name} already.")
     dest = await _resolve_home(ctx, params["path"])
-    sha = await ensure_sha256(ctx, model)
-    size = int(model.size_bytes)
-    [state] = await file_sizes(ctx.transport, [dest])
-    if state == size and await _sha256_on(ctx.transport, dest) == sha:
-        await ctx.log(f"{dest} on {ctx.node.name} already holds {model.name} (size and SHA-256 checked).")
-    else:
-        if state != "missing":
-            raise JobFailed(f"{dest} exists on {ctx.node.name} and is not {model.name}: choose another path.")
-        await _copy(ctx, model, dest, size, sha)
-    copy = await db(_register)(ctx.job, model, dest, size, sha)
+    files = await _files(ctx, model, dest)
+    states = await file_sizes(ctx.transport, [f.dest for f in files])
+    todo = []
+    # Every file is looked at before anything is sent: a path that holds something else stops the job
+    # before it writes a byte.
+    for f, state in zip(files, states, strict=True):
+        what = model.name if len(files) == 1 else f"{f.label} of {model.name}"
+        if state == f.size and await _sha256_on(ctx.transport, f.dest) == f.sha256:
+            await ctx.log(f"{f.dest} on {ctx.node.name} already holds {what} (size and SHA-256 checked).")
+        elif state != "missing":
+            raise JobFailed(f"{f.dest} exists on {ctx.node.name} and is not {what}: choose another path.")
+        else:
+            todo.append(f)
+    if todo:
+        await _copy(ctx, model, todo, int(model.size_bytes))
+    copy = await db(_register)(ctx.job, model, dest, int(model.size_bytes), files[0].sha256)
     await ensure_hashes(ctx, model)
     await fill_after_copy(ctx, model, copy)
-    return f"{model.name} is on {ctx.node.name} at {dest}: its RPC cache is filled from it."
+    beside = f" (and its other {len(files) - 1} shards beside it)" if len(files) > 1 else ""
+    return f"{model.name} is on {ctx.node.name} at {dest}{beside}: its RPC cache is filled from it."
 
 
-async def _copy(ctx: JobContext, model: ModelFile, dest: str, size: int, sha: str) -> None:
-    part = dest + ".part"
-    await ctx.run(["mkdir", "-p", "--", posixpath.dirname(dest)])
-    [have] = await file_sizes(ctx.transport, [part])
-    start = have if isinstance(have, int) and have <= size else 0
-    if start:
+class _Progress:
+    """The copy's progress over the whole model (files already there count as copied), logged every few
+    seconds and at the end, with the rate of this job's own transfer."""
+
+    def __init__(self, ctx: JobContext, size: int, done: int):
+        self.ctx, self.size, self.done, self.first = ctx, size, done, done
+        self.begun, self.last = time.monotonic(), 0.0
+
+    async def add(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S or self.done == self.size:
+            rate = (self.done - self.first) / max(now - self.begun, 1e-6) / 2**20
+            await self.ctx.log(
+                f"Copied {mib(self.done)} of {mib(self.size)} MiB ({self.done * 100 // self.size}%, "
+                f"{rate:.1f} MiB/s)"
+            )
+            self.last = now
+
+
+async def _copy(ctx: JobContext, model: ModelFile, todo: list[_File], size: int) -> None:
+    """The files in `todo` streamed from the model's node one after the other, each resumed from its part
+    and checked before it takes its name."""
+    await ctx.run(["mkdir", "-p", "--", posixpath.dirname(todo[0].dest)])
+    parts = await file_sizes(ctx.transport, [f.dest + ".part" for f in todo])
+    starts = [n if isinstance(n, int) and n <= f.size else 0 for f, n in zip(todo, parts, strict=True)]
+    for f, start in zip(todo, starts, strict=True):
+        if start:
+            await ctx.log(
+                f"Resuming {f.label} at {mib(start)} of {mib(f.size)} MiB ({f.dest}.part was left by an "
+                "earlier one)."
+            )
+    left = sum(f.size - start for f, start in zip(todo, starts, strict=True))
+    if model.is_split:
         await ctx.log(
-            f"Resuming the copy at {mib(start)} of {mib(size)} MiB ({part} was left by an earlier one)."
+            f"Copying {mib(left)} MiB of {model.name} ({len(todo)} of {len(model.shard_paths)} shards) from "
+            f"{model.node.name} to {ctx.node.name}:{posixpath.dirname(todo[0].dest)}"
         )
-    else:
+    elif not starts[0]:
         await ctx.log(
-            f"Copying {mib(size)} MiB of {model.name} from {model.node.name} to {ctx.node.name}:{dest}"
+            f"Copying {mib(size)} MiB of {model.name} from {model.node.name} to "
+            f"{ctx.node.name}:{todo[0].dest}"
         )
+    progress = _Progress(ctx, size, size - left)
     source = await open_transport_for(model.node)
-    begun, last, done = time.monotonic(), 0.0, start
-
-    def read(offset: int) -> asyncio.Task[bytes] | None:
-        if offset >= size:
-            return None
-        return asyncio.ensure_future(source.read_range(model.path, offset, min(CHUNK, size - offset)))
-
-    pending: asyncio.Task[bytes] | None = None
     try:
         async with source:
-            # The next chunk is read from the source while this one is written to the node: the two links
-            # (source to console, console to node) work at once.
-            pending = read(done)
-            while pending is not None:
-                if ctx.cancelled():
-                    raise JobFailed(f"Cancelled at {mib(done)} MiB; a new copy continues from there.")
-                data = await pending
-                pending = None
-                if not data:
-                    raise JobFailed(f"{model.path} on {model.node.name} ended at {done} bytes, not {size}.")
-                pending = read(done + len(data))
-                await ctx.transport.write_at(part, done, data)
-                done += len(data)
-                now = time.monotonic()
-                if now - last >= PROGRESS_EVERY_S or done == size:
-                    rate = (done - start) / max(now - begun, 1e-6) / 2**20
-                    await ctx.log(
-                        f"Copied {mib(done)} of {mib(size)} MiB ({done * 100 // size}%, {rate:.1f} MiB/s)"
-                    )
-                    last = now
+            for f, start in zip(todo, starts, strict=True):
+                await _send(ctx, source, model, f, start, progress)
+                await _check_and_place(ctx, f)
     except TransportError as exc:
-        raise JobFailed(f"The copy stopped at {mib(done)} MiB: {exc}. Start it again to continue.") from None
+        raise JobFailed(
+            f"The copy stopped at {mib(progress.done)} MiB: {exc}. Start it again to continue."
+        ) from None
+
+
+async def _send(ctx: JobContext, source, model: ModelFile, f: _File, start: int, progress: _Progress) -> None:
+    """One file streamed into `<dest>.part` from byte `start`."""
+    part = f.dest + ".part"
+
+    def read(offset: int) -> asyncio.Task[bytes] | None:
+        if offset >= f.size:
+            return None
+        return asyncio.ensure_future(source.read_range(f.source, offset, min(CHUNK, f.size - offset)))
+
+    done = start
+    pending: asyncio.Task[bytes] | None = None
+    try:
+        # The next chunk is read from the source while this one is written to the node: the two links
+        # (source to console, console to node) work at once.
+        pending = read(done)
+        while pending is not None:
+            if ctx.cancelled():
+                raise JobFailed(f"Cancelled at {mib(progress.done)} MiB; a new copy continues from there.")
+            data = await pending
+            pending = None
+            if not data:
+                raise JobFailed(f"{f.source} on {model.node.name} ended at {done} bytes, not {f.size}.")
+            pending = read(done + len(data))
+            await ctx.transport.write_at(part, done, data)
+            done += len(data)
+            await progress.add(len(data))
     finally:
         if pending is not None:
             pending.cancel()
             with contextlib.suppress(BaseException):
                 await pending
-    await ctx.log("Checking the copy's SHA-256 on the node.")
+
+
+async def _check_and_place(ctx: JobContext, f: _File) -> None:
+    """The part's SHA-256 checked on the node: a right one takes its name, a wrong one is removed."""
+    part = f.dest + ".part"
+    await ctx.log(f"Checking the SHA-256 of {f.label} on the node.")
     got = await _sha256_on(ctx.transport, part)
-    if got != sha:
+    if got != f.sha256:
         await ctx.run(["rm", "-f", "--", part])
-        raise JobFailed(f"The copy's SHA-256 is {got}, not the model's {sha}: removed it; start again.")
-    await ctx.run(["mv", "-f", "--", part, dest])
+        raise JobFailed(
+            f"The SHA-256 of {f.label} is {got}, not the model's {f.sha256}: removed it; start again."
+        )
+    await ctx.run(["mv", "-f", "--", part, f.dest])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,10 +487,17 @@ async def _fill_from_copy(ctx: JobContext, model: ModelFile, copy: ModelCopy, ch
     """The tensors `choose(hashes)` picks cut out of the node's copy into its RPC cache (FILL_SCRIPT), each
     checked by SHA-256 on the node; one log line of what was filled. Never raises for the node's reasons."""
     try:
-        [size] = await file_sizes(ctx.transport, [copy.path])
+        try:
+            paths = copy_paths(model, copy.path)
+        except ValueError as exc:
+            await ctx.log(f"WARNING: the RPC cache was not filled from {copy.path}: {exc}")
+            return
+        sizes = await file_sizes(ctx.transport, paths)
+        size = sum(sizes) if all(isinstance(n, int) for n in sizes) else ", ".join(map(str, sizes))
         if size != copy.size_bytes:
+            shards = f" ({len(paths)} shards)" if len(paths) > 1 else ""
             await ctx.log(
-                f"WARNING: the copy of {model.name} at {copy.path} is {size} now, not "
+                f"WARNING: the copy of {model.name} at {copy.path}{shards} is {size} now, not "
                 f"{copy.size_bytes} bytes: the RPC cache is not filled from it."
             )
             return
@@ -394,13 +520,14 @@ async def _fill_from_copy(ctx: JobContext, model: ModelFile, copy: ModelCopy, ch
                 f"{mib(total)} MiB: each deployment fills the tensors of its own blocks instead."
             )
             return
+        beside = f" and the {len(paths) - 1} shards beside it" if len(paths) > 1 else ""
         await ctx.log(
-            f"Filling the RPC cache from {copy.path}: {len(wanted)} tensors ({mib(total)} MiB) of {what}, "
-            "each checked by SHA-256 on the node."
+            f"Filling the RPC cache from {copy.path}{beside}: {len(wanted)} tensors ({mib(total)} MiB) of "
+            f"{what}, each checked by SHA-256 on the node."
         )
         began = time.monotonic()
         found: dict[str, Any] = {"have": [], "filled": [], "bad": []}
-        for argv in tensor_cache.fill_argvs(ctx.node.llama_cache_dir, copy.path, wanted):
+        for argv in tensor_cache.fill_argvs_shards(ctx.node.llama_cache_dir, paths, wanted):
             result = await ctx.transport.run(argv, timeout=3600)
             if not result.ok:
                 why = result.stderr.strip()[:300] or f"exit status {result.exit_status}"

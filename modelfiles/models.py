@@ -38,6 +38,9 @@ class ModelFile(models.Model):
     shard_paths = models.JSONField(default=list, blank=True, help_text="Every shard, first included.")
     size_bytes = models.BigIntegerField(default=0)
     sha256 = models.CharField(max_length=64, blank=True)
+    # A split model's shards each have their own SHA-256 (`sha256` is the first one's, the file at `path`):
+    # computed on the model's node once, when a copy needs them, in `shard_paths`' order.
+    shard_sha256 = models.JSONField(default=list, blank=True, editable=False)
     profile = models.JSONField(default=dict)
     # The FNV-1a hash (ggml-rpc-server's cache file name) and SHA-256 of each tensor above the RPC cache's
     # threshold, computed once by the console (llamacpp/tensor_cache.py): what fills a worker's cache from
@@ -60,8 +63,13 @@ class ModelFile(models.Model):
 
     @property
     def is_split(self) -> bool:
-        """Whether the model is split into several files (shards), which a copy does not handle yet."""
+        """Whether the model is split into several files (shards): `path` is the first one."""
         return len(self.shard_paths or [self.path]) > 1
+
+    @property
+    def files(self) -> list[str]:
+        """Every file of the model in order: a split model's shards (the first is `path`), else `path`."""
+        return list(self.shard_paths) if self.is_split else [self.path]
 
     def save(self, *args, **kwargs):
         if self._state.adding and self.created_by_id:
@@ -75,7 +83,9 @@ class ModelFile(models.Model):
 
 class ModelCopy(models.Model):
     """A copy of a model's file on another node (a worker): copied there by the console, or found there
-    whole. Its size and SHA-256 were checked on that node against the model's; a deployment that places
+    whole. Its size and SHA-256 were checked on that node against the model's (for a split model: `path` is
+    the first shard's copy, the others lie beside it under llama.cpp's shard names, each checked against its
+    own SHA-256; `size_bytes` is the whole model's, `sha256` the first shard's); a deployment that places
     blocks on the node fills its RPC tensor cache from this copy before its rpc-server starts
     (deployments/steps/local_copy.py), so the weights need not cross the network."""
 

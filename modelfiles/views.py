@@ -91,7 +91,7 @@ def model_detail(request, pk: int):
     to each node that can take one, with what it pays against streaming (as on the node page)."""
     model = get_object_or_404(ModelFile.objects.select_related("node").prefetch_related("deployments"), pk=pk)
     offers = []
-    if may_use(request.user, "modelfiles:copy") and not model.is_split:
+    if may_use(request.user, "modelfiles:copy"):
         # The nodes the copy form accepts from this user (enabled; the console's own host for admins only)
         # that hold no copy of the model yet.
         nodes = ModelCopyForm(user=request.user).fields["node"].queryset.exclude(model_copies__model=model)

@@ -34,8 +34,8 @@ def copies_on(node) -> list[ModelCopy]:
 
 @register.simple_tag
 def copy_offers(node) -> list[dict]:
-    """The single-file models on other nodes, with what streaming costs this node per cold start against one
-    copy of the whole file."""
+    """The models on other nodes, with what streaming costs this node per cold start against one copy of the
+    whole model (every shard of a split one)."""
     if node.platform == "windows":
         return []
     models = ModelFile.objects.exclude(node=node).exclude(copies__node=node)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,13 @@ def test_a_worker_gets_the_tensors_of_its_blocks_and_the_output_layer_only_where
     )
 
 
-def _fill(folder: str, source: str, entries: list[dict], env: dict | None = None) -> dict:
+def _fill(folder: str, source: str | list[str], entries: list[dict], env: dict | None = None) -> dict:
     found: dict = {"have": [], "filled": [], "bad": []}
-    for argv in tensor_cache.fill_argvs(folder, source, entries):
+    if isinstance(source, list):
+        argvs = tensor_cache.fill_argvs_shards(folder, source, entries)
+    else:
+        argvs = tensor_cache.fill_argvs(folder, source, entries)
+    for argv in argvs:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
         assert done.returncode == 0, done.stderr
         part = tensor_cache.parse_fill(done.stdout)
@@ -191,3 +196,70 @@ def test_the_cache_script_names_its_entries_so_the_node_page_can_match_them_to_m
         subprocess.run(rpc_cache.script_argv("clear", str(tmp_path)), capture_output=True, text=True).stdout
     )
     assert cleared["names"] == [] and cleared["entries"] == 0
+
+
+def _split_hashes(first: Path, shards: int) -> tuple[list[str], dict]:
+    paths = gguf_profile.shard_paths(str(first), shards)
+
+    def reader(path: str):
+        return lambda offset, size: Path(path).read_bytes()[offset : offset + size]
+
+    return paths, tensor_cache.hash_shards([(reader(p), gguf_profile.read_header_path(p)) for p in paths])
+
+
+def test_a_split_models_tensors_are_hashed_each_in_its_own_shard_at_its_offset_there(
+    tmp_path, small_threshold
+):
+    spec = TinyLlama(n_layer=4)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = _hashes(write_tiny_llama(tmp_path / "whole" / "m.gguf", spec))
+    paths, split = _split_hashes(write_tiny_llama(tmp_path / "split" / "m.gguf", replace(spec, shards=3)), 3)
+    assert [Path(p).name for p in paths] == [
+        "m-00001-of-00003.gguf",
+        "m-00002-of-00003.gguf",
+        "m-00003-of-00003.gguf",
+    ]
+    # The same tensors with the same bytes as the single file (the same seed), each found in one shard.
+    assert sorted((e["name"], e["fnv"]) for e in split["tensors"]) == sorted(
+        (e["name"], e["fnv"]) for e in whole["tensors"]
+    )
+    assert {e["shard"] for e in split["tensors"]} == {0, 1, 2}
+    assert {e["shard"] for e in whole["tensors"]} == {0}
+    for shard, path in enumerate(paths):
+        data = {t.name: bytes(t.data.tobytes()) for t in GGUFReader(path).tensors}
+        for entry in (e for e in split["tensors"] if e["shard"] == shard):
+            assert entry["name"] in data
+            assert (
+                Path(path).read_bytes()[entry["offset"] : entry["offset"] + entry["size"]]
+                == data[entry["name"]]
+            )
+    assert tensor_cache.valid(split, shards=3)
+    # A record written before entries named their shard (single-file models only) stays valid for its model,
+    # not for a split one.
+    old = {**whole, "tensors": [{k: v for k, v in e.items() if k != "shard"} for e in whole["tensors"]]}
+    assert tensor_cache.valid(old) and not tensor_cache.valid(old, shards=3)
+
+
+def test_the_fill_cuts_each_tensor_of_a_split_model_from_its_own_shards_copy(tmp_path, small_threshold):
+    paths, hashes = _split_hashes(write_tiny_llama(tmp_path / "m.gguf", TinyLlama(n_layer=2, shards=2)), 2)
+    copies = tmp_path / HOSTILE / "copy"
+    copies.mkdir(parents=True)
+    for path in paths:
+        (copies / Path(path).name).write_bytes(Path(path).read_bytes())
+    sources = [str(copies / Path(p).name) for p in paths]
+    entries = hashes["tensors"]
+    argvs = tensor_cache.fill_argvs_shards(str(tmp_path / "cache"), sources, entries)
+    # One run per shard, each naming its own shard's copy.
+    assert [argv[5] for argv in argvs] == sources
+    os.chdir(tmp_path)
+    found = _fill(str(tmp_path / "cache"), sources, entries)
+    assert sorted(n for n, _ in found["filled"]) == sorted(e["fnv"] for e in entries) and not found["bad"]
+    rpc = tmp_path / "cache" / "rpc"
+    for entry in entries:
+        data = Path(paths[entry["shard"]]).read_bytes()
+        assert (rpc / entry["fnv"]).read_bytes() == data[entry["offset"] : entry["offset"] + entry["size"]]
+    assert not list(tmp_path.rglob("PWNED"))
+    # An entry that names a shard the copy does not have is refused before anything runs.
+    with pytest.raises(CacheError, match="lies in shard 2, but the copy has 2 file"):
+        tensor_cache.fill_argvs_shards("", sources, [{**entries[0], "shard": 2}])

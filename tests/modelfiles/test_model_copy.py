@@ -140,6 +140,93 @@ def test_a_whole_copy_already_there_is_registered_and_a_bad_one_is_removed(
     assert other.read_bytes() == b"not a model"
 
 
+def _split_model(node, folder: Path, shards: int = 3) -> ModelFile:
+    first = write_tiny_llama(folder / "tiny.gguf", TinyLlama(n_layer=4, shards=shards))
+    paths = gguf_profile.shard_paths(str(first), shards)
+    return ModelFile.objects.create(
+        name="tiny",
+        node=node,
+        path=str(first),
+        shard_paths=paths,
+        size_bytes=sum(Path(p).stat().st_size for p in paths),
+        profile={"architecture": "llama"},
+    )
+
+
+def _cut(entry: dict, shards: list[str]) -> bytes:
+    data = Path(shards[entry["shard"]]).read_bytes()
+    return data[entry["offset"] : entry["offset"] + entry["size"]]
+
+
+@pytest.mark.lab
+def test_a_split_model_is_copied_shard_by_shard_resumed_checked_and_fills_the_cache(
+    lab, lab_hosts, operator_client, settings, tmp_path, small_threshold
+):
+    source_host, worker_host = lab_hosts(2)
+    source, worker = lab_node(lab, source_host, name="desk"), lab_node(lab, worker_host, name="old-pc")
+    (tmp_path / "models").mkdir()
+    model = _split_model(source, tmp_path / "models", shards=3)
+    shards = [Path(p) for p in model.shard_paths]
+    assert [p.name for p in shards] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    dest = tmp_path / "on-worker" / shards[0].name
+    dest.parent.mkdir()
+    # The first shard is there whole already (copied by hand), an earlier copy stopped inside the second,
+    # the third was never started.
+    dest.write_bytes(shards[0].read_bytes())
+    second = dest.with_name(shards[1].name)
+    Path(f"{second}.part").write_bytes(shards[1].read_bytes()[: 2**20])
+    job = run(_copy(operator_client, model, worker, str(dest)))
+    log = log_text(job)
+    assert job.state == JobState.SUCCEEDED, log
+    assert "Computing the SHA-256 of the 3 shards of tiny on desk" in log
+    assert f"{dest} on old-pc already holds shard 1 of 3 of tiny (size and SHA-256 checked)." in log
+    assert "Resuming shard 2 of 3 at 1.0 of" in log and "(2 of 3 shards)" in log and "(100%" in log, log
+    assert "Checking the SHA-256 of shard 1 of 3" not in log and "Checking the SHA-256 of shard 3 of 3" in log
+    # Every shard beside the first under its own name, byte for byte; no part left.
+    for shard in shards:
+        assert (dest.parent / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    assert sorted(p.name for p in dest.parent.iterdir()) == sorted(p.name for p in shards)
+    copy = ModelCopy.objects.get(model=model, node=worker)
+    assert (copy.path, copy.size_bytes, copy.sha256) == (str(dest), model.size_bytes, _sha(shards[0]))
+    model.refresh_from_db()
+    assert model.shard_sha256 == [_sha(p) for p in shards] and model.sha256 == _sha(shards[0])
+    # The hashes say which shard holds each tensor; every shard holds some.
+    entries = model.tensor_hashes["tensors"]
+    assert tensor_cache.valid(model.tensor_hashes, shards=3) and {e["shard"] for e in entries} == {0, 1, 2}
+    # The cache is filled with the whole model, each tensor cut out of its own shard's copy.
+    worker.refresh_from_db()
+    rpc = Path(worker.llama_cache_dir) / "rpc"
+    assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in entries), log
+    copies = [str(dest.parent / p.name) for p in shards]
+    for entry in entries:
+        assert (rpc / entry["fnv"]).read_bytes() == _cut(entry, copies), entry["name"]
+    assert f"Filling the RPC cache from {dest} and the 2 shards beside it" in log
+
+    # Again, every shard there whole: nothing is sent, no SHA-256 computed again on the model's node.
+    ModelCopy.objects.all().delete()
+    again = run(_copy(operator_client, model, worker, str(dest)))
+    assert again.state == JobState.SUCCEEDED, log_text(again)
+    assert "Copied" not in log_text(again) and "Computing" not in log_text(again)
+    assert log_text(again).count("(size and SHA-256 checked)") == 3
+
+    # Elsewhere, a part of the third shard that is not its bytes: the first two are placed, the third fails
+    # its SHA-256 and its part is removed; a new copy then sends only that one.
+    ModelCopy.objects.all().delete()
+    other = tmp_path / "elsewhere" / shards[0].name
+    other.parent.mkdir()
+    Path(f"{other.with_name(shards[2].name)}.part").write_bytes(b"\0" * shards[2].stat().st_size)
+    failed = run(_copy(operator_client, model, worker, str(other)))
+    assert failed.state == JobState.FAILED and "The SHA-256 of shard 3 of 3 is" in failed.result, log_text(
+        failed
+    )
+    assert sorted(p.name for p in other.parent.iterdir()) == [shards[0].name, shards[1].name]
+    assert not ModelCopy.objects.exists()
+    redone = run(_copy(operator_client, model, worker, str(other)))
+    assert redone.state == JobState.SUCCEEDED, log_text(redone)
+    assert "(1 of 3 shards)" in log_text(redone)
+    assert other.with_name(shards[2].name).read_bytes() == shards[2].read_bytes()
+
+
 @pytest.mark.django_db
 def test_a_viewer_cannot_copy_a_model(viewer_client):
     source, worker = NodeFactory(name="desk"), NodeFactory(name="old-pc")
@@ -153,7 +240,7 @@ def test_a_viewer_cannot_copy_a_model(viewer_client):
 
 
 @pytest.mark.django_db
-def test_the_copy_form_refuses_bad_paths_split_models_and_the_models_own_node(operator_client):
+def test_the_copy_form_refuses_bad_paths_misnamed_shards_and_the_models_own_node(operator_client):
     source, worker = NodeFactory(name="desk"), NodeFactory(name="old-pc")
     model = ModelFile.objects.create(name="m", node=source, path="/models/m.gguf", size_bytes=10, profile={})
     url = reverse("modelfiles:copy")
@@ -168,11 +255,17 @@ def test_the_copy_form_refuses_bad_paths_split_models_and_the_models_own_node(op
         assert why in html.unescape(response.content.decode()), path
     response = operator_client.post(url, {"model": model.pk, "node": source.pk}, follow=True)
     assert "lives on desk already" in response.content.decode()
+    # A split model's destination names its first shard, so that llama.cpp finds the others beside it.
     split = ModelFile.objects.create(
         name="big", node=source, path="/models/big-00001-of-00002.gguf", shard_paths=["a", "b"], profile={}
     )
-    response = operator_client.post(url, {"model": split.pk, "node": worker.pk}, follow=True)
-    assert "split model" in response.content.decode()
+    for path in ("/data/big.gguf", "/data/big-00001-of-00003.gguf", "/data/big-00002-of-00002.gguf"):
+        response = operator_client.post(
+            url, {"model": split.pk, "node": worker.pk, "path": path}, follow=True
+        )
+        assert "big is split into 2 files: the destination must name its first shard, " in html.unescape(
+            response.content.decode()
+        ), path
     assert not Job.objects.filter(kind="model_copy").exists()
     # The node page offers the copy, with what it costs against streaming.
     page = operator_client.get(worker.get_absolute_url()).content.decode()
@@ -229,14 +322,27 @@ def test_a_viewer_sees_a_models_copies_but_no_copy_form(viewer_client):
 
 
 @pytest.mark.django_db
-def test_a_split_models_page_says_copying_it_is_not_supported_yet(operator_client):
-    source, _ = NodeFactory(name="desk"), NodeFactory(name="old-pc")
+def test_a_split_models_page_offers_its_copy_shard_by_shard(operator_client):
+    source, worker = NodeFactory(name="desk"), NodeFactory(name="old-pc")
     split = ModelFile.objects.create(
-        name="big", node=source, path="/models/big-00001-of-00002.gguf", shard_paths=["a", "b"], profile={}
+        name="big",
+        node=source,
+        path="/models/big-00001-of-00002.gguf",
+        shard_paths=["/models/big-00001-of-00002.gguf", "/models/big-00002-of-00002.gguf"],
+        shard_sha256=["a" * 64, "b" * 64],
+        sha256="a" * 64,
+        size_bytes=2 * 10**9,
+        profile={},
     )
-    page = operator_client.get(reverse("modelfiles:detail", args=[split.pk])).content.decode()
-    assert "big is split into 2 files: copying split models is not supported yet." in page
-    assert reverse("modelfiles:copy") not in page and "Copy to old-pc" not in page
+    page = html.unescape(operator_client.get(reverse("modelfiles:detail", args=[split.pk])).content.decode())
+    assert "not supported" not in page and "Copy to old-pc" in page
+    assert "all 2 shards, the others beside the first under their own names" in page
+    assert "a copy sends 1.9 GiB once" in page
+    # Each shard's SHA-256, once computed, is on the page.
+    assert "a" * 64 in page and "b" * 64 in page
+    # The node page offers it too.
+    node_page = operator_client.get(worker.get_absolute_url()).content.decode()
+    assert "Copy to old-pc" in node_page and "big" in node_page
 
 
 @pytest.mark.django_db
@@ -369,6 +475,46 @@ def test_a_registered_copy_fills_the_whole_model_into_the_cache_when_it_fits_the
     asyncio.run(local_copy.fill_before_start(ctx, deployment))
     planned = [e for e in every if e["name"].split(".")[1] in ("1", "2")]
     assert any(f"0 tensors written (0.0 MiB), {len(planned)} there already" in line for line in ctx.lines)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_split_models_copy_fills_each_tensor_from_its_own_shard(local_node, tmp_path, small_threshold):
+    local_node.llama_cache_dir = str(tmp_path / "cache")
+    local_node.rpc_cache_limit_gib = 1
+    local_node.save()
+    (tmp_path / "models").mkdir()
+    model = _split_model(NodeFactory(name="desk"), tmp_path / "models", shards=2)
+    model.tensor_hashes = tensor_cache.hash_shards(
+        [
+            ((lambda off, n, p=p: Path(p).read_bytes()[off : off + n]), gguf_profile.read_header_path(p))
+            for p in model.shard_paths
+        ]
+    )
+    model.save()
+    copies = tmp_path / "worker $(id) copy"
+    copies.mkdir()
+    for shard in model.shard_paths:
+        (copies / Path(shard).name).write_bytes(Path(shard).read_bytes())
+    first = copies / Path(model.path).name
+    copy = ModelCopy.objects.create(
+        model=model, node=local_node, path=str(first), size_bytes=model.size_bytes, sha256="0" * 64
+    )
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_after_copy(ctx, model, copy))
+    every = model.tensor_hashes["tensors"]
+    rpc = tmp_path / "cache" / "rpc"
+    assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in every), ctx.lines
+    for entry in every:
+        assert (rpc / entry["fnv"]).read_bytes() == _cut(entry, model.shard_paths)
+
+    # A shard of the copy gone: nothing is filled, and the log says why.
+    for entry in rpc.iterdir():
+        entry.unlink()
+    (copies / Path(model.shard_paths[1]).name).unlink()
+    ctx = StepContext({}, node=local_node, transport=LocalTransport())
+    asyncio.run(local_copy.fill_after_copy(ctx, model, copy))
+    assert not list(rpc.iterdir()), ctx.lines
+    assert any("(2 shards) is" in line and "missing now" in line for line in ctx.lines), ctx.lines
 
 
 @pytest.mark.django_db(transaction=True)
