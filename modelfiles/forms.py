@@ -222,7 +222,7 @@ class ModelCopyForm(forms.Form):
             raise forms.ValidationError(f"A model copy to {node.name} is already queued or running.")
         data["path"] = data.get("path") or local_copy.default_destination(model)
         try:
-            local_copy.copy_paths(model, data["path"])  # A split model's shards keep llama.cpp's names.
+            model.copy_paths(data["path"])  # A split model's shards keep llama.cpp's names.
         except ValueError as exc:
             raise forms.ValidationError(str(exc)) from None
         return data

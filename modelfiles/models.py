@@ -12,6 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from jobs.models import refuse_local_node
+from llamacpp import gguf as gguf_profile
 from remote.text import printable, printable_json
 
 # The shard suffix of a split model's files: `Model-00001-of-00003.gguf`.
@@ -70,6 +71,22 @@ class ModelFile(models.Model):
     def files(self) -> list[str]:
         """Every file of the model in order: a split model's shards (the first is `path`), else `path`."""
         return list(self.shard_paths) if self.is_split else [self.path]
+
+    def copy_paths(self, first: str) -> list[str]:
+        """Where each of the model's files lies in a copy whose first file is at `first`: a split model's
+        other shards beside it under llama.cpp's shard names (`NAME-0000k-of-0000N.gguf`), which is how
+        llama-server finds them from the first. Raises ValueError when `first` is not named as the first of
+        that many."""
+        if not self.is_split:
+            return [first]
+        count = len(self.shard_paths)
+        try:
+            return gguf_profile.shard_paths(first, count)
+        except gguf_profile.MissingShard:
+            raise ValueError(
+                f"{self.name} is split into {count} files: the destination must name its first shard, "
+                f"NAME-00001-of-{count:05d}.gguf, so that llama.cpp finds the others beside it."
+            ) from None
 
     def save(self, *args, **kwargs):
         if self._state.adding and self.created_by_id:

@@ -13,7 +13,7 @@ from jobs.aio import db
 from jobs.context import JobFailed
 from jobs.on_node import flush_banner, join, on_windows, run_dir, wait_listening
 from llamacpp import rpc_cache, rpc_guard
-from modelfiles import local_copy
+from modelfiles import cache_fill
 from nodes import cache
 from nodes.guards import may_administer, remove_guard
 from planning import placement
@@ -39,7 +39,7 @@ async def rpc_server_body(ctx) -> str:
         # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py; a
         # Windows node takes no copy yet, so it has none to fill from).
         if not on_windows(ctx):
-            await local_copy.fill_before_start(ctx, deployment)
+            await cache_fill.fill_before_start(ctx, deployment)
     # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
     argv = rpc_cache.launch_argv(
         build.rpc_server_path,

@@ -18,7 +18,7 @@ from jobs.models import Job, JobState
 from llamacpp import gguf as gguf_profile
 from llamacpp import tensor_cache
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
-from modelfiles import local_copy
+from modelfiles import cache_fill, local_copy
 from modelfiles.models import ModelCopy, ModelFile
 from nodes import cache
 from remote.local import LocalTransport
@@ -420,7 +420,7 @@ def test_the_fill_step_writes_the_workers_tensors_from_its_copy_and_counts_them(
     local_node.save()
     model, copy, deployment = _fill_deployment(local_node, tmp_path, small_threshold)
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    asyncio.run(cache_fill.fill_before_start(ctx, deployment))
     wanted = [e for e in model.tensor_hashes["tensors"] if e["name"].split(".")[1] in ("1", "2")]
     rpc = tmp_path / "cache" / "rpc"
     assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in wanted), ctx.lines
@@ -434,14 +434,14 @@ def test_the_fill_step_writes_the_workers_tensors_from_its_copy_and_counts_them(
         entry.unlink()
     copy.write_bytes(copy.read_bytes()[:-1])
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    asyncio.run(cache_fill.fill_before_start(ctx, deployment))
     assert not list(rpc.iterdir()) and any("is not filled from it" in line for line in ctx.lines), ctx.lines
 
     # Too little free disk for the tensors: nothing is filled (they cross the network as always).
     copy.write_bytes(Path(model.path).read_bytes())
     local_node.rpc_cache_state = {**local_node.rpc_cache_state, "free_bytes": 1000}
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    asyncio.run(cache_fill.fill_before_start(ctx, deployment))
     assert not list(rpc.iterdir()) and any("MiB free on the cache's disk" in line for line in ctx.lines)
 
 
@@ -457,7 +457,7 @@ def test_a_registered_copy_fills_the_whole_model_into_the_cache_when_it_fits_the
     model, copy, deployment = _fill_deployment(local_node, tmp_path, small_threshold)
     registered = ModelCopy.objects.get(model=model, node=local_node)
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_after_copy(ctx, model, registered))
+    asyncio.run(cache_fill.fill_after_copy(ctx, model, registered))
     every = model.tensor_hashes["tensors"]
     rpc = tmp_path / "cache" / "rpc"
     assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in every), ctx.lines
@@ -472,7 +472,7 @@ def test_a_registered_copy_fills_the_whole_model_into_the_cache_when_it_fits_the
     assert local_node.rpc_cache_state["bytes"] == sum(e["size"] for e in every)
 
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_before_start(ctx, deployment))
+    asyncio.run(cache_fill.fill_before_start(ctx, deployment))
     planned = [e for e in every if e["name"].split(".")[1] in ("1", "2")]
     assert any(f"0 tensors written (0.0 MiB), {len(planned)} there already" in line for line in ctx.lines)
 
@@ -500,7 +500,7 @@ def test_a_split_models_copy_fills_each_tensor_from_its_own_shard(local_node, tm
         model=model, node=local_node, path=str(first), size_bytes=model.size_bytes, sha256="0" * 64
     )
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_after_copy(ctx, model, copy))
+    asyncio.run(cache_fill.fill_after_copy(ctx, model, copy))
     every = model.tensor_hashes["tensors"]
     rpc = tmp_path / "cache" / "rpc"
     assert sorted(p.name for p in rpc.iterdir()) == sorted(e["fnv"] for e in every), ctx.lines
@@ -512,7 +512,7 @@ def test_a_split_models_copy_fills_each_tensor_from_its_own_shard(local_node, tm
         entry.unlink()
     (copies / Path(model.shard_paths[1]).name).unlink()
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_after_copy(ctx, model, copy))
+    asyncio.run(cache_fill.fill_after_copy(ctx, model, copy))
     assert not list(rpc.iterdir()), ctx.lines
     assert any("(2 shards) is" in line and "missing now" in line for line in ctx.lines), ctx.lines
 
@@ -527,12 +527,12 @@ def test_a_copy_larger_than_the_cache_limit_leaves_the_fill_to_each_deployment(
     monkeypatch.setattr(cache, "limit_bytes", lambda node: 64 * 1024)  # less than the model's tensors
     model, _copy_path, _deployment = _fill_deployment(local_node, tmp_path, small_threshold)
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
+    asyncio.run(cache_fill.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
     assert not list((tmp_path / "cache" / "rpc").glob("*")), ctx.lines
     assert any("each deployment fills the tensors of its own blocks instead" in line for line in ctx.lines)
 
     # A node whose cache is turned off (limit 0) is not filled at all, nor read.
     local_node.rpc_cache_limit_gib = 0
     ctx = StepContext({}, node=local_node, transport=LocalTransport())
-    asyncio.run(local_copy.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
+    asyncio.run(cache_fill.fill_after_copy(ctx, model, ModelCopy.objects.get(model=model, node=local_node)))
     assert ctx.lines == []
