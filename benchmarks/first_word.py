@@ -13,7 +13,7 @@ llama-server. Needs root (the lab), `tc` with the kernel's sch_tbf, and the cach
 
 The test also deploys a third time with the worker holding its own copy of the model (copied by the console's
 copy job) and its cache emptied: the fill step cuts the worker's tensors out of its copy into its cache before
-rpc-server starts (modelfiles/local_copy.py), and the bytes received are counted the same way.
+rpc-server starts (modelfiles/cache_fill.py), and the bytes received are counted the same way.
 
 The first-token part (benchmarks/first_word_ttft.py, over loopback on this machine: two rpc-servers, the
 figures measured as calibration measures them, the plan against llama.cpp's default split for a

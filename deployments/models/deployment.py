@@ -391,7 +391,7 @@ class Deployment(models.Model):
     def load_kind(self) -> str:
         """ "warm" when this load's workers received this model before (this deployment loaded it already,
         or another one of the same model on the same workers did: their RPC caches hold its large tensors),
-        or each holds a registered copy of it (its cache is filled from the copy, modelfiles/local_copy.py),
+        or each holds a registered copy of it (its cache is filled from the copy, modelfiles/cache_fill.py),
         else "cold". A cache cleared since is not seen."""
         if self.loads > 1:
             return "warm"

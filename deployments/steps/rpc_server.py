@@ -36,7 +36,7 @@ async def rpc_server_body(ctx) -> str:
     if ctx.node.rpc_cache_limit_gib:
         await cache.trim_before_start(ctx, ctx.node)
         # A worker holding its own copy of the model gets the weights of its blocks from its disk, not the
-        # network: its cache is filled from the copy before the server starts (modelfiles/local_copy.py; a
+        # network: its cache is filled from the copy before the server starts (modelfiles/cache_fill.py; a
         # Windows node takes no copy yet, so it has none to fill from).
         if not on_windows(ctx):
             await cache_fill.fill_before_start(ctx, deployment)
