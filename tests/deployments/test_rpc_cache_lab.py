@@ -16,7 +16,8 @@ timed the same way.
 
 The figures for benchmarks/first_word.py come out on a line `FIRST-WORD {...}`; the link is limited with a
 token bucket to RAMDECK_FIRST_WORD_LINK_MBIT (default 100; 0: no limit) and the model has about
-RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 512).
+RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 270: two blocks, the suite's run; benchmarks/first_word.py passes its
+`--model-mib`, 512 unless told).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def pair(lab, lab_hosts, tmp_path, settings):
 def test_a_warm_deploy_sends_the_worker_only_what_its_rpc_cache_cannot_hold(pair, monkeypatch, settings):
     cluster = pair
     link_mbit = _env_float("RAMDECK_FIRST_WORD_LINK_MBIT", 100)
-    model_mib = _env_float("RAMDECK_FIRST_WORD_MODEL_MIB", 512)
+    model_mib = _env_float("RAMDECK_FIRST_WORD_MODEL_MIB", 270)
     n_layer = max(2, round(model_mib / BLOCK_MIB))
     path = write_tiny_llama(cluster.tmp_path / "wide.gguf", TinyLlama(n_layer=n_layer, **SHAPE))
     profile = profile_path(path)
