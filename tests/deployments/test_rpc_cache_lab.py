@@ -16,8 +16,8 @@ timed the same way.
 
 The figures for benchmarks/first_word.py come out on a line `FIRST-WORD {...}`; the link is limited with a
 token bucket to RAMDECK_FIRST_WORD_LINK_MBIT (default 100; 0: no limit) and the model has about
-RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 270: two blocks, the suite's run; benchmarks/first_word.py passes its
-`--model-mib`, 512 unless told).
+RAMDECK_FIRST_WORD_MODEL_MIB MiB (default 270: two blocks, the suite's run; benchmarks/first_word.py passes
+its `--model-mib`, 512 unless told).
 """
 
 from __future__ import annotations
