@@ -45,6 +45,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    """Whether an rpc-server could bind 127.0.0.1:`port` now: it sets SO_REUSEADDR, so only a live socket on
+    the port keeps it from starting."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def wait_until_port_free(port: int, timeout: float = 60.0) -> None:
+    """This machine's node calibrates on its RPC port (50052): an rpc-server an earlier test started there may
+    still be ending (its stop runs in a worker), and a port held then fails the calibration, not the test."""
+    deadline = time.monotonic() + timeout
+    while not port_free(port):
+        assert time.monotonic() < deadline, f"port {port} is still held by an earlier test's process"
+        time.sleep(0.2)
+
+
 def local_deployment(
     tmp_path: Path, user, *, trained: int = TRAINED_CTX, asked: int = ASKED_CTX
 ) -> Deployment:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 
 import pytest
 from playwright.sync_api import expect
@@ -23,7 +22,7 @@ from llamacpp import real_model
 from modelfiles.models import ModelFile
 from nodes.models import Node, Transport
 from tests.browser import checklist_ticks, in_own_thread, log_in, save_screenshots, screenshot_dir
-from tests.chat_fixtures import free_port, stop
+from tests.chat_fixtures import free_port, stop, wait_until_port_free
 from tests.factories import PASSWORD, UserFactory
 from tests.job_fixtures import CeleryWorker, wait_for
 from tests.llamacpp_build import require_llamacpp
@@ -87,7 +86,7 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
 
     # This machine's node calibrates on its RPC port (50052): an rpc-server an earlier test started there may
     # still be ending (its stop runs in a worker), and a port held then fails the calibration, not this walk.
-    wait_for(lambda: _port_free(50052), timeout=60, what="port 50052 free of earlier tests' rpc-servers")
+    wait_until_port_free(50052)
 
     # 1. Add this machine: a Local node that may coordinate, probed at once.
     page.click("#first-run-credential-action")
@@ -217,14 +216,3 @@ def test_a_new_admin_follows_the_checklist_on_this_machine(
             DeploymentState.CONFIRMED,
         ):
             in_own_thread(stop, deployment, admin, monkeypatch)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        # As rpc-server binds (SO_REUSEADDR): only a live socket on the port keeps it from starting.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

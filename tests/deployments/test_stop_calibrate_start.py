@@ -125,7 +125,7 @@ def test_viewers_and_the_chat_role_see_no_calibration_and_are_refused_it(role, s
 def test_stop_calibrate_start_is_one_run_that_brings_the_same_plan_back_with_real_llama_cpp(
     tmp_path, admin_user, monkeypatch, settings
 ):
-    from tests.chat_fixtures import deploy, local_deployment, stop
+    from tests.chat_fixtures import deploy, local_deployment, stop, wait_until_port_free
     from tests.deploy_fixtures import log_text
     from tests.runs import run_deployment, run_latest
 
@@ -135,6 +135,8 @@ def test_stop_calibrate_start_is_one_run_that_brings_the_same_plan_back_with_rea
     node = deployment.coordinator
     assert node.calibrated_at is None
 
+    # The calibration starts an rpc-server on this node's RPC port, which an earlier test's may still hold.
+    wait_until_port_free(node.rpc_port)
     ok, message = lifecycle.stop_calibrate_start(deployment, node, admin_user)
     assert ok, message
     run = run_latest(deployment.pk, lifecycle.RECALIBRATE)
