@@ -1,21 +1,15 @@
-"""A model's copies on its workers, and what they are for: filling a worker's RPC tensor cache from its own
-disk before its rpc-server starts, so a first load sends the worker almost nothing (llamacpp/tensor_cache.py).
+"""A model's copies on its workers: the `model_copy` job and what the pages offer of it. A copy is what fills
+a worker's RPC tensor cache from its own disk, so a first load sends the worker almost nothing; the hashing of
+the model's tensors and the fills themselves are modelfiles/cache_fill.py's.
 
-- `ensure_hashes`: the FNV-1a hash and SHA-256 of every tensor above the cache's threshold, read once from the
-  model's own node (its file read in ranges over SFTP, or from the console's disk) and kept on the model;
-  for a split model, each entry says which shard holds the tensor and its offset in that shard's file.
-- The `model_copy` job (its node is the destination): each of the model's files streamed from its node
-  through the console into `<path>.part` on the destination over SFTP, its progress (over the whole model) in
-  the job log. A split model's shards go beside the first under llama.cpp's shard names
-  (`NAME-0000k-of-0000N.gguf`, how llama-server finds them). A copy that stopped continues from the part's
-  size; each file's SHA-256 (computed on the model's node once and kept) is checked on the destination
-  before the part takes its name, and the copy is registered (`ModelCopy`, the first file's path). A file
-  already at its path whose size and SHA-256 are right is kept without sending anything.
-- `fill_after_copy` (the end of the copy job): every cacheable tensor of the model cut out of the copy into
-  the node's cache folder, each checked by SHA-256 on the node, when the whole model fits in its cache limit:
-  the first deployment then loads as a warm one, the fill off its path.
-- `fill_before_start` (the rpc_server step): the cacheable tensors of the worker's blocks that are not in its
-  cache (trimmed, cleared, or too large to fill whole) filled the same way before the server starts.
+The `model_copy` job (its node is the destination): each of the model's files streamed from its node through
+the console into `<path>.part` on the destination over SFTP, its progress (over the whole model) in the job
+log. A split model's shards go beside the first under llama.cpp's shard names (`NAME-0000k-of-0000N.gguf`,
+how llama-server finds them). A copy that stopped continues from the part's size; each file's SHA-256
+(computed on the model's node once and kept) is checked on the destination before the part takes its name,
+and the copy is registered (`ModelCopy`, the first file's path). A file already at its path whose size and
+SHA-256 are right is kept without sending anything. The job ends by filling the node's cache from the copy
+(cache_fill.fill_after_copy).
 """
 
 from __future__ import annotations
