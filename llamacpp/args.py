@@ -126,14 +126,21 @@ def rpc_server_args(host: str, port: int, devices: list[str], *, threads: int | 
 
 
 # How llama.cpp's CPU threads wait for work, so that a busy machine slows them in proportion instead of
-# stalling them. The pinned build's CPU backend runs its threads under OpenMP (GGML_OPENMP, the default on
-# Linux): between the operations of a token they meet at `#pragma omp barrier`, where libgomp spins first
-# (OMP_WAIT_POLICY unset: a spin count of 300000), and llama-server's own threadpool busy-polls too
-# (`--poll`, 50 by default). When another program holds one of the cores, the thread that shares it with
-# that program is preempted while its partners spin for their whole time slice at every barrier: decode
-# fell from 50 to 1.3 tokens/s with one core taken (issue 19). `passive` makes OpenMP's threads sleep at
-# once, `--poll 0` does the same for the threadpool (benchmarks/busy_machine.py measures both).
-QUIET_WAIT_ENV = {"OMP_WAIT_POLICY": "passive"}
+# stalling them, and a quiet one is not slowed. The pinned build's CPU backend runs its threads under OpenMP
+# (GGML_OPENMP, the default on Linux): between the operations of a token they meet at `#pragma omp barrier`,
+# where libgomp spins before it sleeps (OMP_WAIT_POLICY unset: 300000 spins, about 3 ms), and llama-server's
+# own threadpool busy-polls between graphs too (`--poll`, 50 by default). When another program holds one of
+# the cores, the thread that shares it is preempted while its partners spin for their whole time slice at
+# every barrier: decode fell from 50 to 1.3 tokens/s with one core taken (issue 19). Sleeping at once
+# (OMP_WAIT_POLICY=passive, what the console used first) cures that but pays a futex wake-up at each of the
+# hundreds of barriers of a token: on this two-core VM, idle, the small real model decoded 48 tokens/s
+# passive against 106 to 146 spinning, and the cost per barrier made a narrow model's bytes look slower than
+# a wide one's (calibration under-predicted deployments by 30%). A short spin, 200 rounds (a few
+# microseconds), covers the wait of a barrier on a quiet machine and still sleeps when a partner is
+# preempted: 106/121 tokens/s quiet and 52/53 with a burner on one of the two cores (through an rpc-server /
+# inside llama-server), in proportion to the cores left; 1000 rounds gave 30 busy, 5000 gave 10
+# (benchmarks/busy_machine.py). `--poll 0` makes the threadpool sleep between graphs: once a graph, cheap.
+QUIET_WAIT_ENV = {"GOMP_SPINCOUNT": "200"}
 
 
 def cpu_threads(

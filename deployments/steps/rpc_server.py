@@ -40,7 +40,8 @@ async def rpc_server_body(ctx) -> str:
         # Windows node takes no copy yet, so it has none to fill from).
         if not on_windows(ctx):
             await cache_fill.fill_before_start(ctx, deployment)
-    # Its threads sleep while they wait (OMP_WAIT_POLICY=passive): see llamacpp/args.py QUIET_WAIT_ENV.
+    # Its threads spin briefly, then sleep, while they wait (GOMP_SPINCOUNT): see llamacpp/args.py
+    # QUIET_WAIT_ENV.
     argv = rpc_cache.launch_argv(
         build.rpc_server_path,
         params["args"],

@@ -299,11 +299,11 @@ def test_deploy_this_split_confirms_and_deploys_it_marked_and_audited_as_placed_
     assert "placed by hand" in client.get(reverse("deployments:list")).content.decode()
     # The command-line view is the exact argv the launch runs: environment, --poll 0 and -t included.
     server = detail.split('id="server-command">')[1].split("</pre>")[0]
-    assert server.startswith("env OMP_WAIT_POLICY=passive /opt/llama/llama-server -m ")
+    assert server.startswith("env GOMP_SPINCOUNT=200 /opt/llama/llama-server -m ")
     assert "-ngl 6 -ts 6" in server and "--poll 0 -t 4 --alias tiny --host 127.0.0.1 --port" in server
     # pc's rpc-server as its step starts it: bound where the deployment's RPC mode says (a tunnel: loopback).
     rpc = detail.split('id="rpc-command-pc">')[1].split("</pre>")[0]
-    assert rpc == "env OMP_WAIT_POLICY=passive /opt/llama/ggml-rpc-server -H 127.0.0.1 -p 50052 -d CPU -c"
+    assert rpc == "env GOMP_SPINCOUNT=200 /opt/llama/ggml-rpc-server -H 127.0.0.1 -p 50052 -d CPU -c"
     audit_page = client.get(reverse("audit")).content.decode()
     assert "confirmed a split placed by hand as" in audit_page
 
@@ -333,12 +333,12 @@ def test_the_plan_pages_command_line_is_the_launchs_with_environment_poll_and_th
     pool["pc"].save(update_fields=["facts"])
     page = viewer_client.get(reverse("deployments:plan", args=[model.pk]), _settings(pool)).content.decode()
     server = page.split('id="server-command">')[1].split("</pre>")[0]
-    assert server.startswith("env OMP_WAIT_POLICY=passive llama-server -m ")
+    assert server.startswith("env GOMP_SPINCOUNT=200 llama-server -m ")
     assert "--fit off --poll 0 -t 3 --alias tiny --host 127.0.0.1 --port 8080 --api-key-file " in server
     assert server.endswith("--metrics -lv 4")
     rpc = page.split('id="rpc-command-pc">')[1].split("</pre>")[0]
     # Its tensor cache (-c) as the node's limit keeps it (llamacpp/rpc_cache.py).
-    assert rpc == "env OMP_WAIT_POLICY=passive ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU -t 2 -c"
+    assert rpc == "env GOMP_SPINCOUNT=200 ggml-rpc-server -H 10.77.0.2 -p 50052 -d CPU -t 2 -c"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -439,7 +439,7 @@ def test_the_launch_of_a_split_by_hand_runs_what_was_asked_and_what_the_page_sho
         async_to_sync(llama_server_body)(ctx)
     (argv,) = ctx.started
     # Four blocks on the coordinator's CPU, four and the output layer on pc: -ngl 5, all of it pc's.
-    assert argv[:2] == ["env", "OMP_WAIT_POLICY=passive"] and argv[2] == "/opt/llama/llama-server"
+    assert argv[:2] == ["env", "GOMP_SPINCOUNT=200"] and argv[2] == "/opt/llama/llama-server"
     assert argv[argv.index("-ngl") + 1] == "5" and argv[argv.index("-ts") + 1] == "5"
     assert argv[argv.index("--device") + 1] == "RPC0" and argv[argv.index("--rpc") + 1] == "10.77.0.2:50052"
     assert argv[argv.index("--poll") + 1] == "0" and argv[argv.index("-t") + 1] == "4"
