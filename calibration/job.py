@@ -73,11 +73,14 @@ from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from planning.first_word import block_flops, output_flops
 from remote.base import TransportError
 
-# Two models of the same width and different depth: ~44 and ~130 MB of f16 weights, more than a CPU's
-# caches hold, small enough to upload in seconds and to fit any device that can run a model at all. And a
-# tiny one (~1 MB, two blocks) whose time per token is almost all fixed cost: through one rpc-server and
-# through two it shows what a pass costs and what one more hop in the chain adds.
-WIDTH = {"n_embd": 1024, "n_head": 8, "n_head_kv": 2, "n_ff": 2816, "n_ctx_train": 2048}
+# Two models of the same width and different depth: ~100 and ~300 MB of f16 weights, each over three times
+# the 32 MiB last-level cache of a typical desktop CPU (at half that width the shallow model ran partly from
+# the cache, and its line under-predicted every larger model by 10 to 30%), small enough to upload in
+# seconds and to fit any device that can run a model at all. The width of a small real model (n_embd 1536):
+# a narrower one pays a larger share of its time at the operations' barriers, which real models do not.
+# And a tiny one (~1 MB, two blocks) whose time per token is almost all fixed cost: through one rpc-server
+# and through two it shows what a pass costs and what one more hop in the chain adds.
+WIDTH = {"n_embd": 1536, "n_head": 12, "n_head_kv": 4, "n_ff": 4096, "n_ctx_train": 2048}
 
 
 MODELS = {
