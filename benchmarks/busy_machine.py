@@ -9,8 +9,10 @@ llama.cpp build in the per-user cache (tests/prepare_llamacpp.py builds it), for
 and two command lines
 
     old     what the console started before: the plan's arguments only (llama.cpp's threads and polling)
-    new     what it starts now (llamacpp/args.py): OMP_WAIT_POLICY=passive, `--poll 0` for llama-server,
+    new     what it starts now (llamacpp/args.py): GOMP_SPINCOUNT=200, `--poll 0` for llama-server,
             `-t` from this machine's physical cores (the probe's figures, `cpu_threads`)
+    passive what it started in between: the same with OMP_WAIT_POLICY=passive (threads sleep at once at
+            every barrier) instead of the short spin
 
 decode tokens/s is measured quiet and busy: each sample a fixed length (`ignore_eos`, --tokens, 128 by
 default) from an empty cache, --repeats samples per state, the median compared. "Busy" is a CPU burner this
@@ -60,6 +62,7 @@ CACHE = Path(os.environ.get("RAMDECK_CACHE_DIR") or Path.home() / ".cache" / "ra
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a short story about a fox:"
 SETTINGS = {"ctx": 4096, "parallel": 1, "cache_type": "f16"}
 N_LAYER = 30  # SmolLM2-135M's blocks
+COMMANDS = ("old", "passive", "new")
 
 
 def build_bin() -> Path:
@@ -154,7 +157,7 @@ def decode(url: str, tokens: int, timeout: float) -> float | None:
 
 def commands(layout: str, command: str, binaries: Path, model: Path, threads: int | None, ports: dict):
     """(rpc-server argv or None, llama-server argv) for one layout and command."""
-    new = command == "new"
+    new = command != "old"
     tail = ["--host", "127.0.0.1", "--port", str(ports["http"])]
     rpc_argv = None
     if layout == "local":
@@ -166,10 +169,17 @@ def commands(layout: str, command: str, binaries: Path, model: Path, threads: in
         rpc_args = [*rpc_server_args("127.0.0.1", ports["rpc"], ["CPU"]), "-c"]
         rpc_args = quiet_rpc_server_args(rpc_args, threads) if new else rpc_args
         rpc_argv = [str(binaries / "ggml-rpc-server"), *rpc_args]
-        rpc_argv = quiet_argv(rpc_argv) if new else rpc_argv
+        rpc_argv = with_wait(rpc_argv, command)
     args = quiet_llama_server_args(args, threads) if new else args
     llama_argv = [str(binaries / "llama-server"), "-m", str(model), *args, *tail]
-    return rpc_argv, (quiet_argv(llama_argv) if new else llama_argv)
+    return rpc_argv, with_wait(llama_argv, command)
+
+
+def with_wait(argv: list[str], command: str) -> list[str]:
+    """argv with the command's environment for the threads' waiting."""
+    if command == "passive":
+        return ["env", "OMP_WAIT_POLICY=passive", *argv]
+    return quiet_argv(argv) if command == "new" else argv
 
 
 def burner(cpu: int) -> list[str]:
@@ -237,7 +247,7 @@ def main() -> None:
     results = []
     try:
         for layout in layouts:
-            for command in ("old", "new"):
+            for command in COMMANDS:
                 results.append(measure(procs, layout, command, args, binaries, model, threads))
     finally:
         for pid in list(procs.pids):
