@@ -16,6 +16,7 @@ import pytest
 from channels.testing.live import make_application
 from daphne.testing import DaphneProcess
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from playwright.sync_api import expect
 
 from tests.unavailable import unavailable
 
@@ -109,6 +110,11 @@ CSP_PROBLEMS = ("CSP violation", "Content Security Policy", "htmx:evalDisallowed
 
 def csp_problems(messages: list[str]) -> list[str]:
     return [text for text in messages if any(marker in text for marker in CSP_PROBLEMS)]
+
+
+# The same patience for `expect` as for actions (the context's default below): on a two-core machine busy with
+# a build beside the suite, a page's answer can take longer than Playwright's 5 s.
+expect.set_options(timeout=15_000)
 
 
 @pytest.fixture

@@ -31,6 +31,20 @@ def _inside_window(page, selector: str) -> None:
     assert box["y"] >= 0 and box["y"] + box["height"] <= viewport["height"] + 0.5, (selector, box)
 
 
+def _answered(page, count: int, seen: list[dict]) -> None:
+    """Waits for the `count`th finished answer; when it does not come, says what the page and the stand-in
+    saw (an error the console gave, or no request at all), not only the count."""
+    try:
+        expect(page.locator(".chat-message.assistant:not(.streaming) .chat-text")).to_have_count(count)
+    except AssertionError:
+        error = page.locator("#chat-error")
+        shown = error.text_content() if error.is_visible() else "(no error shown)"
+        raise AssertionError(
+            f"answer {count} did not finish: the chat's error box says {shown!r}; llama-server's stand-in "
+            f"was asked {len(seen)} times"
+        ) from None
+
+
 @pytest.fixture
 def llama(transactional_db):
     seen: list[dict] = []
@@ -82,7 +96,8 @@ def test_the_chat_page_fills_a_phone_and_enter_sends_while_shift_enter_adds_a_li
     for turn in range(6):
         page.fill("#chat-input", f"question {turn}")
         page.press("#chat-input", "Enter")
-        expect(page.locator(".chat-message.assistant:not(.streaming) .chat-text")).to_have_count(turn + 2)
+        expect(page.locator(".chat-message.user")).to_have_count(turn + 2)
+        _answered(page, turn + 2, seen)
     _no_page_scroll(page)
     _inside_window(page, "#chat-input")
     log_height, log_view = page.locator("#chat-log").evaluate("log => [log.scrollHeight, log.clientHeight]")
