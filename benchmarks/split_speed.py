@@ -12,7 +12,13 @@ the same way for every variant, for
     (c) llama.cpp's --fit on                  same --rpc, nothing else decided for it
     (d) the best -ts split in eighths         k,8-k between the two workers, k = 0..8
 
-each at least --repeats times in alternation (a, b, c, d..., a, b, ...), and the medians compared. Case
+each at least --repeats times in alternation (a, b, c, d..., a, b, ...), and the medians compared. Every
+variant's processes run as the console starts them (its thread counts from the probed cores and quota, its
+short spin and `--poll 0`; llamacpp/args.py): only the split differs. With llama.cpp's own busy-polling the
+coordinator's spinning threads would take CPU from the lab's workers, which share this machine's two cores
+where real machines would not. Each decode speed is the median of DECODE_SAMPLES completions of TOKENS
+tokens, as the console's measure step takes it; below each case the console's prediction for every -ts
+split measured is printed beside it (the speed model checked on splits it did not choose). Case
 "fits_fast": the model fits on the fast worker alone. Case "needs_both": a memory limit on the fast worker
 (the model's weights and 8 MiB) leaves it no room for the whole model with its buffers, so the slow one must
 take part (the sweep's -ts 8,0 checks that: it must not load). There, in the first round, every variant
@@ -99,11 +105,14 @@ from deployments.lifecycle import actions as lifecycle
 from deployments.models import Deployment, DeploymentState
 from jobs.models import Job, JobState
 from jobs.runner import run_job
+from llamacpp.args import node_cpu_threads, quiet_argv, quiet_llama_server_args, quiet_rpc_server_args
 from llamacpp.gguf import profile_path
 from llamacpp.tiny_model import TinyLlama, write_tiny_llama
 from modelfiles.models import ModelFile
 from nodes.models import Node
-from planning.costs import expert_bytes_per_block
+from nodes.pool import planner_nodes
+from planning import manual, planner
+from planning.costs import evaluate, expert_bytes_per_block
 from tests.deploy_fixtures import lab_node, listeners_in, route_between
 from tests.factories import UserFactory
 from tests.lab.netlab import Lab, LabHost, cleanup_leftovers, kill_pid
@@ -114,7 +123,12 @@ MIB = 2**20
 RPC_PORT = 50052
 LLAMA_PORT = 8080
 CTX = 512
-TOKENS = 48
+# Each variant's decode speed: the median of DECODE_SAMPLES completions of TOKENS tokens, as the console's own
+# measure step takes it (deployments/steps/checks.py). Not the best of a few short ones: under a CPU quota a
+# completion is sped up as well as slowed (where its tokens fall in the quota's periods); one deployment of
+# needs_both at 10% of a core decoded 17.5 to 27.8 tok/s in nine completions in a row (48 to 256 tokens).
+TOKENS = 128
+DECODE_SAMPLES = 3
 # The coordinator has little memory to spare (a laptop busy with other work): llama-server and its compute
 # buffers fit, not one block of the model beside them, so the model goes to the workers.
 COORDINATOR_MIB = 72
@@ -288,19 +302,19 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
 
 
 def decode_speed(url: str, key: str = "") -> float:
-    """tokens/s, the better of two completions of TOKENS tokens after a short warm-up (the same for every
-    variant: on this shared machine a completion is sometimes slowed by other work, never sped up)."""
+    """tokens/s: the median of DECODE_SAMPLES completions of TOKENS tokens after a short warm-up, the same
+    for every variant."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"prompt": "The quick brown fox", "cache_prompt": False, "ignore_eos": True}
     httpx.post(f"{url}/completion", json={**body, "n_predict": 4}, headers=headers, timeout=600)
     speeds = []
-    for _ in range(2):
+    for _ in range(DECODE_SAMPLES):
         answer = httpx.post(
             f"{url}/completion", json={**body, "n_predict": TOKENS}, headers=headers, timeout=600
         )
         answer.raise_for_status()
         speeds.append(float(answer.json()["timings"]["predicted_per_second"]))
-    return max(speeds)
+    return statistics.median(speeds)
 
 
 def survives_full_prompt(url: str, key: str = "") -> bool:
@@ -317,6 +331,11 @@ def survives_full_prompt(url: str, key: str = "") -> bool:
         return False
 
 
+def node_facts(cluster: Cluster, name: str) -> dict:
+    """What the console's probe found on a lab node (its cores and CPU quota), from the database."""
+    return cluster.node(name).facts or {}
+
+
 def start_rpc_servers(cluster: Cluster) -> None:
     """ggml-rpc-server on each worker, inside its cgroups (as if started over its sshd), unless running."""
     rpc = require_llamacpp().rpc_server
@@ -324,7 +343,11 @@ def start_rpc_servers(cluster: Cluster) -> None:
         proc = cluster.rpc_procs.get(name)
         if proc is not None and proc.poll() is None:
             continue
-        argv = host.limited_argv([str(rpc), "-H", host.address, "-p", str(RPC_PORT)])
+        # The console's threads and waiting for its rpc-servers: what differs between variants is the split.
+        args = quiet_rpc_server_args(
+            ["-H", host.address, "-p", str(RPC_PORT)], node_cpu_threads(node_facts(cluster, name))
+        )
+        argv = host.limited_argv(quiet_argv([str(rpc), *args]))
         log = open(WORKDIR / f"rpc-{name}.log", "a")  # noqa: SIM115 - the process writes it until it ends
         cluster.rpc_procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
@@ -350,7 +373,14 @@ def llama_run(cluster: Cluster, extra: list[str], *, full_prompt: bool = False) 
     server = require_llamacpp().llama_server
     host = cluster.coordinator_host
     rpc = ",".join(f"{h.address}:{RPC_PORT}" for _, h in cluster.workers)
-    argv = [str(server), "-m", cluster.model.path, "--rpc", rpc, "-c", str(CTX), "-np", "1", *extra]
+    # The console's waiting and thread count on the coordinator (as its deployment runs llama-server): with
+    # llama.cpp's own busy-polling, the coordinator's spinning threads take CPU from the lab's workers, which
+    # share this machine's cores (on separate machines they would not), and the split would be compared
+    # with a handicap that is not the split's.
+    extra = quiet_llama_server_args(extra, node_cpu_threads(node_facts(cluster, "desk")))
+    argv = quiet_argv(
+        [str(server), "-m", cluster.model.path, "--rpc", rpc, "-c", str(CTX), "-np", "1", *extra]
+    )
     argv += ["--host", host.address, "--port", str(LLAMA_PORT)]
     log = open(WORKDIR / "llama-server.log", "w")  # noqa: SIM115 - the process writes it until it ends
     proc = subprocess.Popen(host.limited_argv(argv), stdout=log, stderr=subprocess.STDOUT)
@@ -588,10 +618,50 @@ def run_case(cluster: Cluster, client: Client, name: str, repeats: int, rpc_mode
     say(f"  (d) best {best_k:<18} {sweep_medians[best_k]:8.1f}   plan is {result['ratio_sweep']:.2f}x "
         f"(the best sweep is {result['sweep_ratio_default']:.2f}x the default)")  # fmt: skip
     say("  sweep: " + ", ".join(f"{k} {v:.1f}" for k, v in sweep_medians.items()))
+    if name != "moe":
+        predictions = sweep_predictions(cluster, deployment)
+        errors = {k: (predictions[k] - v) / v for k, v in sweep_medians.items() if k in predictions}
+        say("  sweep predicted: " + ", ".join(
+            f"{k} {predictions[k]:.1f} ({errors[k]:+.0%})" for k in sweep_medians if k in predictions
+        ))  # fmt: skip
+        result["sweep_predicted_tps"] = {k: round(predictions[k], 2) for k in errors}
+        result["sweep_pred_err_median"] = round(statistics.median(abs(e) for e in errors.values()), 3)
     say(f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if name == "needs_both" and "-ts 8,0" in sweep_medians:
         say("  NOTE: the whole model loaded on the fast worker (-ts 8,0): this case is not what it claims")
     return result
+
+
+def ts_layers(n_layer: int, k: int) -> tuple[int, int] | None:
+    """Blocks per worker under llama.cpp's `-ts k,8-k -ngl 999` (llama_model's split points: layer il goes to
+    the first device whose cumulative share exceeds il / (n_layer + 1), the output layer counting as layer
+    n_layer), or None when the output layer would land on a worker with no block (the console's splits keep
+    it with the last blocks, so it has no price for that)."""
+    shares = [k / 8, 1.0]
+    layers = range(n_layer + 1)
+    devices = [next(d for d, edge in enumerate(shares) if il / (n_layer + 1) < edge) for il in layers]
+    counts = (devices[:n_layer].count(0), devices[:n_layer].count(1))
+    last_with_blocks = 1 if counts[1] else 0
+    return counts if devices[n_layer] == last_with_blocks else None
+
+
+def sweep_predictions(cluster: Cluster, deployment: Deployment) -> dict[str, float]:
+    """The console's predicted tokens/s for each dense `-ts k,8-k` split of the sweep, priced by the same
+    model and calibration as the plan (planning/manual.py, the split-by-hand form's pricing): the speed model
+    checked on every split measured, not only on the one it chose."""
+    rows = [cluster.node("desk"), cluster.node("fast"), cluster.node("slow")]
+    settings = planner.Settings(**deployment.plan["settings"])
+    problem = planner.build_problem(cluster.model.profile, planner_nodes(rows[1:], rows[0]), settings)
+    devices = manual.manual_devices(problem, [(name, "CPU") for name, _ in cluster.workers])
+    n_layer = len(problem.block_bytes)
+    out = {}
+    for k in range(9):
+        counts = ts_layers(n_layer, k)
+        if counts is None:
+            continue
+        split = manual.manual_split(problem, devices, [0, *counts])
+        out[f"-ts {k},{8 - k}"] = 1.0 / evaluate(problem, split).seconds_per_token
+    return out
 
 
 def add_cpu_moe_variants(
