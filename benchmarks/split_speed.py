@@ -202,7 +202,13 @@ def allow_forwarding(cluster: Cluster) -> None:
 
 
 def build_cluster(
-    lab: Lab, slow_quota: float, model_mib: int, *, slow_cpus: int = 0, moe: bool = False
+    lab: Lab,
+    slow_quota: float,
+    model_mib: int,
+    *,
+    slow_cpus: int = 0,
+    moe: bool = False,
+    quota_period_ms: float = 10.0,
 ) -> Cluster:
     hosts = [lab.add_host() for _ in range(3)]
     cluster = Cluster(lab, *hosts)
@@ -214,10 +220,12 @@ def build_cluster(
         lab.pin_cpus(cluster.slow_host, cpus)
         slowness = f"slow worker on CPU {','.join(map(str, cpus))} (cpuset, no quota)"
     else:
-        # A 10 ms quota period: the slow worker is slower all the time, as an old PC is, rather than fast
-        # in bursts with 100 ms pauses (a quota'd container), which no speed per byte describes.
-        lab.throttle_cpu(cluster.slow_host, slow_quota, period_us=10_000)
-        slowness = f"slow worker at {slow_quota:.0%} of a core"
+        # A short quota period (10 ms by default): the slow worker is slower all the time, as an old PC is,
+        # rather than fast in bursts with 100 ms pauses (a quota'd container), which no speed per byte
+        # describes. The kernel's smallest quota is 1 ms, so the period is at least 1 ms / the quota.
+        group = lab.throttle_cpu(cluster.slow_host, slow_quota, period_us=round(quota_period_ms * 1000))
+        period_ms = int((group / "cpu.cfs_period_us").read_text()) / 1000
+        slowness = f"slow worker at {slow_quota:.0%} of a core, in periods of {period_ms:g} ms"
     cluster.operator = UserFactory(username="oscar-operator", role="operator")
     binaries = require_llamacpp()
     for name, host in (
@@ -702,6 +710,10 @@ def main() -> None:
     )
     parser.add_argument("--busy", choices=["desk", "fast", "slow"], help="a CPU burner on this node")
     parser.add_argument(
+        "--quota-period-ms", type=float, default=10.0,
+        help="the slow worker's quota period (10; 1 gives the shortest the kernel allows: 1 ms of quota)",
+    )  # fmt: skip
+    parser.add_argument(
         "--rpc-mode", choices=["direct", "tunnel"], default="direct", help="how the plan's deployment reaches"
         " the rpc-servers (llama.cpp's own variants always go direct)",
     )  # fmt: skip
@@ -714,6 +726,7 @@ def main() -> None:
     if not 0 <= args.slow_cpus < cores:
         parser.error(f"--slow-cpus must be 1..{cores - 1} (this machine has {cores} cores)")
     mix = {"slow_quota": None if args.slow_cpus else args.slow_quota / 100,
+           "quota_period_ms": None if args.slow_cpus else args.quota_period_ms,
            "slow_cpus": args.slow_cpus or None, "busy": args.busy}  # fmt: skip
     call_command("migrate", verbosity=0)
     cleanup_leftovers()
@@ -721,7 +734,12 @@ def main() -> None:
     cluster = None
     try:
         cluster = build_cluster(
-            lab, args.slow_quota / 100, args.model_mib, slow_cpus=args.slow_cpus, moe=args.case == "moe"
+            lab,
+            args.slow_quota / 100,
+            args.model_mib,
+            slow_cpus=args.slow_cpus,
+            moe=args.case == "moe",
+            quota_period_ms=args.quota_period_ms,
         )
         if args.busy:
             start_burner(cluster, args.busy)

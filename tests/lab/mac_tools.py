@@ -22,7 +22,7 @@ MAC_TOOLS = [
     "sh", "cat", "ps", "kill", "sleep", "tail", "head", "mkdir", "rm", "mv", "cp", "ln", "ls", "chmod",
     "printenv", "env", "test", "[", "true", "false", "lsof", "nohup", "perl", "grep", "awk", "wc", "id",
     "dirname", "basename", "tar", "getconf", "tr", "cut", "sort", "uniq", "date", "mktemp", "touch", "tee",
-    "xargs", "find", "expr", "hostname", "ssh", "ssh-keygen", "git", "which",
+    "xargs", "find", "expr", "hostname", "ssh", "ssh-keygen", "git", "which", "sync",
 ]  # fmt: skip
 # GNU-only: a command that needs one of these must fail on this host.
 HIDDEN = ["timeout", "stdbuf", "setsid", "ss", "nproc", "flock", "sed", "readlink"]
