@@ -3,10 +3,14 @@ is not calibrated."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from asgiref.sync import async_to_sync
 
 from builds.models import Build
-from calibration.fit import Run, comparable, cpu_ticks, fit, rpc_share
+from calibration.fit import CalibrationModel, Run, comparable, cpu_ticks, fit, rpc_share
+from calibration.job import upload_models
 from calibration.store import refusal as _refusal
 from calibration.store import start_calibration
 from deployments.models import Deployment, DeploymentState, ResourceClaim
@@ -144,3 +148,51 @@ def test_calibration_stores_the_prompt_throughput_and_says_it(db, viewer_client)
     # The node page's calibration figures show it beside the device's bandwidth.
     page = viewer_client.get(reverse("nodes:detail", args=[node.name])).content.decode()
     assert '<span class="muted prompt-throughput">prompts 62 GFLOP/s</span>' in page
+
+
+class _Recorded:
+    """A job context that records the commands and uploads the calibration sends a node, whose files are
+    of the sizes in `present`."""
+
+    def __init__(self, present: dict[str, int]):
+        self.present = present
+        self.commands: list[list[str]] = []
+        self.transport = self
+
+    async def run(self, argv, **kwargs):
+        self.commands.append(list(argv))
+        if argv[:2] == ["sh", "-c"]:  # the size of a file on the node
+            size = self.present.get(argv[-1])
+            return SimpleNamespace(stdout="" if size is None else str(size), exit_status=0 if size else 1)
+        return SimpleNamespace(stdout="", exit_status=0)
+
+    async def upload(self, local, remote):
+        self.commands.append(["upload", local, remote])
+
+    async def log(self, text):
+        pass
+
+
+def _models():
+    return [
+        CalibrationModel("shallow", "/cache/s.gguf", "s.gguf", 100 * MB, 100 * MB),
+        CalibrationModel("deep", "/cache/d.gguf", "d.gguf", 300 * MB, 300 * MB),
+    ]
+
+
+def test_new_models_are_written_out_to_disk_before_anything_is_measured():
+    ctx = _Recorded({"/home/x/calibrate/s.gguf": 100 * MB})  # the shallow one is there from before
+    paths = async_to_sync(upload_models)(ctx, _models(), "/home/x/calibrate")
+    assert paths == {"shallow": "/home/x/calibrate/s.gguf", "deep": "/home/x/calibrate/d.gguf"}
+    uploads = [c for c in ctx.commands if c[0] == "upload"]
+    assert [c[1] for c in uploads] == ["/cache/d.gguf"]
+    # Once, after the last rename: the kernel's writeback of 300 MB would run during the measurement.
+    assert ctx.commands[-1] == ["sync"] and ctx.commands.count(["sync"]) == 1
+    assert ctx.commands[-2][:3] == ["mv", "-f", uploads[0][2]]
+
+
+def test_models_already_on_the_node_are_not_synced_again():
+    present = {"/home/x/calibrate/s.gguf": 100 * MB, "/home/x/calibrate/d.gguf": 300 * MB}
+    ctx = _Recorded(present)
+    async_to_sync(upload_models)(ctx, _models(), "/home/x/calibrate")
+    assert ["sync"] not in ctx.commands and not any(c[0] == "upload" for c in ctx.commands)
