@@ -31,6 +31,22 @@ def _inside_window(page, selector: str) -> None:
     assert box["y"] >= 0 and box["y"] + box["height"] <= viewport["height"] + 0.5, (selector, box)
 
 
+def _sent(page, count: int) -> None:
+    """Waits for the `count`th question in the conversation; when it does not come, says what the box looked
+    like (a question the page dropped keeps its text in the box)."""
+    try:
+        expect(page.locator(".chat-message.user")).to_have_count(count)
+    except AssertionError:
+        state = page.evaluate(
+            """() => ({input: document.getElementById("chat-input").value,
+                       inputDisabled: document.getElementById("chat-input").disabled,
+                       sendDisabled: document.getElementById("chat-send").disabled,
+                       badge: document.getElementById("deployment-state")?.outerHTML ?? null,
+                       error: document.getElementById("chat-error").textContent})"""
+        )
+        raise AssertionError(f"question {count} was not sent: {state}") from None
+
+
 def _answered(page, count: int, seen: list[dict]) -> None:
     """Waits for the `count`th finished answer; when it does not come, says what the page and the stand-in
     saw (an error the console gave, or no request at all), not only the count."""
@@ -93,10 +109,11 @@ def test_the_chat_page_fills_a_phone_and_enter_sends_while_shift_enter_adds_a_li
     assert seen[-1]["body"]["messages"][-1]["content"] == "line one\nline two\nthree"
 
     # A long conversation scrolls inside its box; the page stays the window's height.
+    # Sent with the Send button (Enter was tested above): a click waits until the button is enabled.
     for turn in range(6):
         page.fill("#chat-input", f"question {turn}")
-        page.press("#chat-input", "Enter")
-        expect(page.locator(".chat-message.user")).to_have_count(turn + 2)
+        page.click("#chat-send")
+        _sent(page, turn + 2)
         _answered(page, turn + 2, seen)
     _no_page_scroll(page)
     _inside_window(page, "#chat-input")

@@ -199,14 +199,15 @@ def test_an_operator_still_deploys_on_remote_nodes_only(remote, operator_user, n
 
 
 def test_local_commands_and_daemons_get_a_scrubbed_environment(monkeypatch, tmp_path):
+    # Values no environment holds by chance (a two-letter "pw" was found inside a random temporary name).
     leaked = {
-        "RAMDECK_ENCRYPTION_KEYS": "fernet-key",
+        "RAMDECK_ENCRYPTION_KEYS": "leaked-fernet-key-4f1d",
         "RAMDECK_SECRET_KEY": "django-secret",
-        "DATABASE_URL": "postgres://ramdeck:pw@127.0.0.1/ramdeck",
-        "REDIS_URL": "redis://:pw@127.0.0.1:6379/0",
-        "SOME_API_TOKEN": "t0ken",
-        "HF_PASSWORD": "pw",
-        "AWS_SECRET_ACCESS_KEY": "aws",
+        "DATABASE_URL": "postgres://ramdeck:leaked-db-pw-4f1d@127.0.0.1/ramdeck",
+        "REDIS_URL": "redis://:leaked-redis-pw-4f1d@127.0.0.1:6379/0",
+        "SOME_API_TOKEN": "leaked-t0ken-4f1d",
+        "HF_PASSWORD": "leaked-hf-pw-4f1d",
+        "AWS_SECRET_ACCESS_KEY": "leaked-aws-4f1d",
     }
     for name, value in leaked.items():
         monkeypatch.setenv(name, value)
