@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planning.costs import Slot
+from tests.lab.netlab import CGROUP_CPU_ROOT
 
-CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 10_000  # the lab's period (benchmarks/split_speed.py, tests/calibration)
 QUOTAS = (0.1, 0.3, 0.5)
 WORK_MS = (0.5, 1.5, 2.5, 4.0, 7.0)
